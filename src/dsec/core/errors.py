@@ -1,0 +1,174 @@
+"""The one exception tree of OpenDsec.
+
+Every error a component raises on purpose derives from :class:`DsecError`. Each class names
+the fault, carries a stable wire ``code`` and the HTTP status the public API answers with;
+``dsec.rpc.errors`` maps the same codes to gRPC statuses, so an error crosses every hop
+(aether -> edge -> apiserver -> SDK) as the same class::
+
+    DsecError                       500 internal
+    ├── ClientError                 the caller is at fault (4xx)
+    │   ├── InvalidArgument         400 invalid_argument
+    │   │   └── PathOutsideSandbox  400 path_outside_sandbox
+    │   ├── Unauthenticated         401 unauthenticated
+    │   ├── PermissionDenied        403 permission_denied
+    │   ├── NotFound                404 not_found
+    │   │   ├── SandboxNotFound     404 sandbox_not_found
+    │   │   ├── ImageNotFound       404 image_not_found
+    │   │   └── ProcessNotFound     404 process_not_found
+    │   ├── InvalidState            409 invalid_state
+    │   ├── AlreadyExists           409 already_exists
+    │   ├── PayloadTooLarge         413 payload_too_large
+    │   ├── QuotaExceeded           429 quota_exceeded
+    │   └── BackendUnavailable      422 backend_unavailable
+    └── ServerError                 the platform or a peer is at fault (5xx)
+        ├── Internal                500 internal
+        ├── SandboxFailed           500 sandbox_failed
+        ├── Unavailable             503 unavailable
+        │   └── NodeFull            503 node_full
+        └── DeadlineExceeded        504 deadline_exceeded
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class DsecError(Exception):
+    """Base of every OpenDsec error; ``code`` and ``http_status`` travel on the wire."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_wire(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+
+class ClientError(DsecError):
+    """The request was wrong; retrying it unchanged will fail again."""
+
+    code = "client_error"
+    http_status = 400
+
+
+class InvalidArgument(ClientError):
+    code = "invalid_argument"
+    http_status = 400
+
+
+class PathOutsideSandbox(InvalidArgument):
+    """A path (or a symlink on it) leads outside the sandbox's root."""
+
+    code = "path_outside_sandbox"
+
+
+class Unauthenticated(ClientError):
+    code = "unauthenticated"
+    http_status = 401
+
+
+class PermissionDenied(ClientError):
+    code = "permission_denied"
+    http_status = 403
+
+
+class NotFound(ClientError):
+    code = "not_found"
+    http_status = 404
+
+
+class SandboxNotFound(NotFound):
+    code = "sandbox_not_found"
+
+
+class ImageNotFound(NotFound):
+    code = "image_not_found"
+
+
+class ProcessNotFound(NotFound):
+    code = "process_not_found"
+
+
+class InvalidState(ClientError):
+    """The operation is not allowed in the object's current lifecycle state."""
+
+    code = "invalid_state"
+    http_status = 409
+
+
+class AlreadyExists(ClientError):
+    code = "already_exists"
+    http_status = 409
+
+
+class PayloadTooLarge(ClientError):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class QuotaExceeded(ClientError):
+    code = "quota_exceeded"
+    http_status = 429
+
+
+class BackendUnavailable(ClientError):
+    """The requested backend does not exist or cannot run on any edge."""
+
+    code = "backend_unavailable"
+    http_status = 422
+
+
+class ServerError(DsecError):
+    """The platform or one of its peers failed; the request itself may be fine."""
+
+    code = "server_error"
+    http_status = 500
+
+
+class Internal(ServerError):
+    code = "internal"
+    http_status = 500
+
+
+class SandboxFailed(ServerError):
+    """The sandbox could not be created or died underneath the request."""
+
+    code = "sandbox_failed"
+    http_status = 500
+
+
+class Unavailable(ServerError):
+    code = "unavailable"
+    http_status = 503
+
+
+class NodeFull(Unavailable):
+    """An edge refused admission because it has no room; another edge may have."""
+
+    code = "node_full"
+
+
+class DeadlineExceeded(ServerError):
+    code = "deadline_exceeded"
+    http_status = 504
+
+
+def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:
+    out: list[type[DsecError]] = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+ERRORS_BY_CODE: dict[str, type[DsecError]] = {c.code: c for c in _all_subclasses(DsecError)}
+
+
+def error_from_wire(code: str, message: str) -> DsecError:
+    """Rebuild the error a peer reported; unknown codes become :class:`Internal`."""
+    cls = ERRORS_BY_CODE.get(code)
+    if cls is None:
+        return Internal(f"{code}: {message}")
+    return cls(message)
