@@ -1,0 +1,1 @@
+"""The edge daemon: final admission, sandbox lifecycle, re-adoption, runtime relay."""

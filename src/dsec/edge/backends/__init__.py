@@ -1,0 +1,1 @@
+"""Execution backends behind one interface (``dsec.edge.backends.api.Backend``)."""

@@ -1,0 +1,67 @@
+"""The interface every execution backend implements.
+
+The edge owns the lifecycle state machine and persistence; a backend only turns a spec into
+a running sandbox whose aether listens on ``SandboxPaths.agent_socket``, and takes it
+apart again. Every method is idempotent, so the edge can repeat any of them after a crash.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from dsec.core.spec import SandboxSpec
+
+
+class RuntimeState(enum.Enum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"  # exists but its init has exited
+    MISSING = "missing"  # the backend knows nothing of it
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxPaths:
+    """Host paths of one sandbox. ``state_dir`` is durable; ``agent_socket`` is short."""
+
+    state_dir: Path  # e.g. <home>/edge/sandboxes/<id>: rootfs mount, upper, work, config
+    agent_socket: Path  # e.g. <run>/sbx/<id>.sock: created by the backend, host-only
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    pid: int  # host pid of the sandbox's init (for pidfd watching)
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    available: bool
+    reason: str  # why not, or a note such as "cgroup mode hybrid, crun via private mntns"
+
+
+class Backend(Protocol):
+    name: str
+
+    def availability(self) -> Availability: ...
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec, paths: SandboxPaths) -> Started:
+        """Build and start the sandbox; on failure leave nothing behind and raise DsecError."""
+        ...
+
+    async def state(self, sandbox_id: str) -> tuple[RuntimeState, int]:
+        """Return the runtime state and the host pid of init (0 when not running)."""
+        ...
+
+    async def pause(self, sandbox_id: str) -> None: ...
+
+    async def resume(self, sandbox_id: str) -> None: ...
+
+    async def destroy(self, sandbox_id: str, paths: SandboxPaths) -> None:
+        """Kill every process, remove cgroups, mounts, sockets and state_dir. Idempotent."""
+        ...
+
+    async def usage(self, sandbox_id: str) -> dict[str, float]:
+        """Live resource usage: memory_bytes, cpu_seconds, pids (best effort)."""
+        ...
