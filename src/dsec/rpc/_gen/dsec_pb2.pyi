@@ -173,8 +173,11 @@ class CreateSandboxRequest(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     PROJECT_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
     project: _builtins.str
     owner: _builtins.str
+    sandbox_id: _builtins.str
+    """chosen by the apiserver (it encodes this edge) and admitted by iam first"""
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
     def __init__(
@@ -183,10 +186,11 @@ class CreateSandboxRequest(_message.Message):
         spec: Global___SandboxSpec | None = ...,
         project: _builtins.str = ...,
         owner: _builtins.str = ...,
+        sandbox_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "project", b"project", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "project", b"project", "sandbox_id", b"sandbox_id", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
