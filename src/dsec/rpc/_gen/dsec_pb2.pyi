@@ -704,11 +704,17 @@ class Usage(_message.Message):
     CPU_FIELD_NUMBER: _builtins.int
     MEMORY_MB_FIELD_NUMBER: _builtins.int
     MAX_SANDBOXES_FIELD_NUMBER: _builtins.int
+    MAX_CPU_FIELD_NUMBER: _builtins.int
+    MAX_MEMORY_MB_FIELD_NUMBER: _builtins.int
     project: _builtins.str
     sandboxes: _builtins.int
     cpu: _builtins.float
     memory_mb: _builtins.int
     max_sandboxes: _builtins.int
+    max_cpu: _builtins.float
+    """0: no limit"""
+    max_memory_mb: _builtins.int
+    """0: no limit"""
     def __init__(
         self,
         *,
@@ -717,14 +723,66 @@ class Usage(_message.Message):
         cpu: _builtins.float = ...,
         memory_mb: _builtins.int = ...,
         max_sandboxes: _builtins.int = ...,
+        max_cpu: _builtins.float = ...,
+        max_memory_mb: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu", b"cpu", "max_sandboxes", b"max_sandboxes", "memory_mb", b"memory_mb", "project", b"project", "sandboxes", b"sandboxes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu", b"cpu", "max_cpu", b"max_cpu", "max_memory_mb", b"max_memory_mb", "max_sandboxes", b"max_sandboxes", "memory_mb", b"memory_mb", "project", b"project", "sandboxes", b"sandboxes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class Project(_message.Message):
+    """A project and its quota (flat for now); a limit of 0 means no limit."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    MAX_SANDBOXES_FIELD_NUMBER: _builtins.int
+    MAX_CPU_FIELD_NUMBER: _builtins.int
+    MAX_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    max_sandboxes: _builtins.int
+    max_cpu: _builtins.float
+    max_memory_mb: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        max_sandboxes: _builtins.int = ...,
+        max_cpu: _builtins.float = ...,
+        max_memory_mb: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_cpu", b"max_cpu", "max_memory_mb", b"max_memory_mb", "max_sandboxes", b"max_sandboxes", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Project: _TypeAlias = Project  # noqa: Y015
+
+@_typing.final
+class ProjectList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def projects(self) -> _containers.RepeatedCompositeFieldContainer[Global___Project]: ...
+    def __init__(
+        self,
+        *,
+        projects: _abc.Iterable[Global___Project] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["projects", b"projects"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProjectList: _TypeAlias = ProjectList  # noqa: Y015
 
 @_typing.final
 class ProjectRef(_message.Message):

@@ -447,6 +447,16 @@ class IamStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Usage.FromString,
                 _registered_method=True)
+        self.PutProject = channel.unary_unary(
+                '/dsec.v1.Iam/PutProject',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Project.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Project.FromString,
+                _registered_method=True)
+        self.ListProjects = channel.unary_unary(
+                '/dsec.v1.Iam/ListProjects',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectList.FromString,
+                _registered_method=True)
 
 
 class IamServicer:
@@ -500,6 +510,19 @@ class IamServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutProject(self, request, context):
+        """create, or replace its quota
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListProjects(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IamServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -542,6 +565,16 @@ def add_IamServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Usage.SerializeToString,
+            ),
+            'PutProject': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutProject,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Project.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Project.SerializeToString,
+            ),
+            'ListProjects': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListProjects,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -760,6 +793,60 @@ class Iam:
             '/dsec.v1.Iam/GetUsage',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Usage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutProject(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/PutProject',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Project.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Project.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListProjects(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/ListProjects',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectList.FromString,
             options,
             channel_credentials,
             insecure,

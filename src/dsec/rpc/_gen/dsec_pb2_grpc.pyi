@@ -128,6 +128,9 @@ class IamStub:
     Release: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReleaseRequest, _dsec_pb2.Empty]
     Reconcile: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]
     GetUsage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]
+    PutProject: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Project, _dsec_pb2.Project]
+    """create, or replace its quota"""
+    ListProjects: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]
 
 @_typing.type_check_only
 class IamAsyncStub(IamStub):
@@ -140,6 +143,9 @@ class IamAsyncStub(IamStub):
     Release: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReleaseRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     Reconcile: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     GetUsage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]  # type: ignore[assignment]
+    PutProject: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Project, _dsec_pb2.Project]  # type: ignore[assignment]
+    """create, or replace its quota"""
+    ListProjects: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]  # type: ignore[assignment]
 
 class IamServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -197,6 +203,21 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.ProjectRef,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.Usage, _abc.Awaitable[_dsec_pb2.Usage]]: ...
+
+    @_abc_1.abstractmethod
+    def PutProject(
+        self,
+        request: _dsec_pb2.Project,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Project, _abc.Awaitable[_dsec_pb2.Project]]:
+        """create, or replace its quota"""
+
+    @_abc_1.abstractmethod
+    def ListProjects(
+        self,
+        request: _dsec_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.ProjectList, _abc.Awaitable[_dsec_pb2.ProjectList]]: ...
 
 def add_IamServicer_to_server(servicer: IamServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,0 +1,253 @@
+"""The mTLS gRPC server every daemon uses, with authorization and error mapping built in.
+
+:func:`make_server` returns a ``grpc.aio`` server that only accepts clients presenting a
+certificate of our CA. Its interceptor wraps every handler so that, per call:
+
+1. the caller's SPIFFE id is read from ``context.auth_context()`` and its role checked
+   against ``allowed_roles`` (a full method ``/dsec.v1.Iam/Admit`` beats a service
+   ``dsec.v1.Iam``, which beats ``*``; a method no entry covers is denied to everyone);
+2. a :class:`~dsec.core.errors.DsecError` raised by the handler becomes its gRPC status plus
+   the ``x-dsec-code`` trailer (:mod:`dsec.rpc.errors`); any other exception is logged with
+   its traceback and becomes ``INTERNAL``;
+3. the call is counted and timed in the daemon's metrics, when given.
+
+Handlers learn who called with :func:`peer_identity`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from dsec.core.errors import (
+    DsecError,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
+from dsec.obs import Metrics, log
+from dsec.rpc.errors import status_for, trailers_for
+from dsec.rpc.options import SERVER_OPTIONS
+from dsec.rpc.tls import Identity, parse_spiffe_id, server_credentials
+
+_log = logging.getLogger("dsec.rpc.server")
+
+AllowedRoles = Mapping[str, Iterable[str]]
+_Continuation = Callable[
+    [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+]
+
+
+class HasAuthContext(Protocol):
+    def auth_context(self) -> Mapping[str, Iterable[bytes]]: ...
+
+
+def peer_identity(context: HasAuthContext) -> Identity:
+    """Return the (role, name) identity of the caller from its client certificate.
+
+    Raises:
+        Unauthenticated: the connection carries no dsec SPIFFE identity.
+    """
+    auth = context.auth_context()
+    candidates = [*auth.get("peer_spiffe_id", ()), *auth.get("x509_subject_alternative_name", ())]
+    for raw in candidates:
+        uri = raw.decode(errors="replace")
+        if uri.startswith("spiffe://"):
+            try:
+                return parse_spiffe_id(uri)
+            except InvalidArgument as e:
+                raise Unauthenticated(f"peer certificate: {e.message}") from e
+    raise Unauthenticated("peer presented no dsec identity")
+
+
+def require_peer(context: HasAuthContext, role: str, name: str) -> Identity:
+    """Check that the caller is exactly ``spiffe://dsec/<role>/<name>``.
+
+    Raises:
+        PermissionDenied: the caller is someone else.
+    """
+    peer = peer_identity(context)
+    if peer.role != role or peer.name != name:
+        raise PermissionDenied(f"{peer.spiffe_id} may not act for {role} {name!r}")
+    return peer
+
+
+class GuardInterceptor(grpc.aio.ServerInterceptor):
+    """Authorizes each call by the caller's role and maps handler errors to statuses."""
+
+    def __init__(self, allowed_roles: AllowedRoles, metrics: Metrics | None = None) -> None:
+        self._rules = {k: frozenset(v) for k, v in allowed_roles.items()}
+        self._metrics = metrics
+        self._by_method: dict[str, frozenset[str]] = {}
+
+    def roles_for(self, method: str) -> frozenset[str]:
+        """The roles allowed to call ``method`` (``/package.Service/Method``)."""
+        cached = self._by_method.get(method)
+        if cached is None:
+            service = method.lstrip("/").rpartition("/")[0]
+            for key in (method, service, "*"):
+                if key in self._rules:
+                    cached = self._rules[key]
+                    break
+            else:
+                cached = frozenset()
+            self._by_method[method] = cached
+        return cached
+
+    async def intercept_service(
+        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        guard = _Guard(method, self.roles_for(method), self._metrics)
+        return _wrap_handler(handler, guard)
+
+
+class _Guard:
+    """Per-method state shared by the wrappers: who may call, and how failures look."""
+
+    def __init__(self, method: str, roles: frozenset[str], metrics: Metrics | None) -> None:
+        self.method = method
+        self.label = method.lstrip("/").removeprefix("dsec.v1.")
+        self.roles = roles
+        self.metrics = metrics
+
+    def authorize(self, context: HasAuthContext) -> None:
+        peer = peer_identity(context)
+        if peer.role not in self.roles:
+            raise PermissionDenied(f"{peer.spiffe_id} may not call {self.method}")
+
+    async def fail(self, context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
+        """Abort the call for ``exc``; always raises ``grpc.aio.AbortError``."""
+        if isinstance(exc, DsecError):
+            err = exc
+            if isinstance(err, PermissionDenied | Unauthenticated):
+                log(
+                    _log, "call refused", method=self.method, peer=context.peer(), error=err.message
+                )
+        else:
+            fields = {"method": self.method, "peer": context.peer()}
+            _log.error("handler raised %r", exc, exc_info=exc, extra={"fields": fields})
+            err = Internal(f"internal error in {self.label}: {type(exc).__name__}")
+        status = status_for(err)
+        self.count(status.name)
+        await context.abort(status, err.message, trailers_for(err))
+
+    def count(self, code: str, start: float | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("rpc_requests", method=self.label, code=code)
+            if start is not None:
+                self.metrics.observe("rpc", time.perf_counter() - start, method=self.label)
+
+
+def _wrap_handler(
+    handler: grpc.RpcMethodHandler[Any, Any], guard: _Guard
+) -> grpc.RpcMethodHandler[Any, Any]:
+    if handler.request_streaming and handler.response_streaming:
+        fn: Any = handler.stream_stream
+        factory: Any = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        fn, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        fn, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        fn, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    wrapped = (
+        _wrap_generator(fn, guard) if inspect.isasyncgenfunction(fn) else _wrap_call(fn, guard)
+    )
+    new: grpc.RpcMethodHandler[Any, Any] = factory(
+        wrapped,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+    return new
+
+
+def _wrap_call(fn: Callable[..., Any], guard: _Guard) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            guard.authorize(context)
+            result = fn(request, context)
+            if inspect.isawaitable(result):
+                result = await result
+        except grpc.aio.AbortError:
+            guard.count("ABORTED_BY_HANDLER")
+            raise
+        except Exception as exc:
+            await guard.fail(context, exc)
+            raise  # not reached: fail() always raises
+        guard.count("OK", start)
+        return result
+
+    return call
+
+
+def _wrap_generator(fn: Callable[..., Any], guard: _Guard) -> Callable[..., AsyncIterator[Any]]:
+    async def generate(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            guard.authorize(context)
+            async for item in fn(request, context):
+                yield item
+        except grpc.aio.AbortError:
+            guard.count("ABORTED_BY_HANDLER")
+            raise
+        except Exception as exc:
+            await guard.fail(context, exc)
+            raise  # not reached: fail() always raises
+        guard.count("OK", start)
+
+    return generate
+
+
+def make_server(
+    pki_dir: Path,
+    name: str,
+    listen: str,
+    allowed_roles: AllowedRoles,
+    *,
+    metrics: Metrics | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> tuple[grpc.aio.Server, int]:
+    """Build an mTLS gRPC server bound to ``listen``; the caller adds servicers and starts it.
+
+    Call this inside the running event loop (a grpc.aio server belongs to the loop it was
+    created on).
+
+    Args:
+        pki_dir: the PKI directory (see :func:`dsec.rpc.tls.ensure_pki`).
+        name: file stem of this server's certificate, e.g. ``"iam"``.
+        listen: ``host:port``; port 0 picks a free one.
+        allowed_roles: who may call what, keyed by ``/pkg.Service/Method``, ``pkg.Service``
+            or ``*``; values are roles such as ``{"apiserver", "admin"}``.
+        metrics: where to count calls (``rpc_requests_total``, ``rpc_seconds``), if anywhere.
+        interceptors: more interceptors, run after authorization.
+
+    Returns:
+        The server and the port it is bound to.
+
+    Raises:
+        Unavailable: the address cannot be bound.
+    """
+    server = grpc.aio.server(
+        interceptors=[GuardInterceptor(allowed_roles, metrics), *interceptors],
+        options=SERVER_OPTIONS,
+    )
+    try:
+        port = server.add_secure_port(listen, server_credentials(pki_dir, name))
+    except RuntimeError as e:
+        raise Unavailable(f"cannot listen on {listen}: {e}") from e
+    if port == 0:
+        raise Unavailable(f"cannot listen on {listen}")
+    return server, port

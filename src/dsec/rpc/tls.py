@@ -1,0 +1,382 @@
+"""A local PKI for the internal gRPC mesh: one EC P-256 CA and one leaf per component.
+
+Layout of ``pki_dir`` (created 0700)::
+
+    ca.crt  ca.key                 the trust root (10 years; key 0600)
+    <stem>.crt  <stem>.key         one leaf per identity (1 year by default; key 0600)
+
+A leaf names its owner with a SPIFFE-style URI SAN ``spiffe://dsec/<role>/<name>``; that URI
+is what servers authorize on (see :mod:`dsec.rpc.server`). Every leaf also carries DNS
+``localhost``, DNS ``<name>.<role>.dsec`` (so a client can pin the server it expects), IP
+``127.0.0.1`` and ``::1``, plus any extra SANs, and is good for both serverAuth and
+clientAuth because every component both serves and dials.
+
+The one-year leaf lifetime is a single-node default: the keys never leave this machine and
+nothing rotates them automatically. :func:`ensure_pki` is idempotent and safe to call from
+several processes at once (it holds an exclusive ``flock``): it keeps valid certificates and
+re-issues ones that are missing, unreadable, not signed by the current CA, lacking a required
+SAN, or expiring within ``renew_before``. A daemon picks up a re-issued certificate when it
+restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import ipaddress
+import os
+import secrets
+import string
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from dsec.core.errors import InvalidArgument, Unavailable
+from dsec.core.ids import validate_edge_id
+
+TRUST_DOMAIN = "dsec"
+ROLES = frozenset({"iam", "watcher", "edge", "apiserver", "admin"})
+CA_LIFETIME = dt.timedelta(days=3650)
+LEAF_LIFETIME = dt.timedelta(days=365)
+RENEW_BEFORE = dt.timedelta(days=30)
+_CLOCK_SKEW = dt.timedelta(minutes=5)
+_NAME_CHARS = frozenset(string.ascii_lowercase + string.digits + "-")
+_EDGE_ID_ALPHABET = string.ascii_lowercase + string.digits
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who a certificate speaks for: a role and an instance name, plus extra SANs.
+
+    ``extra_sans`` are DNS names or IP addresses (as text) the leaf must also carry, e.g.
+    the address other nodes dial an edge on.
+    """
+
+    role: str
+    name: str
+    extra_sans: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise InvalidArgument(f"unknown role {self.role!r} (expected one of {sorted(ROLES)})")
+        if not self.name or not set(self.name) <= _NAME_CHARS or len(self.name) > 48:
+            raise InvalidArgument(f"identity name must be [a-z0-9-]{{1,48}}, got {self.name!r}")
+
+    @property
+    def stem(self) -> str:
+        """The file name stem: the role for singletons (``iam``), else ``<role>-<name>``."""
+        return self.role if self.name == self.role else f"{self.role}-{self.name}"
+
+    @property
+    def spiffe_id(self) -> str:
+        return f"spiffe://{TRUST_DOMAIN}/{self.role}/{self.name}"
+
+    @property
+    def dns_name(self) -> str:
+        """A DNS SAN unique to this identity, for pinning the server a client expects."""
+        return f"{self.name}.{self.role}.{TRUST_DOMAIN}"
+
+    @classmethod
+    def singleton(cls, role: str) -> Identity:
+        """The identity of a component that runs once per cluster (name == role)."""
+        return cls(role=role, name=role)
+
+    @classmethod
+    def edge(cls, edge_id: str, extra_sans: Sequence[str] = ()) -> Identity:
+        return cls(role="edge", name=validate_edge_id(edge_id), extra_sans=tuple(extra_sans))
+
+
+def parse_spiffe_id(uri: str) -> Identity:
+    """Turn ``spiffe://dsec/<role>/<name>`` back into an :class:`Identity`.
+
+    Raises:
+        InvalidArgument: the URI is not a dsec SPIFFE id of a known role.
+    """
+    prefix = f"spiffe://{TRUST_DOMAIN}/"
+    if not uri.startswith(prefix):
+        raise InvalidArgument(f"not a {TRUST_DOMAIN} SPIFFE id: {uri!r}")
+    parts = uri[len(prefix) :].split("/")
+    if len(parts) != 2:
+        raise InvalidArgument(f"SPIFFE id must be {prefix}<role>/<name>: {uri!r}")
+    return Identity(role=parts[0], name=parts[1])
+
+
+def default_identities(edge_id: str, edge_sans: Sequence[str] = ()) -> list[Identity]:
+    """The identities one single-node installation needs: every singleton and one edge."""
+    singles = [Identity.singleton(r) for r in ("iam", "watcher", "apiserver", "admin")]
+    return [*singles, Identity.edge(edge_id, edge_sans)]
+
+
+def ensure_edge_id(home: Path) -> str:
+    """Return this node's edge id from ``<home>/edge.id``, creating it on first use.
+
+    The id is 4 random characters ``[a-z0-9]``; creation is race-free (``O_EXCL``).
+
+    Raises:
+        InvalidArgument: the file exists but does not hold a valid edge id.
+    """
+    path = home / "edge.id"
+    home.mkdir(parents=True, exist_ok=True)
+    candidate = "".join(secrets.choice(_EDGE_ID_ALPHABET) for _ in range(4))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return validate_edge_id(path.read_text().strip())
+    with os.fdopen(fd, "w") as f:
+        f.write(candidate + "\n")
+    return candidate
+
+
+def ensure_pki(
+    pki_dir: Path,
+    identities: Sequence[Identity],
+    *,
+    leaf_lifetime: dt.timedelta = LEAF_LIFETIME,
+    renew_before: dt.timedelta = RENEW_BEFORE,
+) -> None:
+    """Create the CA and a leaf per identity where missing or due; keep everything valid.
+
+    Args:
+        pki_dir: directory holding ``ca.*`` and ``<stem>.*`` (created 0700).
+        identities: the leaves that must exist.
+        leaf_lifetime: validity of newly issued leaves.
+        renew_before: re-issue a leaf (or the CA) that expires sooner than this.
+    """
+    pki_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(pki_dir, 0o700)
+    with _locked(pki_dir / ".lock"):
+        now = dt.datetime.now(dt.UTC)
+        ca = _load_ca(pki_dir, now, renew_before)
+        if ca is None:
+            ca = _new_ca(pki_dir, now)
+        ca_key, ca_cert = ca
+        for ident in identities:
+            if not _leaf_ok(pki_dir, ident, ca_cert, now, renew_before):
+                _issue_leaf(pki_dir, ident, ca_key, ca_cert, now, leaf_lifetime)
+
+
+def read_pki(pki_dir: Path, name: str) -> tuple[bytes, bytes, bytes]:
+    """Return (CA cert, leaf key, leaf cert) PEM bytes for the leaf with file stem ``name``.
+
+    Raises:
+        Unavailable: the PKI has not been created (run ``ensure_pki``) or is unreadable.
+    """
+    try:
+        return (
+            (pki_dir / "ca.crt").read_bytes(),
+            (pki_dir / f"{name}.key").read_bytes(),
+            (pki_dir / f"{name}.crt").read_bytes(),
+        )
+    except OSError as e:
+        raise Unavailable(f"no certificate {name!r} in {pki_dir}: {e.strerror}") from e
+
+
+def server_credentials(pki_dir: Path, name: str) -> grpc.ServerCredentials:
+    """mTLS server credentials for leaf ``name``: clients must present a cert of our CA."""
+    ca, key, cert = read_pki(pki_dir, name)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=True
+    )
+
+
+def channel_credentials(pki_dir: Path, name: str) -> grpc.ChannelCredentials:
+    """mTLS channel credentials for leaf ``name``, trusting only our CA."""
+    ca, key, cert = read_pki(pki_dir, name)
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
+    )
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _load_key(path: Path) -> ec.EllipticCurvePrivateKey | None:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError):
+        return None
+    return key if isinstance(key, ec.EllipticCurvePrivateKey) else None
+
+
+def _load_cert(path: Path) -> x509.Certificate | None:
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _same_key(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> bool:
+    fmt = serialization.PublicFormat.SubjectPublicKeyInfo
+    enc = serialization.Encoding.DER
+    return cert.public_key().public_bytes(enc, fmt) == key.public_key().public_bytes(enc, fmt)
+
+
+def _load_ca(
+    pki_dir: Path, now: dt.datetime, renew_before: dt.timedelta
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate] | None:
+    key = _load_key(pki_dir / "ca.key")
+    cert = _load_cert(pki_dir / "ca.crt")
+    if key is None or cert is None or not _same_key(cert, key):
+        return None
+    if cert.not_valid_after_utc - now < renew_before:
+        return None
+    return key, cert
+
+
+def _new_ca(pki_dir: Path, now: dt.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "OpenDsec"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"dsec local CA {secrets.token_hex(4)}"),
+        ]
+    )
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(now + CA_LIFETIME)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(ca=True), critical=True)
+        .add_extension(ski, critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    _write_atomic(pki_dir / "ca.key", _key_pem(key), 0o600)
+    _write_atomic(pki_dir / "ca.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return key, cert
+
+
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def _required_sans(ident: Identity) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = [
+        x509.UniformResourceIdentifier(ident.spiffe_id),
+        x509.DNSName("localhost"),
+        x509.DNSName(ident.dns_name),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        x509.IPAddress(ipaddress.ip_address("::1")),
+    ]
+    for extra in ident.extra_sans:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(extra)))
+        except ValueError:
+            names.append(x509.DNSName(extra))
+    return list(dict.fromkeys(names))
+
+
+def _leaf_ok(
+    pki_dir: Path,
+    ident: Identity,
+    ca_cert: x509.Certificate,
+    now: dt.datetime,
+    renew_before: dt.timedelta,
+) -> bool:
+    key = _load_key(pki_dir / f"{ident.stem}.key")
+    cert = _load_cert(pki_dir / f"{ident.stem}.crt")
+    if key is None or cert is None or not _same_key(cert, key):
+        return False
+    try:
+        cert.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    if cert.not_valid_after_utc - now < renew_before:
+        return False
+    try:
+        have = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        return False
+    return set(_required_sans(ident)) <= have
+
+
+def _issue_leaf(
+    pki_dir: Path,
+    ident: Identity,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    now: dt.datetime,
+    lifetime: dt.timedelta,
+) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "OpenDsec"),
+            x509.NameAttribute(NameOID.COMMON_NAME, ident.stem),
+        ]
+    )
+    eku = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+    aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(min(now + lifetime, ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(ca=False), critical=True)
+        .add_extension(eku, critical=False)
+        .add_extension(x509.SubjectAlternativeName(_required_sans(ident)), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(aki, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_atomic(pki_dir / f"{ident.stem}.key", _key_pem(key), 0o600)
+    _write_atomic(
+        pki_dir / f"{ident.stem}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
+    )
