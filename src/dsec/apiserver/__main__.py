@@ -1,0 +1,3 @@
+from dsec.apiserver.app import main
+
+main()

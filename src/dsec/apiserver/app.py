@@ -1,0 +1,154 @@
+"""The apiserver daemon: aiohttp application, middlewares and entry point.
+
+``python -m dsec.apiserver --home H --listen 127.0.0.1:8420 --iam ADDR --watcher ADDR``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from dsec import __version__
+from dsec.apiserver import keys, openapi, runtime, sandboxes, ws
+from dsec.apiserver.auth import Authenticator
+from dsec.apiserver.context import CTX, Ctx, ctx, ok
+from dsec.apiserver.upstream import Upstream
+from dsec.core.errors import DsecError, Internal, NotFound
+from dsec.obs import Metrics, log
+from dsec.paths import Paths
+
+_log = logging.getLogger("dsec.apiserver")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+PUBLIC_PREFIXES = ("/healthz", "/metrics", "/openapi.json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness of the apiserver itself (no key needed)."""
+    return ok({"status": "ok", "version": __version__})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus metrics of this apiserver."""
+    return web.Response(text=ctx(request).metrics.render(), content_type="text/plain")
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    """The OpenAPI document of this API."""
+    return ok(openapi.document(all_routes(), __version__))
+
+
+async def status(request: web.Request) -> web.Response:
+    """Platform components and their addresses as the apiserver sees them."""
+    c = ctx(request)
+    edges = await c.upstream.edges(fresh=True)
+    return ok({
+        "components": c.components,
+        "edges": [{"edge_id": e.edge_id, "address": e.address, "healthy": e.healthy}
+                  for e in edges],
+    })  # fmt: skip
+
+
+def all_routes() -> list[tuple[str, str, Any]]:
+    return [
+        ("GET", "/healthz", healthz),
+        ("GET", "/metrics", metrics),
+        ("GET", "/openapi.json", openapi_json),
+        ("GET", "/v1/status", status),
+        ("GET", "/v1/sandboxes/{sandbox_id}/runtime", ws.runtime_ws),
+        *sandboxes.ROUTES,
+        *runtime.ROUTES,
+        *keys.ROUTES,
+    ]
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    c = ctx(request)
+    start = time.perf_counter()
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource \
+        else "unmatched"  # fmt: skip
+    rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+    status_code = 500
+    try:
+        if not request.path.startswith(PUBLIC_PREFIXES):
+            request["principal"] = await c.auth.principal(request)
+        resp = await handler(request)
+        status_code = resp.status
+        return resp
+    except web.HTTPNotFound:
+        err: DsecError = NotFound(f"no route {request.method} {request.path}")
+        status_code = err.http_status
+        return web.json_response({"error": err.to_wire()}, status=status_code)
+    except web.HTTPMethodNotAllowed as exc:
+        status_code = 405
+        return web.json_response(
+            {"error": {"code": "method_not_allowed", "message": str(exc)}}, status=405
+        )
+    except DsecError as exc:
+        status_code = exc.http_status
+        return web.json_response({"error": exc.to_wire()}, status=status_code,
+                                 headers={"X-Request-Id": rid})  # fmt: skip
+    except (ConnectionResetError, asyncio.CancelledError):
+        status_code = 499
+        raise
+    except Exception as exc:
+        _log.exception("unhandled error", extra={"fields": {"request_id": rid}})
+        err = Internal(f"internal error (request id {rid}): {type(exc).__name__}")
+        return web.json_response({"error": err.to_wire()}, status=500)
+    finally:
+        c.metrics.observe("http_request", time.perf_counter() - start, route=route,
+                          method=request.method)  # fmt: skip
+        c.metrics.inc("http_requests", route=route, method=request.method, code=str(status_code))
+
+
+def make_app(upstream: Upstream, components: dict[str, str]) -> web.Application:
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
+    app[CTX] = Ctx(
+        upstream=upstream, auth=Authenticator(upstream), metrics=Metrics("dsec_apiserver"),
+        components=components,
+    )  # fmt: skip
+    for method, path, handler in all_routes():
+        app.router.add_route(method, path, handler)
+    return app
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    paths = Paths.from_env(args.home)
+    upstream = Upstream(paths.pki, iam=args.iam, watcher=args.watcher)
+    components = {"apiserver": args.listen, "iam": args.iam, "watcher": args.watcher}
+    runner = web.AppRunner(make_app(upstream, components), access_log=None)
+    await runner.setup()
+    host, port = _split(args.listen)
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    log(_log, "apiserver listening", address=args.listen)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await upstream.aclose()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="dsec-apiserver")
+    ap.add_argument("--home", type=Path, default=None)
+    ap.add_argument("--listen", default="127.0.0.1:8420")
+    ap.add_argument("--iam", default="127.0.0.1:8421")
+    ap.add_argument("--watcher", default="127.0.0.1:8422")
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)

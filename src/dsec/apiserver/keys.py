@@ -1,0 +1,58 @@
+"""Identity routes: who am I, and API key management (admin)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from dsec.apiserver.context import ctx, json_body, ok, principal
+from dsec.apiserver.upstream import rpc
+from dsec.core.errors import InvalidArgument
+from dsec.rpc._gen import dsec_pb2 as pb
+
+
+async def whoami(request: web.Request) -> web.Response:
+    p = principal(request)
+    return ok({"subject": p.subject, "project": p.project, "role": p.role, "key_id": p.key_id})
+
+
+async def create_key(request: web.Request) -> web.Response:
+    c, p = ctx(request), principal(request)
+    p.require("admin")
+    body = await json_body(request)
+    fields = {k: body.get(k, "") for k in ("subject", "project", "role", "name")}
+    if not all(isinstance(v, str) for v in fields.values()):
+        raise InvalidArgument("subject, project, role and name must be strings")
+    reply = await rpc("iam", c.upstream.iam.CreateKey(pb.CreateKeyRequest(**fields), timeout=10))
+    return ok({"api_key": reply.api_key, "key_id": reply.key_id}, status=201)
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    c, p = ctx(request), principal(request)
+    p.require("admin")
+    reply = await rpc("iam", c.upstream.iam.ListKeys(
+        pb.ListKeysRequest(project=request.query.get("project", "")), timeout=10))  # fmt: skip
+    keys = [
+        {"key_id": k.key_id, "subject": k.subject, "project": k.project, "role": k.role,
+         "name": k.name, "created_at": k.created_at, "revoked": k.revoked}
+        for k in reply.keys
+    ]  # fmt: skip
+    return ok({"keys": keys})
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    c, p = ctx(request), principal(request)
+    p.require("admin")
+    await rpc("iam", c.upstream.iam.RevokeKey(pb.KeyRef(key_id=request.match_info["key_id"]),
+                                              timeout=10))
+    c.auth.forget()
+    return ok({})
+
+
+ROUTES: list[tuple[str, str, Any]] = [
+    ("GET", "/v1/whoami", whoami),
+    ("POST", "/v1/keys", create_key),
+    ("GET", "/v1/keys", list_keys),
+    ("DELETE", "/v1/keys/{key_id}", revoke_key),
+]

@@ -1,0 +1,128 @@
+"""The OpenAPI 3.1 document of the public API, built from the route tables so it cannot
+list a route that does not exist (a test checks the reverse)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dsec.core.spec import BACKENDS
+
+_STR = {"type": "string"}
+_NUM = {"type": "number"}
+_INT = {"type": "integer"}
+_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_CMD = {"oneOf": [_STR, {"type": "array", "items": _STR, "minItems": 1}]}
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {"type": "object", "properties": {"code": _STR, "message": _STR}},
+            "result": {"$ref": "#/components/schemas/ExecResult"},
+        },
+    },
+    "SandboxSpec": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "backend": {"type": "string", "enum": list(BACKENDS), "default": "container"},
+            "image": {"type": "string", "default": "base"},
+            "cpu": {"type": "number", "minimum": 0.05, "maximum": 64, "default": 1.0},
+            "memory_mb": {"type": "integer", "minimum": 32, "default": 512},
+            "pids": {"type": "integer", "minimum": 16, "default": 1024},
+            "timeout_s": {"type": "integer", "minimum": 1, "default": 300},
+            "env": _MAP,
+            "metadata": _MAP,
+        },
+    },
+    "SandboxInfo": {
+        "type": "object",
+        "properties": {
+            "id": _STR, "project": _STR, "owner": _STR, "edge_id": _STR, "error": _STR,
+            "state": {"type": "string",
+                      "enum": ["creating", "running", "paused", "stopping", "stopped", "failed"]},
+            "created_at": _NUM, "started_at": _NUM, "expires_at": _NUM,
+            "spec": {"$ref": "#/components/schemas/SandboxSpec"},
+        },
+    },
+    "ExecRequest": {
+        "type": "object",
+        "required": ["cmd"],
+        "properties": {
+            "cmd": _CMD, "env": _MAP, "cwd": _STR, "user": _STR, "timeout": _NUM,
+            "stdin": _STR, "encoding": {"type": "string", "enum": ["utf-8", "base64"]},
+        },
+    },
+    "ExecResult": {
+        "type": "object",
+        "properties": {
+            "exit_code": _INT, "signal": _INT, "timed_out": {"type": "boolean"},
+            "duration_ms": _NUM, "stdout": _STR, "stderr": _STR, "truncated": {"type": "boolean"},
+        },
+    },
+    "Object": {"type": "object"},
+}  # fmt: skip
+
+_BODIES = {
+    ("POST", "/v1/sandboxes"): "SandboxSpec",
+    ("POST", "/v1/sandboxes/{sandbox_id}/exec"): "ExecRequest",
+    ("POST", "/v1/sandboxes/{sandbox_id}/shells/{name}/run"): "ExecRequest",
+}
+_RESULTS = {
+    "/v1/sandboxes/{sandbox_id}": "SandboxInfo",
+    "/v1/sandboxes": "SandboxInfo",
+    "/v1/sandboxes/{sandbox_id}/timeout": "SandboxInfo",
+    "/v1/sandboxes/{sandbox_id}/exec": "ExecResult",
+    "/v1/sandboxes/{sandbox_id}/shells/{name}/run": "ExecResult",
+}
+_ERRORS = {
+    "400": "invalid argument", "401": "missing or invalid API key", "403": "role too low",
+    "404": "not found", "409": "invalid state", "413": "payload too large",
+    "429": "quota exceeded", "503": "unavailable", "504": "timed out",
+}  # fmt: skip
+
+
+def document(routes: list[tuple[str, str, Any]], version: str) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, handler in routes:
+        oa_path = re.sub(r"\{(\w+):[^}]*\}", r"{\1}", path)
+        methods = ["get", "post", "put", "delete", "patch"] if method == "*" else [method.lower()]
+        for m in methods:
+            op: dict[str, Any] = {
+                "operationId": f"{handler.__name__.rstrip('_')}_{m}",
+                "summary": (handler.__doc__ or handler.__name__).strip().splitlines()[0],
+                "parameters": [
+                    {"name": n, "in": "path", "required": True, "schema": _STR}
+                    for n in re.findall(r"\{(\w+)", oa_path)
+                ],
+                "responses": {
+                    "200" if not (m == "post" and oa_path in ("/v1/sandboxes", "/v1/keys"))
+                    else "201": {"description": "success", "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/"
+                                   + _RESULTS.get(oa_path, "Object")}}}},
+                    **{code: {"description": d, "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/Error"}}}}
+                       for code, d in _ERRORS.items()},
+                },
+            }  # fmt: skip
+            if path.startswith("/v1/"):
+                op["security"] = [{"apiKey": []}]
+            body = _BODIES.get((method, path))
+            if body:
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{body}"}}},
+                }  # fmt: skip
+            paths.setdefault(oa_path, {})[m] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "OpenDsec API", "version": version},
+        "paths": paths,
+        "components": {
+            "schemas": SCHEMAS,
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+        },
+    }

@@ -1,0 +1,175 @@
+"""Sandbox lifecycle routes: create (admit + schedule), list, get, kill, set timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from aiohttp import web
+from google.protobuf.json_format import MessageToDict
+
+from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
+from dsec.apiserver.upstream import EdgeEntry, rpc
+from dsec.core.errors import BackendUnavailable, DsecError, NodeFull, Unavailable
+from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
+from dsec.core.spec import SandboxSpec
+from dsec.rpc._gen import dsec_pb2 as pb
+
+MAX_EDGE_TRIES = 3
+
+
+def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
+    spec = info.spec
+    return {
+        "id": info.id,
+        "project": info.project,
+        "owner": info.owner,
+        "state": info.state,
+        "edge_id": info.edge_id,
+        "created_at": info.created_at,
+        "started_at": info.started_at,
+        "expires_at": info.expires_at,
+        "error": info.error,
+        "spec": {
+            "backend": spec.backend, "image": spec.image, "cpu": spec.cpu,
+            "memory_mb": spec.memory_mb, "pids": spec.pids, "timeout_s": spec.timeout_s,
+            "env": dict(spec.env), "metadata": dict(spec.metadata),
+        },
+    }  # fmt: skip
+
+
+def _placement(edges: list[EdgeEntry], backend: str) -> list[EdgeEntry]:
+    """Healthy edges offering the backend, the least loaded (by memory) first."""
+    healthy = [e for e in edges if e.healthy]
+    if not healthy:
+        raise Unavailable("no healthy edge is reporting to the watcher")
+    fit = [e for e in healthy if backend in e.view.status.backends]
+    if not fit:
+        offered = sorted({b for e in healthy for b in e.view.status.backends})
+        raise BackendUnavailable(
+            f"no edge offers backend {backend!r} (offered: {', '.join(offered) or 'none'})"
+        )
+
+    def free(e: EdgeEntry) -> float:
+        s = e.view.status
+        return s.memory_total_mb * 4 - s.memory_allocated_mb
+
+    return sorted(fit, key=free, reverse=True)
+
+
+async def create(request: web.Request) -> web.Response:
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    body = await json_body(request)
+    spec = SandboxSpec.from_dict(body)
+    req_spec = pb.SandboxSpec(
+        backend=spec.backend, image=spec.image, cpu=spec.cpu, memory_mb=spec.memory_mb,
+        pids=spec.pids, timeout_s=spec.timeout_s, env=spec.env, metadata=spec.metadata,
+    )  # fmt: skip
+    last: DsecError = NodeFull("every edge is full")
+    for entry in _placement(await c.upstream.edges(), spec.backend)[:MAX_EDGE_TRIES]:
+        sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
+        admit = pb.AdmitRequest(
+            project=p.project, sandbox_id=sid, cpu=spec.cpu, memory_mb=spec.memory_mb,
+            edge_id=entry.edge_id,
+        )  # fmt: skip
+        await rpc("iam", c.upstream.iam.Admit(admit, timeout=10))
+        try:
+            info = await rpc(
+                f"edge {entry.edge_id}",
+                c.upstream.edge_stub(entry).CreateSandbox(
+                    pb.CreateSandboxRequest(
+                        spec=req_spec, project=p.project, owner=p.subject, sandbox_id=sid
+                    ),
+                    metadata=p.metadata(),
+                    timeout=120,
+                ),
+            )
+        except BaseException as exc:
+            await asyncio.shield(_release(request, sid))
+            if isinstance(exc, NodeFull):
+                last = exc
+                continue
+            raise
+        c.metrics.inc("sandboxes_created")
+        return ok(info_json(info), status=201)
+    raise last
+
+
+async def _release(request: web.Request, sid: str) -> None:
+    try:
+        await rpc("iam", ctx(request).upstream.iam.Release(pb.ReleaseRequest(sandbox_id=sid),
+                                                           timeout=10))
+    except DsecError:
+        pass  # the edge's periodic reconcile frees it
+
+
+async def list_(request: web.Request) -> web.Response:
+    c, p = ctx(request), principal(request)
+    p.require("viewer")
+    include = request.query.get("all", "").lower() in ("1", "true", "yes")
+    edges = [e for e in await c.upstream.edges() if e.healthy]
+    req = pb.ListSandboxesRequest(project="" if p.admin else p.project, include_terminated=include)
+    replies = await asyncio.gather(
+        *(
+            rpc(f"edge {e.edge_id}",
+                c.upstream.edge_stub(e).ListSandboxes(req, metadata=p.metadata(), timeout=10))
+            for e in edges
+        )
+    )  # fmt: skip
+    items = [info_json(i) for r in replies for i in r.sandboxes]
+    items.sort(key=lambda i: i["created_at"])
+    return ok({"sandboxes": items})
+
+
+async def get(request: web.Request) -> web.Response:
+    c, p, sid = ctx(request), principal(request), sandbox_id(request)
+    p.require("viewer")
+    stub = await c.upstream.edge_for(sid)
+    info = await rpc("edge", stub.GetSandbox(pb.SandboxRef(sandbox_id=sid),
+                                             metadata=p.metadata(), timeout=10))
+    return ok(info_json(info))
+
+
+async def kill(request: web.Request) -> web.Response:
+    c, p, sid = ctx(request), principal(request), sandbox_id(request)
+    p.require("member")
+    stub = await c.upstream.edge_for(sid)
+    info = await rpc("edge", stub.KillSandbox(pb.SandboxRef(sandbox_id=sid),
+                                              metadata=p.metadata(), timeout=60))
+    return ok(info_json(info))
+
+
+async def set_timeout(request: web.Request) -> web.Response:
+    c, p, sid = ctx(request), principal(request), sandbox_id(request)
+    p.require("member")
+    body = await json_body(request)
+    timeout_s = body.get("timeout_s")
+    SandboxSpec(timeout_s=timeout_s if isinstance(timeout_s, int) else -1)
+    stub = await c.upstream.edge_for(sid)
+    info = await rpc("edge", stub.SetTimeout(
+        pb.SetTimeoutRequest(sandbox_id=sid, timeout_s=int(timeout_s or 0)),
+        metadata=p.metadata(), timeout=10))  # fmt: skip
+    return ok(info_json(info))
+
+
+async def edges(request: web.Request) -> web.Response:
+    c, p = ctx(request), principal(request)
+    p.require("admin")
+    out = []
+    for e in await c.upstream.edges(fresh=True):
+        d = MessageToDict(e.view.status, preserving_proto_field_name=True)
+        d.update(healthy=e.healthy, last_seen=e.view.last_seen)
+        out.append(d)
+    return ok({"edges": out})
+
+
+ROUTES: list[tuple[str, str, Any]] = [
+    ("POST", "/v1/sandboxes", create),
+    ("GET", "/v1/sandboxes", list_),
+    ("GET", "/v1/sandboxes/{sandbox_id}", get),
+    ("DELETE", "/v1/sandboxes/{sandbox_id}", kill),
+    ("POST", "/v1/sandboxes/{sandbox_id}/timeout", set_timeout),
+    ("GET", "/v1/edges", edges),
+]

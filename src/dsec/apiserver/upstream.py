@@ -1,0 +1,90 @@
+"""The apiserver's view of its peers: iam, the watcher, and every edge (gRPC over mTLS).
+
+Edges are found through the watcher (cached for a second); a sandbox id names its edge, so
+forwarding a call needs no per-sandbox table.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from dsec.core.errors import SandboxNotFound, Unavailable
+from dsec.core.ids import edge_of
+from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+from dsec.rpc.client import secure_channel
+from dsec.rpc.errors import translate_rpc_error
+
+T = TypeVar("T")
+
+EDGE_VIEW_TTL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeEntry:
+    edge_id: str
+    address: str
+    healthy: bool
+    view: pb.EdgeView
+
+
+async def rpc(component: str, call: Awaitable[T]) -> T:
+    """Await a gRPC call, turning its failure into the DsecError the peer meant."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise translate_rpc_error(exc, component) from None
+
+
+class Upstream:
+    def __init__(self, pki: Path, *, iam: str, watcher: str, name: str = "apiserver") -> None:
+        self._pki = pki
+        self._name = name
+        self._iam_ch = secure_channel(pki, name, iam)
+        self._watcher_ch = secure_channel(pki, name, watcher)
+        self.iam = pb_grpc.IamStub(self._iam_ch)
+        self.watcher = pb_grpc.WatcherStub(self._watcher_ch)
+        self._edge_channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeStub]] = {}
+        self._view: list[EdgeEntry] = []
+        self._view_at = 0.0
+
+    async def edges(self, *, fresh: bool = False) -> list[EdgeEntry]:
+        now = time.monotonic()
+        if fresh or now - self._view_at > EDGE_VIEW_TTL_S:
+            views = await rpc("watcher", self.watcher.ListEdges(pb.Empty(), timeout=5))
+            self._view = [
+                EdgeEntry(v.status.edge_id, v.status.address, v.healthy, v) for v in views.edges
+            ]
+            self._view_at = now
+        return self._view
+
+    async def edge_for(self, sandbox_id: str) -> pb_grpc.EdgeStub:
+        edge_id = edge_of(sandbox_id)
+        for attempt in (False, True):
+            for e in await self.edges(fresh=attempt):
+                if e.edge_id == edge_id:
+                    if not e.healthy:
+                        raise Unavailable(f"edge {edge_id} of sandbox {sandbox_id} is down")
+                    return self.edge_stub(e)
+        raise SandboxNotFound(f"no sandbox {sandbox_id} (its edge {edge_id} is unknown)")
+
+    def edge_stub(self, entry: EdgeEntry) -> pb_grpc.EdgeStub:
+        cached = self._edge_channels.get(entry.edge_id)
+        if cached is not None and cached[0] == entry.address:
+            return cached[2]
+        ch = secure_channel(self._pki, self._name, entry.address)
+        stub = pb_grpc.EdgeStub(ch)
+        self._edge_channels[entry.edge_id] = (entry.address, ch, stub)
+        return stub
+
+    async def aclose(self) -> None:
+        await self._iam_ch.close()
+        await self._watcher_ch.close()
+        for _, ch, _ in self._edge_channels.values():
+            await ch.close()

@@ -1,0 +1,3 @@
+from dsec.edge.app import main
+
+main()

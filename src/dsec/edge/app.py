@@ -1,0 +1,190 @@
+"""The edge daemon: wiring and periodic loops.
+
+``python -m dsec.edge --home H --listen 127.0.0.1:8423 --watcher ADDR --iam ADDR``
+
+On start it re-adopts every sandbox that survived its previous life; on SIGTERM it leaves
+sandboxes running (a restarted edge adopts them again) unless ``--stop-sandboxes-on-exit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from dsec import __version__
+from dsec.core.admission import NodeCapacity
+from dsec.core.errors import DsecError
+from dsec.edge.backends.api import Backend
+from dsec.edge.manager import SandboxManager
+from dsec.edge.records import RecordStore
+from dsec.edge.service import EdgeService
+from dsec.obs import Metrics, log
+from dsec.paths import Paths
+from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+
+_log = logging.getLogger("dsec.edge")
+
+HEARTBEAT_S = 2.0
+REAP_S = 1.0
+RECONCILE_S = 30.0
+
+
+def node_capacity(args: argparse.Namespace) -> NodeCapacity:
+    mem_kb = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+                break
+    return NodeCapacity(
+        cpu_total=float(os.cpu_count() or 1),
+        memory_total_mb=mem_kb // 1024,
+        max_sandboxes=args.max_sandboxes,
+        cpu_overcommit=args.cpu_overcommit,
+        memory_overcommit=args.memory_overcommit,
+    )
+
+
+def make_backends(paths: Paths, edge_id: str) -> dict[str, Backend]:
+    from dsec.edge.backends.container.backend import ContainerBackend
+    from dsec.edge.images.store import ImageStore
+
+    container = ContainerBackend(paths, edge_id, image_store=ImageStore(paths.images))
+    out: dict[str, Backend] = {}
+    avail = container.availability()
+    if avail.available:
+        out["container"] = container
+    else:
+        log(_log, "container backend unavailable", logging.WARNING, reason=avail.reason)
+    return out
+
+
+def status_of(manager: SandboxManager, cap: NodeCapacity, address: str, started: float,
+              paths: Paths, backends: dict[str, Backend]) -> pb.EdgeStatus:  # fmt: skip
+    load = manager.load()
+    disk = shutil.disk_usage(paths.home)
+    return pb.EdgeStatus(
+        edge_id=manager.edge_id, address=address, sandboxes=load.sandboxes,
+        cpu_total=cap.cpu_total, cpu_allocated=load.cpu, memory_total_mb=cap.memory_total_mb,
+        memory_allocated_mb=load.memory_mb, backends=sorted(backends), version=__version__,
+        started_at=started, disk_free_mb=disk.free // (1024 * 1024),
+    )  # fmt: skip
+
+
+async def _every(seconds: float, fn: object, stop: asyncio.Event, what: str) -> None:
+    assert callable(fn)
+    while not stop.is_set():
+        try:
+            await fn()
+        except DsecError as exc:
+            log(_log, f"{what} failed", logging.WARNING, error=exc.message, code=exc.code)
+        except Exception:
+            _log.exception("%s failed", what)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    from dsec.daemon import serve_metrics
+    from dsec.rpc.client import secure_channel
+    from dsec.rpc.errors import translated
+    from dsec.rpc.server import make_server
+    from dsec.rpc.tls import ensure_edge_id
+
+    paths = Paths.from_env(args.home)
+    edge_id = args.edge_id or ensure_edge_id(paths.home)
+    metrics = Metrics("dsec_edge")
+    cap = node_capacity(args)
+    backends = make_backends(paths, edge_id)
+    iam_ch = secure_channel(paths.pki, edge_id, args.iam)
+    watcher_ch = secure_channel(paths.pki, edge_id, args.watcher)
+    iam = pb_grpc.IamStub(iam_ch)
+    watcher = pb_grpc.WatcherStub(watcher_ch)
+
+    async def release(sandbox_id: str) -> None:
+        async with translated("iam"):
+            await iam.Release(pb.ReleaseRequest(sandbox_id=sandbox_id), timeout=10)
+
+    records = RecordStore(paths.home / "edge" / "records.db")
+    manager = SandboxManager(
+        edge_id=edge_id, state_root=paths.home / "edge" / "sandboxes",
+        socket_root=paths.run / "sbx", backends=backends, records=records, capacity=cap,
+        metrics=metrics, on_ended=release,
+    )  # fmt: skip
+    await manager.adopt()
+    started = time.time()
+
+    def status() -> pb.EdgeStatus:
+        return status_of(manager, cap, args.advertise or args.listen, started, paths, backends)
+
+    server = make_server(
+        paths.pki, edge_id, args.listen,
+        allowed_roles={"dsec.v1.Edge": {"apiserver", "admin"}},
+    )  # fmt: skip
+    pb_grpc.add_EdgeServicer_to_server(EdgeService(manager, status), server)
+    await server.start()
+    metrics_runner = await serve_metrics(metrics, *_split(args.metrics_listen)) \
+        if args.metrics_listen else None  # fmt: skip
+    log(_log, "edge listening", address=args.listen, edge_id=edge_id,
+        backends=sorted(backends), adopted=len(manager.live_records()))  # fmt: skip
+
+    async def heartbeat() -> None:
+        async with translated("watcher"):
+            await watcher.Report(status(), timeout=5)
+
+    async def reconcile() -> None:
+        async with translated("iam"):
+            await iam.Reconcile(pb.ReconcileRequest(
+                edge_id=edge_id, live_sandbox_ids=[r.id for r in manager.live_records()]),
+                timeout=10)  # fmt: skip
+
+    loops = [
+        asyncio.ensure_future(_every(HEARTBEAT_S, heartbeat, stop, "heartbeat")),
+        asyncio.ensure_future(_every(REAP_S, manager.reap_expired, stop, "reaper")),
+        asyncio.ensure_future(_every(RECONCILE_S, reconcile, stop, "reconcile")),
+    ]
+    try:
+        await stop.wait()
+    finally:
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        await server.stop(grace=2)
+        if args.stop_sandboxes_on_exit:
+            await manager.stop_all("edge shut down")
+        manager.close()
+        records.close()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
+        await iam_ch.close()
+        await watcher_ch.close()
+        log(_log, "edge stopped")
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="dsec-edge")
+    ap.add_argument("--home", type=Path, default=None)
+    ap.add_argument("--edge-id", default="")
+    ap.add_argument("--listen", default="127.0.0.1:8423")
+    ap.add_argument("--advertise", default="", help="address the apiserver dials (default --listen)")
+    ap.add_argument("--metrics-listen", default="")
+    ap.add_argument("--iam", default="127.0.0.1:8421")
+    ap.add_argument("--watcher", default="127.0.0.1:8422")
+    ap.add_argument("--max-sandboxes", type=int, default=2000)
+    ap.add_argument("--cpu-overcommit", type=float, default=16.0)
+    ap.add_argument("--memory-overcommit", type=float, default=4.0)
+    ap.add_argument("--stop-sandboxes-on-exit", action="store_true")
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)

@@ -1,0 +1,349 @@
+"""The sandbox manager: the edge's lifecycle engine.
+
+Theory of operation:
+
+* Every state change goes through :meth:`SandboxManager._move`, which applies the
+  lifecycle table (``dsec.core.lifecycle``) and persists the record *before* the side
+  effect that follows it. After a crash, :meth:`adopt` reads the records and finishes what
+  was half done: ``creating`` is undone, ``stopping`` is completed, ``running`` and
+  ``paused`` are checked against the backend and re-watched, never killed.
+* A running sandbox's init is watched through a pidfd, so a sandbox that dies (OOM of its
+  init, killed from outside) becomes ``failed`` at once and its resources are released.
+* Lifetimes are enforced by :meth:`reap_expired`, called periodically by the daemon.
+* Admission is decided here, synchronously against the in-memory live set, so two
+  concurrent creates can never both take the last slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.core import admission
+from dsec.core.errors import (
+    BackendUnavailable,
+    DsecError,
+    InvalidState,
+    PermissionDenied,
+    SandboxFailed,
+    SandboxNotFound,
+)
+from dsec.core.ids import edge_of
+from dsec.core.lifecycle import Event, State
+from dsec.core.spec import SandboxSpec
+from dsec.edge import agent_client
+from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths
+from dsec.edge.records import RecordStore, SandboxRecord
+from dsec.obs import Metrics, log
+
+_log = logging.getLogger("dsec.edge")
+
+AGENT_READY_TIMEOUT_S = 15.0
+TERMINAL_RETENTION_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is asking: the apiserver forwards the authenticated principal."""
+
+    project: str
+    subject: str
+    admin: bool
+
+    def check(self, rec: SandboxRecord) -> None:
+        if not self.admin and rec.project != self.project:
+            # Do not reveal that the sandbox exists in another project.
+            raise SandboxNotFound(f"no sandbox {rec.id}")
+
+
+class SandboxManager:
+    def __init__(
+        self,
+        *,
+        edge_id: str,
+        state_root: Path,
+        socket_root: Path,
+        backends: dict[str, Backend],
+        records: RecordStore,
+        capacity: admission.NodeCapacity,
+        metrics: Metrics,
+        on_ended: Callable[[str], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.edge_id = edge_id
+        self._state_root = state_root
+        self._socket_root = socket_root
+        self._backends = backends
+        self._records = records
+        self._capacity = capacity
+        self._metrics = metrics
+        self._on_ended = on_ended
+        self._clock = clock
+        self._live: dict[str, SandboxRecord] = {}
+        self._watch_fds: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        socket_root.mkdir(parents=True, exist_ok=True)
+        state_root.mkdir(parents=True, exist_ok=True)
+
+    # ---- queries -----------------------------------------------------------------
+
+    def paths(self, sandbox_id: str) -> SandboxPaths:
+        return SandboxPaths(
+            state_dir=self._state_root / sandbox_id,
+            agent_socket=self._socket_root / f"{sandbox_id}.sock",
+        )
+
+    def get(self, sandbox_id: str, caller: Caller) -> SandboxRecord:
+        rec = self._live.get(sandbox_id) or self._records.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}")
+        caller.check(rec)
+        return rec
+
+    def list(self, caller: Caller, *, project: str = "", include_terminated: bool = False) -> list[
+        SandboxRecord
+    ]:
+        recs = self._records.all() if include_terminated else list(self._live.values())
+        if not caller.admin:
+            project = caller.project
+        return [r for r in recs if not project or r.project == project]
+
+    def live_records(self) -> list[SandboxRecord]:
+        return list(self._live.values())
+
+    def load(self) -> admission.NodeLoad:
+        live = list(self._live.values())
+        return admission.NodeLoad(
+            sandboxes=len(live),
+            cpu=sum(r.spec.cpu for r in live),
+            memory_mb=sum(r.spec.memory_mb for r in live),
+        )
+
+    def agent_socket(self, sandbox_id: str, caller: Caller) -> Path:
+        """The socket of a running sandbox's aether, for runtime calls."""
+        rec = self.get(sandbox_id, caller)
+        if rec.state is not State.RUNNING:
+            raise InvalidState(f"sandbox {sandbox_id} is {rec.state.value}, not running")
+        return self.paths(sandbox_id).agent_socket
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    async def create(
+        self, sandbox_id: str, spec: SandboxSpec, *, project: str, owner: str, caller: Caller
+    ) -> SandboxRecord:
+        if not caller.admin and project != caller.project:
+            raise PermissionDenied(f"cannot create sandboxes in project {project!r}")
+        if edge_of(sandbox_id) != self.edge_id:
+            raise SandboxNotFound(f"sandbox id {sandbox_id} does not belong to edge {self.edge_id}")
+        backend = self._backends.get(spec.backend)
+        if backend is None:
+            raise BackendUnavailable(
+                f"backend {spec.backend!r} is not available on edge {self.edge_id} "
+                f"(available: {', '.join(sorted(self._backends))})"
+            )
+        if sandbox_id in self._live or self._records.get(sandbox_id) is not None:
+            raise InvalidState(f"sandbox {sandbox_id} already exists")
+        admission.admit(self._capacity, self.load(), spec)
+        now = self._clock()
+        rec = SandboxRecord(
+            id=sandbox_id, project=project, owner=owner, state=State.CREATING, spec=spec,
+            created_at=now, expires_at=now + spec.timeout_s,
+        )  # fmt: skip
+        self._save(rec)
+        paths = self.paths(sandbox_id)
+        started_at = time.perf_counter()
+        try:
+            started = await backend.create(sandbox_id, spec, paths)
+            await agent_client.call(
+                paths.agent_socket, {"op": "ping"}, timeout=AGENT_READY_TIMEOUT_S
+            )
+        except BaseException as exc:
+            await self._fail_create(rec, backend, paths, exc)
+            raise self._as_create_error(exc) from exc
+        rec = self._move(rec, Event.STARTED, started_at=self._clock(), pid=started.pid)
+        self._watch(rec)
+        self._metrics.observe("sandbox_create", time.perf_counter() - started_at)
+        self._metrics.inc("sandboxes_created", backend=spec.backend)
+        log(_log, "sandbox running", sandbox=sandbox_id, project=project, pid=started.pid)
+        return rec
+
+    async def kill(self, sandbox_id: str, caller: Caller, *, reason: str = "killed") -> SandboxRecord:
+        rec = self.get(sandbox_id, caller)
+        if not rec.live:
+            return rec
+        if rec.state is State.STOPPING:
+            return await self._finish_stop(rec, reason)
+        rec = self._move(rec, Event.STOP)
+        return await self._finish_stop(rec, reason)
+
+    async def set_timeout(self, sandbox_id: str, timeout_s: int, caller: Caller) -> SandboxRecord:
+        rec = self.get(sandbox_id, caller)
+        if not rec.live or rec.state is State.STOPPING:
+            raise InvalidState(f"sandbox {sandbox_id} is {rec.state.value}")
+        SandboxSpec(timeout_s=timeout_s)  # validates the range
+        from dataclasses import replace
+
+        rec = replace(rec, expires_at=self._clock() + timeout_s)
+        self._save(rec)
+        return rec
+
+    async def reap_expired(self) -> None:
+        now = self._clock()
+        system = Caller(project="", subject="edge", admin=True)
+        for rec in list(self._live.values()):
+            if rec.state in (State.RUNNING, State.PAUSED) and rec.expires_at <= now:
+                log(_log, "sandbox expired", sandbox=rec.id)
+                self._metrics.inc("sandboxes_expired")
+                with contextlib.suppress(DsecError):
+                    await self.kill(rec.id, system, reason="timeout")
+        self._records.delete_ended_before(now - TERMINAL_RETENTION_S)
+
+    async def adopt(self) -> None:
+        """Re-adopt what survived an edge restart; undo or finish anything half done."""
+        for rec in self._records.all():
+            if not rec.live:
+                continue
+            backend = self._backends.get(rec.spec.backend)
+            paths = self.paths(rec.id)
+            if backend is None:
+                self._live[rec.id] = rec
+                self._save(rec.moved(Event.FAILED if rec.state is State.CREATING else Event.STOP))
+                continue
+            if rec.state is State.CREATING:
+                self._live[rec.id] = rec
+                await self._fail_create(rec, backend, paths, RuntimeError("edge restarted"))
+                continue
+            if rec.state is State.STOPPING:
+                self._live[rec.id] = rec
+                await self._finish_stop(rec, "stopped while the edge was down")
+                continue
+            runtime, pid = await backend.state(rec.id)
+            if runtime in (RuntimeState.RUNNING, RuntimeState.PAUSED) and pid > 0:
+                rec = SandboxRecord(**{**_fields(rec), "pid": pid})
+                self._live[rec.id] = rec
+                self._save(rec)
+                self._watch(rec)
+                log(_log, "sandbox re-adopted", sandbox=rec.id, pid=pid)
+                self._metrics.inc("sandboxes_adopted")
+            else:
+                self._live[rec.id] = rec
+                await self._on_died(rec.id, "sandbox died while the edge was down")
+
+    async def stop_all(self, reason: str) -> None:
+        system = Caller(project="", subject="edge", admin=True)
+        await asyncio.gather(
+            *(self.kill(r.id, system, reason=reason) for r in list(self._live.values())),
+            return_exceptions=True,
+        )
+
+    def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._watch_fds.values():
+            loop.remove_reader(fd)
+            os.close(fd)
+        self._watch_fds.clear()
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _save(self, rec: SandboxRecord) -> None:
+        self._records.put(rec)
+        if rec.live:
+            self._live[rec.id] = rec
+        else:
+            self._live.pop(rec.id, None)
+        self._metrics.set("sandboxes", float(len(self._live)))
+
+    def _move(self, rec: SandboxRecord, event: Event, **changes: object) -> SandboxRecord:
+        current = self._live.get(rec.id, rec)
+        new = current.moved(event, **changes)
+        if not new.live:
+            new = SandboxRecord(**{**_fields(new), "ended_at": self._clock()})
+        self._save(new)
+        return new
+
+    async def _finish_stop(self, rec: SandboxRecord, reason: str) -> SandboxRecord:
+        self._unwatch(rec.id)
+        backend = self._backends[rec.spec.backend]
+        try:
+            await backend.destroy(rec.id, self.paths(rec.id))
+        except DsecError as exc:
+            rec = self._move(rec, Event.FAILED, error=f"teardown failed: {exc.message}")
+            log(_log, "sandbox teardown failed", logging.ERROR, sandbox=rec.id, error=exc.message)
+        else:
+            rec = self._move(rec, Event.STOPPED, error="" if reason == "killed" else reason)
+            log(_log, "sandbox stopped", sandbox=rec.id, reason=reason)
+        await self._ended(rec.id)
+        return rec
+
+    async def _fail_create(
+        self, rec: SandboxRecord, backend: Backend, paths: SandboxPaths, exc: BaseException
+    ) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(backend.destroy(rec.id, paths))
+        msg = exc.message if isinstance(exc, DsecError) else f"{type(exc).__name__}: {exc}"
+        self._move(rec, Event.FAILED, error=f"create failed: {msg}")
+        self._metrics.inc("sandbox_create_failures")
+        log(_log, "sandbox create failed", logging.WARNING, sandbox=rec.id, error=msg)
+        await self._ended(rec.id)
+
+    @staticmethod
+    def _as_create_error(exc: BaseException) -> BaseException:
+        if isinstance(exc, DsecError) or not isinstance(exc, Exception):
+            return exc
+        return SandboxFailed(f"sandbox did not start: {type(exc).__name__}: {exc}")
+
+    async def _ended(self, sandbox_id: str) -> None:
+        if self._on_ended is not None:
+            try:
+                await self._on_ended(sandbox_id)
+            except Exception as exc:  # the periodic reconcile will release it later
+                log(_log, "release failed", logging.WARNING, sandbox=sandbox_id, error=str(exc))
+
+    def _watch(self, rec: SandboxRecord) -> None:
+        if rec.pid <= 0 or rec.id in self._watch_fds:
+            return
+        try:
+            fd = os.pidfd_open(rec.pid)
+        except ProcessLookupError:
+            self._spawn(self._on_died(rec.id, "sandbox init exited"))
+            return
+        self._watch_fds[rec.id] = fd
+        asyncio.get_running_loop().add_reader(fd, self._pid_exited, rec.id)
+
+    def _unwatch(self, sandbox_id: str) -> None:
+        fd = self._watch_fds.pop(sandbox_id, None)
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+
+    def _pid_exited(self, sandbox_id: str) -> None:
+        self._unwatch(sandbox_id)
+        self._spawn(self._on_died(sandbox_id, "sandbox init exited"))
+
+    async def _on_died(self, sandbox_id: str, why: str) -> None:
+        rec = self._live.get(sandbox_id)
+        if rec is None or rec.state not in (State.RUNNING, State.PAUSED):
+            return
+        rec = self._move(rec, Event.DIED, error=why)
+        self._metrics.inc("sandboxes_died")
+        log(_log, "sandbox died", logging.WARNING, sandbox=sandbox_id, error=why)
+        backend = self._backends.get(rec.spec.backend)
+        if backend is not None:
+            with contextlib.suppress(DsecError):
+                await backend.destroy(sandbox_id, self.paths(sandbox_id))
+        await self._ended(sandbox_id)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _fields(rec: SandboxRecord) -> dict[str, object]:
+    return {name: getattr(rec, name) for name in rec.__dataclass_fields__}

@@ -1,0 +1,195 @@
+"""The edge's gRPC service: translates requests to the sandbox manager and relays runtime
+calls between the apiserver and each sandbox's aether.
+
+The apiserver authenticates users; it forwards the principal in call metadata
+(``x-dsec-project``, ``x-dsec-subject``, ``x-dsec-role``), which the edge trusts only
+because mTLS proved the caller is an apiserver (enforced by the server's role table).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from dsec.agent import protocol
+from dsec.core.errors import (
+    DsecError,
+    InvalidArgument,
+    InvalidState,
+    SandboxFailed,
+)
+from dsec.core.lifecycle import State
+from dsec.core.spec import SandboxSpec
+from dsec.edge import agent_client
+from dsec.edge.manager import Caller, SandboxManager
+from dsec.edge.records import SandboxRecord
+from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+
+REPLY_LIMIT = 32 * 1024 * 1024
+
+
+def caller_of(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
+    md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    role = md.get("x-dsec-role", "")
+    return Caller(
+        project=md.get("x-dsec-project", ""),
+        subject=md.get("x-dsec-subject", ""),
+        admin=role == "admin",
+    )
+
+
+def spec_from_pb(msg: pb.SandboxSpec) -> SandboxSpec:
+    return SandboxSpec(
+        backend=msg.backend or "container",
+        image=msg.image or "base",
+        cpu=msg.cpu or 1.0,
+        memory_mb=msg.memory_mb or 512,
+        pids=msg.pids or 1024,
+        timeout_s=msg.timeout_s or 300,
+        env=dict(msg.env),
+        metadata=dict(msg.metadata),
+    )
+
+
+def spec_to_pb(spec: SandboxSpec) -> pb.SandboxSpec:
+    return pb.SandboxSpec(
+        backend=spec.backend, image=spec.image, cpu=spec.cpu, memory_mb=spec.memory_mb,
+        pids=spec.pids, timeout_s=spec.timeout_s, env=spec.env, metadata=spec.metadata,
+    )  # fmt: skip
+
+
+def info_to_pb(rec: SandboxRecord, edge_id: str) -> pb.SandboxInfo:
+    return pb.SandboxInfo(
+        id=rec.id, project=rec.project, owner=rec.owner, state=rec.state.value,
+        spec=spec_to_pb(rec.spec), edge_id=edge_id, created_at=rec.created_at,
+        started_at=rec.started_at, expires_at=rec.expires_at, error=rec.error,
+    )  # fmt: skip
+
+
+def _parse_request(raw: bytes) -> dict[str, Any]:
+    try:
+        req = protocol.decode_json(raw)
+    except protocol.ProtocolError as exc:
+        raise InvalidArgument(str(exc)) from None
+    if not isinstance(req.get("op"), str):
+        raise InvalidArgument("runtime request needs an 'op'")
+    return req
+
+
+class EdgeService(pb_grpc.EdgeServicer):
+    def __init__(self, manager: SandboxManager, status: Any) -> None:
+        self._m = manager
+        self._status = status  # callable returning pb.EdgeStatus
+
+    async def CreateSandbox(
+        self, request: pb.CreateSandboxRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        caller = caller_of(context)
+        spec = spec_from_pb(request.spec)
+        rec = await self._m.create(
+            request.sandbox_id, spec,
+            project=request.project or caller.project, owner=request.owner or caller.subject,
+            caller=caller,
+        )  # fmt: skip
+        return info_to_pb(rec, self._m.edge_id)
+
+    async def GetSandbox(
+        self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        return info_to_pb(self._m.get(request.sandbox_id, caller_of(context)), self._m.edge_id)
+
+    async def ListSandboxes(
+        self, request: pb.ListSandboxesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxList:
+        recs = self._m.list(
+            caller_of(context), project=request.project,
+            include_terminated=request.include_terminated,
+        )  # fmt: skip
+        return pb.SandboxList(sandboxes=[info_to_pb(r, self._m.edge_id) for r in recs])
+
+    async def KillSandbox(
+        self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        rec = await self._m.kill(request.sandbox_id, caller_of(context))
+        return info_to_pb(rec, self._m.edge_id)
+
+    async def SetTimeout(
+        self, request: pb.SetTimeoutRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        rec = await self._m.set_timeout(request.sandbox_id, request.timeout_s, caller_of(context))
+        return info_to_pb(rec, self._m.edge_id)
+
+    async def Status(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.EdgeStatus:
+        status: pb.EdgeStatus = self._status()
+        return status
+
+    async def Call(
+        self, request: pb.RuntimeCall, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RuntimeReply:
+        caller = caller_of(context)
+        sock = self._m.agent_socket(request.sandbox_id, caller)
+        req = _parse_request(request.request)
+        remaining = context.time_remaining()
+        try:
+            res = await agent_client.call(
+                sock, req, request.stdin if request.has_stdin else None,
+                limit=REPLY_LIMIT, timeout=remaining,
+            )  # fmt: skip
+        except (OSError, asyncio.IncompleteReadError, protocol.ProtocolError) as exc:
+            raise self._lost(request.sandbox_id, caller, exc) from exc
+        return pb.RuntimeReply(
+            final=json.dumps(res.final).encode(), stdout=res.stdout, stderr=res.stderr,
+            events=[json.dumps(e).encode() for e in res.events], truncated=res.truncated,
+        )  # fmt: skip
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[pb.RuntimeFrame],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.RuntimeFrame]:
+        caller = caller_of(context)
+        first = await anext(request_iterator, None)
+        if first is None:
+            return
+        if first.kind != protocol.KIND_JSON:
+            raise InvalidArgument("the first runtime frame must be the JSON request")
+        sock = self._m.agent_socket(first.sandbox_id, caller)
+        req = _parse_request(first.data)
+        try:
+            stream = await agent_client.open_stream(sock, req)
+        except (OSError, asyncio.IncompleteReadError, protocol.ProtocolError) as exc:
+            raise self._lost(first.sandbox_id, caller, exc) from exc
+
+        async def pump_in() -> None:
+            async for frame in request_iterator:
+                await stream.send(frame.kind, frame.data)
+
+        pump = asyncio.ensure_future(pump_in())
+        try:
+            async for kind, payload in stream:
+                yield pb.RuntimeFrame(kind=kind, data=payload)
+        except (OSError, asyncio.IncompleteReadError, protocol.ProtocolError) as exc:
+            raise self._lost(first.sandbox_id, caller, exc) from exc
+        finally:
+            pump.cancel()
+            with contextlib.suppress(BaseException):
+                await pump
+            await stream.aclose()
+
+    def _lost(self, sandbox_id: str, caller: Caller, exc: BaseException) -> DsecError:
+        """A broken agent connection: say whether the sandbox went away or the agent did."""
+        try:
+            rec = self._m.get(sandbox_id, caller)
+        except DsecError as err:
+            return err
+        if rec.state is not State.RUNNING:
+            return InvalidState(f"sandbox {sandbox_id} is {rec.state.value}: the call was cut off")
+        return SandboxFailed(f"lost the connection to the agent of {sandbox_id}: {exc}")

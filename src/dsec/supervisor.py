@@ -1,0 +1,224 @@
+"""Runs the single-node platform: iam, watcher, edge and apiserver as child processes.
+
+``dsec up`` runs this in the foreground (or detached with ``--detach``). Children are
+started in dependency order, each waited for until healthy, restarted with backoff if they
+die (a restarted edge re-adopts its sandboxes), and stopped in reverse order on SIGTERM.
+The platform's addresses and pids are written to ``<home>/platform.json`` for
+``dsec status`` and ``dsec down``; ``<home>/client.json`` lets the SDK and CLI on this
+machine find the API and the admin key with no configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dsec.paths import Paths
+
+COMPONENTS = ("iam", "watcher", "edge", "apiserver")
+HEALTH_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Layout:
+    """Addresses of every component; metrics/health endpoints sit beside the gRPC ones."""
+
+    apiserver: str
+    iam: str
+    watcher: str
+    edge: str
+    iam_metrics: str
+    watcher_metrics: str
+    edge_metrics: str
+    edge_id: str = ""
+    pids: dict[str, int] = field(default_factory=dict)
+    supervisor_pid: int = 0
+
+    @classmethod
+    def from_port_base(cls, base: int, host: str = "127.0.0.1") -> Layout:
+        a = [f"{host}:{base + i}" for i in range(7)]
+        return cls(apiserver=a[0], iam=a[1], watcher=a[2], edge=a[3], iam_metrics=a[4],
+                   watcher_metrics=a[5], edge_metrics=a[6])  # fmt: skip
+
+    def health_url(self, component: str) -> str:
+        addr = {"apiserver": self.apiserver, "iam": self.iam_metrics,
+                "watcher": self.watcher_metrics, "edge": self.edge_metrics}[component]  # fmt: skip
+        return f"http://{addr}/healthz"
+
+    def address(self, component: str) -> str:
+        return str(getattr(self, component))
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Layout:
+        return cls(**json.loads(path.read_text()))
+
+
+def layout_path(paths: Paths) -> Path:
+    return paths.home / "platform.json"
+
+
+def healthy(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class Supervisor:
+    def __init__(self, paths: Paths, layout: Layout, *, keep_sandboxes: bool = False,
+                 echo: Callable[[str], None] = print) -> None:  # fmt: skip
+        self.paths = paths
+        self.layout = layout
+        self.keep_sandboxes = keep_sandboxes
+        self.echo = echo
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._stopping = False
+        self._restarts: dict[str, list[float]] = {c: [] for c in COMPONENTS}
+
+    def _argv(self, component: str) -> list[str]:
+        lay, home = self.layout, str(self.paths.home)
+        common = [sys.executable, "-m", f"dsec.{component}", "--home", home]
+        if component == "iam":
+            return [*common, "--listen", lay.iam, "--metrics-listen", lay.iam_metrics]
+        if component == "watcher":
+            return [*common, "--listen", lay.watcher, "--metrics-listen", lay.watcher_metrics]
+        if component == "edge":
+            argv = [*common, "--listen", lay.edge, "--metrics-listen", lay.edge_metrics,
+                    "--iam", lay.iam, "--watcher", lay.watcher, "--edge-id", lay.edge_id]  # fmt: skip
+            return argv if self.keep_sandboxes else [*argv, "--stop-sandboxes-on-exit"]
+        return [*common, "--listen", lay.apiserver, "--iam", lay.iam, "--watcher", lay.watcher]
+
+    def spawn(self, component: str) -> None:
+        self.paths.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.paths.logs / f"{component}.log", "ab") as logf:
+            proc = subprocess.Popen(
+                self._argv(component), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                env={**os.environ, "DSEC_HOME": str(self.paths.home),
+                     "DSEC_RUN": str(self.paths.run)},
+            )  # fmt: skip
+        self.procs[component] = proc
+        self.layout.pids[component] = proc.pid
+        self.layout.save(layout_path(self.paths))
+
+    def wait_healthy(self, component: str) -> None:
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        proc = self.procs[component]
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{component} exited with code {proc.returncode}; "
+                    f"see {self.paths.logs / (component + '.log')}"
+                )
+            if healthy(self.layout.health_url(component)):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{component} did not become healthy within {HEALTH_TIMEOUT_S:.0f} s")
+
+    def start(self) -> None:
+        from dsec.rpc.tls import default_identities, ensure_edge_id, ensure_pki
+
+        for d in (self.paths.home, self.paths.run, self.paths.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.layout.edge_id = self.layout.edge_id or ensure_edge_id(self.paths.home)
+        ensure_pki(self.paths.pki, default_identities(self.layout.edge_id))
+        self.layout.supervisor_pid = os.getpid()
+        for component in COMPONENTS:
+            self.echo(f"starting {component} on {self.layout.address(component)}")
+            self.spawn(component)
+            self.wait_healthy(component)
+        self._write_client_config()
+
+    def _write_client_config(self) -> None:
+        cfg = {"api_url": f"http://{self.layout.apiserver}",
+               "api_key_file": str(self.paths.home / "admin.key")}  # fmt: skip
+        path = self.paths.client_config
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cfg, indent=2))
+        os.chmod(tmp, 0o600)
+        tmp.replace(path)
+
+    def watch(self) -> None:
+        """Block until told to stop; restart children that die, at most 5 times a minute."""
+        while not self._stopping:
+            for component, proc in list(self.procs.items()):
+                if proc.poll() is None or self._stopping:
+                    continue
+                now = time.monotonic()
+                recent = [t for t in self._restarts[component] if now - t < 60]
+                self._restarts[component] = [*recent, now]
+                if len(recent) >= 5:
+                    self.echo(f"{component} keeps dying; giving up (see its log)")
+                    self.stop()
+                    return
+                self.echo(f"{component} exited ({proc.returncode}); restarting")
+                time.sleep(min(2.0, 0.2 * 2 ** len(recent)))
+                self.spawn(component)
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stopping = True
+        for component in reversed(COMPONENTS):
+            proc = self.procs.get(component)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60 if component == "edge" else 15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        layout_path(self.paths).unlink(missing_ok=True)
+
+
+def run_foreground(paths: Paths, layout: Layout, *, keep_sandboxes: bool,
+                   echo: Callable[[str], None] = print,
+                   ready: Callable[[Layout], None] | None = None) -> int:  # fmt: skip
+    sup = Supervisor(paths, layout, keep_sandboxes=keep_sandboxes, echo=echo)
+
+    def on_signal(signum: int, frame: object) -> None:
+        sup._stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        sup.start()
+        paths.supervisor_pid.write_text(str(os.getpid()))
+        if ready is not None:
+            ready(sup.layout)
+        sup.watch()
+    except RuntimeError as exc:
+        echo(f"error: {exc}")
+        sup.stop()
+        return 1
+    finally:
+        sup.stop()
+        paths.supervisor_pid.unlink(missing_ok=True)
+    return 0
+
+
+def main() -> None:
+    """Entry for the detached supervisor: ``python -m dsec.supervisor HOME PORT_BASE [--keep]``."""
+    home, base = sys.argv[1], int(sys.argv[2])
+    keep = "--keep-sandboxes" in sys.argv[3:]
+    paths = Paths.from_env(home)
+    sys.exit(run_foreground(paths, Layout.from_port_base(base), keep_sandboxes=keep,
+                            echo=lambda s: print(s, flush=True)))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
