@@ -5,7 +5,7 @@ the fault, carries a stable wire ``code`` and the HTTP status the public API ans
 ``dsec.rpc.errors`` maps the same codes to gRPC statuses, so an error crosses every hop
 (aether -> edge -> apiserver -> SDK) as the same class::
 
-    DsecError                       500 internal
+    DsecError                       500 error (abstract base)
     ├── ClientError                 the caller is at fault (4xx)
     │   ├── InvalidArgument         400 invalid_argument
     │   │   └── PathOutsideSandbox  400 path_outside_sandbox
@@ -36,7 +36,7 @@ from typing import ClassVar
 class DsecError(Exception):
     """Base of every OpenDsec error; ``code`` and ``http_status`` travel on the wire."""
 
-    code: ClassVar[str] = "internal"
+    code: ClassVar[str] = "error"
     http_status: ClassVar[int] = 500
 
     def __init__(self, message: str) -> None:

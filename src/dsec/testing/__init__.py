@@ -1,0 +1,1 @@
+"""Test support shipped with the product: a real single-node platform in a temp home."""

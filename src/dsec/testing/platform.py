@@ -1,0 +1,130 @@
+"""Start the real platform (iam, watcher, edge, apiserver) in a throwaway home.
+
+Used by the end-to-end tests and the benchmarks. Shared artefacts (the agent bundle, the
+images) come from ``DSEC_DATA`` (what ``dsec setup`` built); everything else - PKI,
+databases, sockets, sandboxes - lives under a short temp directory that is removed after
+the platform and all its sandboxes are stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.paths import Paths
+from dsec.supervisor import Layout, healthy, layout_path
+
+
+def requirements_missing() -> str | None:
+    """Why the real platform cannot run here, or None if it can."""
+    if os.geteuid() != 0:
+        return "needs root (crun, overlayfs mounts, cgroups)"
+    if shutil.which("crun") is None:
+        return "crun is not installed (run scripts/install)"
+    data = Paths.from_env().data
+    if not (data / "images" / "refs" / "base.json").exists():
+        return f"the base image is not built in {data} (run scripts/install)"
+    if not (data / "agent" / "init").exists():
+        return f"the agent bundle is not built in {data} (run scripts/install)"
+    return None
+
+
+def free_port_base(count: int = 7) -> int:
+    for _ in range(200):
+        base = 20000 + int.from_bytes(os.urandom(2), "big") % 30000
+        socks = []
+        try:
+            for i in range(count):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+@dataclass
+class RunningPlatform:
+    paths: Paths
+    layout: Layout
+    api_url: str
+    admin_key: str
+    process: subprocess.Popen[bytes]
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "DSEC_API_URL": self.api_url, "DSEC_API_KEY": self.admin_key,
+                "DSEC_HOME": str(self.paths.home)}  # fmt: skip
+
+    def pid(self, component: str) -> int:
+        return Layout.load(layout_path(self.paths)).pids[component]
+
+    def wait_component(self, component: str, *, not_pid: int = 0, timeout: float = 60) -> int:
+        """Wait until ``component`` is healthy (and, if given, runs under a new pid)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lay = Layout.load(layout_path(self.paths))
+            pid = lay.pids.get(component, 0)
+            if pid and pid != not_pid and healthy(lay.health_url(component)):
+                return pid
+            time.sleep(0.05)
+        raise TimeoutError(f"{component} did not come back within {timeout} s")
+
+
+@contextlib.contextmanager
+def running_platform(*, keep_sandboxes: bool = False) -> Iterator[RunningPlatform]:
+    top = Path(tempfile.mkdtemp(prefix="dsec-", dir="/tmp"))
+    paths = Paths(home=top / "home", data=Paths.from_env().data, run=top / "run")
+    paths.home.mkdir()
+    paths.logs.mkdir()
+    base = free_port_base()
+    argv = [sys.executable, "-m", "dsec.supervisor", str(paths.home), str(base)]
+    if keep_sandboxes:
+        argv.append("--keep-sandboxes")
+    env = {**os.environ, "DSEC_HOME": str(paths.home), "DSEC_RUN": str(paths.run),
+           "DSEC_DATA": str(paths.data)}  # fmt: skip
+    with open(paths.logs / "supervisor.log", "ab") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                env=env, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("platform failed to start:\n" + _logs(paths))
+            if paths.supervisor_pid.exists():
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("platform did not start within 120 s:\n" + _logs(paths))
+            time.sleep(0.05)
+        lay = Layout.load(layout_path(paths))
+        key = (paths.home / "admin.key").read_text().strip()
+        yield RunningPlatform(paths, lay, f"http://{lay.apiserver}", key, proc)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _logs(paths: Paths) -> str:
+    out = []
+    for f in sorted(paths.logs.glob("*.log")):
+        out.append(f"--- {f.name}\n{f.read_text()[-3000:]}")
+    return "\n".join(out)
