@@ -54,11 +54,12 @@ def secure_channel(
     server: Identity | None = None,
     component: str | None = None,
 ) -> grpc.aio.Channel:
-    """Open an mTLS channel to ``target`` presenting the certificate with file stem ``name``.
+    """Open an mTLS channel to ``target`` presenting the certificate of ``name``.
 
     Args:
         pki_dir: the PKI directory (see :func:`dsec.rpc.tls.ensure_pki`).
-        name: file stem of our own certificate, e.g. ``"apiserver"`` or ``"edge-ab12"``.
+        name: our own identity's name (its certificate is ``<name>.crt``), e.g.
+            ``"apiserver"``, or the edge id for an edge.
         target: ``host:port`` of the server.
         server: if given, accept only a server whose certificate belongs to this identity
             (checked through its ``<name>.<role>.dsec`` DNS SAN) rather than any of our CA.

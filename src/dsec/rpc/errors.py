@@ -111,6 +111,9 @@ def error_from_rpc(err: grpc.aio.AioRpcError, component: str) -> e.DsecError:
     return error_from_status(err.code(), err.details() or "", pairs, component)
 
 
+translate_rpc_error = error_from_rpc  # the name callers elsewhere use
+
+
 @asynccontextmanager
 async def translated(component: str) -> AsyncIterator[None]:
     """Re-raise ``grpc.aio.AioRpcError`` inside the block as the matching DsecError.

@@ -19,9 +19,10 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 
@@ -39,11 +40,12 @@ from dsec.rpc.options import SERVER_OPTIONS
 from dsec.rpc.tls import Identity, parse_spiffe_id, server_credentials
 
 _log = logging.getLogger("dsec.rpc.server")
+_PORTS: weakref.WeakKeyDictionary[grpc.aio.Server, int] = weakref.WeakKeyDictionary()
 
 AllowedRoles = Mapping[str, Iterable[str]]
-_Continuation = Callable[
-    [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-]
+_Continuation: TypeAlias = (
+    "Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]]"
+)
 
 
 class HasAuthContext(Protocol):
@@ -219,7 +221,7 @@ def make_server(
     *,
     metrics: Metrics | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-) -> tuple[grpc.aio.Server, int]:
+) -> grpc.aio.Server:
     """Build an mTLS gRPC server bound to ``listen``; the caller adds servicers and starts it.
 
     Call this inside the running event loop (a grpc.aio server belongs to the loop it was
@@ -227,7 +229,8 @@ def make_server(
 
     Args:
         pki_dir: the PKI directory (see :func:`dsec.rpc.tls.ensure_pki`).
-        name: file stem of this server's certificate, e.g. ``"iam"``.
+        name: this server's identity name (certificate ``<name>.crt``): ``"iam"``, or the
+            edge id for an edge.
         listen: ``host:port``; port 0 picks a free one.
         allowed_roles: who may call what, keyed by ``/pkg.Service/Method``, ``pkg.Service``
             or ``*``; values are roles such as ``{"apiserver", "admin"}``.
@@ -235,7 +238,7 @@ def make_server(
         interceptors: more interceptors, run after authorization.
 
     Returns:
-        The server and the port it is bound to.
+        The server; :func:`server_port` tells the port it is bound to.
 
     Raises:
         Unavailable: the address cannot be bound.
@@ -250,4 +253,10 @@ def make_server(
         raise Unavailable(f"cannot listen on {listen}: {e}") from e
     if port == 0:
         raise Unavailable(f"cannot listen on {listen}")
-    return server, port
+    _PORTS[server] = port
+    return server
+
+
+def server_port(server: grpc.aio.Server) -> int:
+    """The TCP port a server from :func:`make_server` is bound to (useful with port 0)."""
+    return _PORTS[server]

@@ -3,7 +3,7 @@
 Layout of ``pki_dir`` (created 0700)::
 
     ca.crt  ca.key                 the trust root (10 years; key 0600)
-    <stem>.crt  <stem>.key         one leaf per identity (1 year by default; key 0600)
+    <name>.crt  <name>.key         one leaf per identity (1 year by default; key 0600)
 
 A leaf names its owner with a SPIFFE-style URI SAN ``spiffe://dsec/<role>/<name>``; that URI
 is what servers authorize on (see :mod:`dsec.rpc.server`). Every leaf also carries DNS
@@ -56,8 +56,10 @@ _EDGE_ID_ALPHABET = string.ascii_lowercase + string.digits
 class Identity:
     """Who a certificate speaks for: a role and an instance name, plus extra SANs.
 
-    ``extra_sans`` are DNS names or IP addresses (as text) the leaf must also carry, e.g.
-    the address other nodes dial an edge on.
+    The certificate files are named after ``name`` (``<name>.crt``), so names are unique
+    across roles: ``iam`` for the iam, the edge id for an edge. ``extra_sans`` are DNS names
+    or IP addresses (as text) the leaf must also carry, e.g. the address other nodes dial an
+    edge on.
     """
 
     role: str
@@ -69,11 +71,8 @@ class Identity:
             raise InvalidArgument(f"unknown role {self.role!r} (expected one of {sorted(ROLES)})")
         if not self.name or not set(self.name) <= _NAME_CHARS or len(self.name) > 48:
             raise InvalidArgument(f"identity name must be [a-z0-9-]{{1,48}}, got {self.name!r}")
-
-    @property
-    def stem(self) -> str:
-        """The file name stem: the role for singletons (``iam``), else ``<role>-<name>``."""
-        return self.role if self.name == self.role else f"{self.role}-{self.name}"
+        if self.name == "ca":
+            raise InvalidArgument("identity name 'ca' is reserved for the CA")
 
     @property
     def spiffe_id(self) -> str:
@@ -135,6 +134,19 @@ def ensure_edge_id(home: Path) -> str:
     return candidate
 
 
+def ensure_node_pki(home: Path, edge_sans: Sequence[str] = ()) -> str:
+    """Set up everything one single-node installation needs under ``home``.
+
+    Creates ``<home>/edge.id`` and ``<home>/pki`` with :func:`default_identities`.
+
+    Returns:
+        The edge id, which is also the name of the edge's certificate (``<id>.crt``).
+    """
+    edge_id = ensure_edge_id(home)
+    ensure_pki(home / "pki", default_identities(edge_id, edge_sans))
+    return edge_id
+
+
 def ensure_pki(
     pki_dir: Path,
     identities: Sequence[Identity],
@@ -145,11 +157,15 @@ def ensure_pki(
     """Create the CA and a leaf per identity where missing or due; keep everything valid.
 
     Args:
-        pki_dir: directory holding ``ca.*`` and ``<stem>.*`` (created 0700).
-        identities: the leaves that must exist.
+        pki_dir: directory holding ``ca.*`` and ``<name>.*`` (created 0700).
+        identities: the leaves that must exist; names must be unique across roles.
         leaf_lifetime: validity of newly issued leaves.
         renew_before: re-issue a leaf (or the CA) that expires sooner than this.
     """
+    by_name: dict[str, Identity] = {}
+    for ident in identities:
+        if by_name.setdefault(ident.name, ident).role != ident.role:
+            raise InvalidArgument(f"two identities named {ident.name!r} with different roles")
     pki_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(pki_dir, 0o700)
     with _locked(pki_dir / ".lock"):
@@ -164,7 +180,7 @@ def ensure_pki(
 
 
 def read_pki(pki_dir: Path, name: str) -> tuple[bytes, bytes, bytes]:
-    """Return (CA cert, leaf key, leaf cert) PEM bytes for the leaf with file stem ``name``.
+    """Return (CA cert, leaf key, leaf cert) PEM bytes of the identity called ``name``.
 
     Raises:
         Unavailable: the PKI has not been created (run ``ensure_pki``) or is unreadable.
@@ -326,8 +342,8 @@ def _leaf_ok(
     now: dt.datetime,
     renew_before: dt.timedelta,
 ) -> bool:
-    key = _load_key(pki_dir / f"{ident.stem}.key")
-    cert = _load_cert(pki_dir / f"{ident.stem}.crt")
+    key = _load_key(pki_dir / f"{ident.name}.key")
+    cert = _load_cert(pki_dir / f"{ident.name}.crt")
     if key is None or cert is None or not _same_key(cert, key):
         return False
     try:
@@ -355,7 +371,7 @@ def _issue_leaf(
     subject = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "OpenDsec"),
-            x509.NameAttribute(NameOID.COMMON_NAME, ident.stem),
+            x509.NameAttribute(NameOID.COMMON_NAME, ident.name),
         ]
     )
     eku = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
@@ -376,7 +392,7 @@ def _issue_leaf(
         .add_extension(aki, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    _write_atomic(pki_dir / f"{ident.stem}.key", _key_pem(key), 0o600)
+    _write_atomic(pki_dir / f"{ident.name}.key", _key_pem(key), 0o600)
     _write_atomic(
-        pki_dir / f"{ident.stem}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
+        pki_dir / f"{ident.name}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
     )

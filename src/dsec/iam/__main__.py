@@ -1,0 +1,39 @@
+"""``python -m dsec.iam``: run the iam daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from dsec.daemon import daemon_arg_parser, resolve_home, run_daemon
+from dsec.iam.app import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, IamConfig, serve
+from dsec.iam.service import DEFAULT_RECONCILE_GRACE_S
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags and run the daemon; returns the exit status."""
+    parser = daemon_arg_parser(
+        "iam", default_listen=DEFAULT_LISTEN, default_metrics=DEFAULT_METRICS_LISTEN
+    )
+    parser.add_argument(
+        "--reconcile-grace",
+        type=float,
+        default=DEFAULT_RECONCILE_GRACE_S,
+        help="seconds an allocation is safe from Reconcile after Admit",
+    )
+    args = parser.parse_args(argv)
+    config = IamConfig(
+        home=resolve_home(args.home),
+        listen=args.listen,
+        metrics_listen=args.metrics_listen,
+        reconcile_grace_s=args.reconcile_grace,
+    )
+
+    async def body(stop: asyncio.Event) -> None:
+        await serve(config, stop)
+
+    return run_daemon("iam", body, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

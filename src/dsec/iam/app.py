@@ -1,0 +1,128 @@
+"""Wiring of the iam daemon: PKI, database, first-start bootstrap, gRPC server, metrics.
+
+:class:`IamApp` starts and stops the whole daemon inside a running event loop (tests use it
+directly); :func:`serve` runs it until a stop event is set (``python -m dsec.iam``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+
+from dsec.daemon import parse_hostport, serve_metrics
+from dsec.iam.db import IamDb
+from dsec.iam.service import ALLOWED_ROLES, DEFAULT_RECONCILE_GRACE_S, IamService
+from dsec.obs import Metrics, log
+from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+from dsec.rpc.server import make_server, server_port
+from dsec.rpc.tls import Identity, ensure_pki
+
+_log = logging.getLogger("dsec.iam")
+
+DEFAULT_LISTEN = "127.0.0.1:8421"
+DEFAULT_METRICS_LISTEN = "127.0.0.1:9421"
+STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class IamConfig:
+    """Everything the iam daemon is told at start.
+
+    ``metrics_listen`` empty disables the metrics endpoint.
+    """
+
+    home: Path
+    listen: str = DEFAULT_LISTEN
+    metrics_listen: str = DEFAULT_METRICS_LISTEN
+    reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "iam.db"
+
+    @property
+    def admin_key_path(self) -> Path:
+        return self.home / "admin.key"
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.home / "pki"
+
+
+class IamApp:
+    """The running iam daemon."""
+
+    def __init__(self, config: IamConfig) -> None:
+        self.config = config
+        self.metrics = Metrics("dsec_iam")
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._service: IamService | None = None
+        self._metrics_runner: web.AppRunner | None = None
+
+    async def start(self) -> int:
+        """Bring the daemon up; returns the gRPC port it listens on."""
+        cfg = self.config
+        cfg.home.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(ensure_pki, cfg.pki_dir, [Identity.singleton("iam")])
+        db = await asyncio.to_thread(IamDb, cfg.db_path)
+        self._service = IamService(
+            db, metrics=self.metrics, reconcile_grace_s=cfg.reconcile_grace_s
+        )
+        if await self._service.run(db.bootstrap, self._write_admin_key):
+            log(_log, "bootstrapped: created project 'default' and an admin key")
+        server = make_server(cfg.pki_dir, "iam", cfg.listen, ALLOWED_ROLES, metrics=self.metrics)
+        self.port = server_port(server)
+        pb_grpc.add_IamServicer_to_server(self._service, server)
+        await server.start()
+        self._server = server
+        if cfg.metrics_listen:
+            host, port = parse_hostport(cfg.metrics_listen)
+            self._metrics_runner = await serve_metrics(self.metrics, host, port)
+        log(_log, "listening", listen=cfg.listen, port=self.port, db=str(cfg.db_path))
+        return self.port
+
+    async def stop(self) -> None:
+        """Drain in-flight calls (up to 5 s), then close everything."""
+        if self._server is not None:
+            await self._server.stop(STOP_GRACE_S)
+            self._server = None
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
+        if self._service is not None:
+            await self._service.close()
+            self._service = None
+
+    def _write_admin_key(self, key_id: str, api_key: str) -> None:
+        """Write the bootstrap admin key to ``<home>/admin.key`` (0600), atomically."""
+        path = self.config.admin_key_path
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(api_key + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        log(_log, "bootstrap admin key written", path=str(path), key_id=key_id)
+
+
+async def serve(config: IamConfig, stop: asyncio.Event) -> None:
+    """Run the iam daemon until ``stop`` is set."""
+    app = IamApp(config)
+    try:
+        await app.start()
+        await stop.wait()
+    finally:
+        await app.stop()

@@ -1,0 +1,187 @@
+"""The ``dsec.v1.Iam`` gRPC servicer: proto messages in, :class:`IamDb` calls, messages out.
+
+Every database call runs on one dedicated thread (a one-worker executor), so the event loop
+never waits on SQLite or an fsync, and the database sees exactly one writer. Who may call
+what is :data:`ALLOWED_ROLES`; an edge may additionally only release and reconcile its own
+sandboxes (checked here against the name in its certificate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+
+from dsec.core.errors import PermissionDenied, QuotaExceeded, Unauthenticated
+from dsec.iam.db import IamDb, KeyRecord, Project
+from dsec.obs import Metrics, log
+from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+from dsec.rpc.server import peer_identity
+
+_log = logging.getLogger("dsec.iam")
+_T = TypeVar("_T")
+_Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+ALLOWED_ROLES: dict[str, set[str]] = {
+    "dsec.v1.Iam": {"apiserver", "admin"},
+    "/dsec.v1.Iam/Release": {"apiserver", "admin", "edge"},
+    "/dsec.v1.Iam/Reconcile": {"apiserver", "admin", "edge"},
+}
+DEFAULT_RECONCILE_GRACE_S = 30.0
+
+
+class IamService(pb_grpc.IamServicer):
+    """Serves the Iam RPCs from an :class:`IamDb` it owns (closed by :meth:`close`)."""
+
+    def __init__(
+        self,
+        db: IamDb,
+        *,
+        metrics: Metrics | None = None,
+        reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S,
+    ) -> None:
+        self._db = db
+        self._metrics = metrics or Metrics("dsec_iam")
+        self._grace = reconcile_grace_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iam-db")
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a blocking database call on the database thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def close(self) -> None:
+        """Close the database (on its own thread) and stop the thread."""
+        await self.run(self._db.close)
+        self._pool.shutdown(wait=True)
+
+    async def Authenticate(self, request: pb.AuthenticateRequest, context: _Ctx) -> pb.Principal:
+        try:
+            p = await self.run(self._db.authenticate, request.api_key)
+        except Unauthenticated:
+            self._metrics.inc("authentications", result="refused")
+            raise
+        self._metrics.inc("authentications", result="ok")
+        return pb.Principal(subject=p.subject, project=p.project, role=p.role, key_id=p.key_id)
+
+    async def CreateKey(self, request: pb.CreateKeyRequest, context: _Ctx) -> pb.CreateKeyReply:
+        token, rec = await self.run(
+            self._db.create_key, request.subject, request.project, request.role, request.name
+        )
+        log(
+            _log,
+            "key created",
+            key_id=rec.key_id,
+            subject=rec.subject,
+            project=rec.project,
+            role=rec.role,
+            by=peer_identity(context).spiffe_id,
+        )
+        return pb.CreateKeyReply(api_key=token, key_id=rec.key_id)
+
+    async def ListKeys(self, request: pb.ListKeysRequest, context: _Ctx) -> pb.KeyList:
+        keys = await self.run(self._db.list_keys, request.project)
+        return pb.KeyList(keys=[_key_info(k) for k in keys])
+
+    async def RevokeKey(self, request: pb.KeyRef, context: _Ctx) -> pb.Empty:
+        await self.run(self._db.revoke_key, request.key_id)
+        log(_log, "key revoked", key_id=request.key_id, by=peer_identity(context).spiffe_id)
+        return pb.Empty()
+
+    async def Admit(self, request: pb.AdmitRequest, context: _Ctx) -> pb.Empty:
+        try:
+            new = await self.run(
+                self._db.admit,
+                request.project,
+                request.sandbox_id,
+                request.cpu,
+                request.memory_mb,
+                request.edge_id,
+            )
+        except QuotaExceeded:
+            self._metrics.inc("admissions", result="quota_exceeded")
+            raise
+        self._metrics.inc("admissions", result="admitted" if new else "repeated")
+        return pb.Empty()
+
+    async def Release(self, request: pb.ReleaseRequest, context: _Ctx) -> pb.Empty:
+        peer = peer_identity(context)
+        edge = peer.name if peer.role == "edge" else ""
+        alloc = await self.run(
+            functools.partial(self._db.release, edge_id=edge), request.sandbox_id
+        )
+        if alloc is not None:
+            self._metrics.inc("releases")
+        return pb.Empty()
+
+    async def Reconcile(self, request: pb.ReconcileRequest, context: _Ctx) -> pb.Empty:
+        peer = peer_identity(context)
+        if peer.role == "edge" and peer.name != request.edge_id:
+            raise PermissionDenied(f"edge {peer.name} may not reconcile edge {request.edge_id!r}")
+        gone = await self.run(
+            self._db.reconcile, request.edge_id, list(request.live_sandbox_ids), self._grace
+        )
+        if gone:
+            self._metrics.inc("reconciled_releases", float(len(gone)))
+            log(
+                _log,
+                "released allocations the edge no longer holds",
+                edge_id=request.edge_id,
+                sandboxes=gone,
+            )
+        return pb.Empty()
+
+    async def GetUsage(self, request: pb.ProjectRef, context: _Ctx) -> pb.Usage:
+        u = await self.run(self._db.usage, request.project)
+        return pb.Usage(
+            project=u.project.name,
+            sandboxes=u.sandboxes,
+            cpu=u.cpu,
+            memory_mb=u.memory_mb,
+            max_sandboxes=u.project.max_sandboxes,
+            max_cpu=u.project.max_cpu,
+            max_memory_mb=u.project.max_memory_mb,
+        )
+
+    async def PutProject(self, request: pb.Project, context: _Ctx) -> pb.Project:
+        wanted = Project(
+            request.name, request.max_sandboxes, request.max_cpu, request.max_memory_mb
+        )
+        p = await self.run(self._db.put_project, wanted)
+        log(
+            _log,
+            "project saved",
+            project=p.name,
+            max_sandboxes=p.max_sandboxes,
+            max_cpu=p.max_cpu,
+            max_memory_mb=p.max_memory_mb,
+        )
+        return _project_msg(p)
+
+    async def ListProjects(self, request: pb.Empty, context: _Ctx) -> pb.ProjectList:
+        projects = await self.run(self._db.list_projects)
+        return pb.ProjectList(projects=[_project_msg(p) for p in projects])
+
+
+def _key_info(k: KeyRecord) -> pb.KeyInfo:
+    return pb.KeyInfo(
+        key_id=k.key_id,
+        subject=k.subject,
+        project=k.project,
+        role=k.role,
+        name=k.name,
+        created_at=k.created_at,
+        revoked=k.revoked,
+    )
+
+
+def _project_msg(p: Project) -> pb.Project:
+    return pb.Project(
+        name=p.name, max_sandboxes=p.max_sandboxes, max_cpu=p.max_cpu, max_memory_mb=p.max_memory_mb
+    )
