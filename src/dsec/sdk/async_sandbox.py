@@ -1,0 +1,276 @@
+"""The asyncio SDK: :class:`AsyncClient` and :class:`AsyncSandbox`, the twins of ``sandbox.py``.
+
+Same names, same parameters, same defaults (a unit test compares the two surfaces); every
+method awaits instead of blocking, and iterators are ``async for`` iterators. Local file
+work in ``upload``/``download``/``write`` runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+
+import httpx
+
+from dsec.core.errors import NotFound
+from dsec.sdk import runtime_calls as rc
+from dsec.sdk import streams, wire
+from dsec.sdk.async_io import AsyncStdin, AsyncTransport
+from dsec.sdk.async_sandbox_runtime import AsyncFiles, AsyncProcesses, AsyncPtys, AsyncShell
+from dsec.sdk.config import ClientConfig, resolve_config
+from dsec.sdk.models import (
+    ExecEvent,
+    ExecResult,
+    HttpResponse,
+    Identity,
+    KeyInfo,
+    NewKey,
+    SandboxInfo,
+    ShellSession,
+)
+
+
+class AsyncClient:
+    """A keep-alive connection to the apiserver, shareable by many sandboxes (asyncio).
+
+    Args:
+        api_url: The apiserver URL (else ``DSEC_API_URL``, else the client file).
+        api_key: The API key (else ``DSEC_API_KEY``, else the client file).
+        config: An already resolved configuration (overrides the two above).
+        http_transport: An httpx transport to use instead of the network (tests).
+    """
+
+    def __init__(
+        self,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        config: ClientConfig | None = None,
+        http_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config or resolve_config(api_url, api_key)
+        self.transport = AsyncTransport(self.config, http_transport=http_transport)
+
+    def sandbox(self, sandbox_id: str) -> AsyncSandbox:
+        """A handle on an existing sandbox, without a request (see ``AsyncSandbox.connect``)."""
+        wire.sandbox_path(sandbox_id)
+        return AsyncSandbox(sandbox_id, self)
+
+    async def list_sandboxes(self, all: bool = False) -> builtins.list[SandboxInfo]:
+        return await self.transport.call(wire.list_sandboxes(all))
+
+    async def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        return await self.transport.call(wire.get_sandbox(sandbox_id))
+
+    async def kill_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        return await self.transport.call(wire.kill_sandbox(sandbox_id))
+
+    async def whoami(self) -> Identity:
+        return await self.transport.call(wire.whoami())
+
+    async def create_key(
+        self, subject: str, project: str, role: str = "user", name: str = ""
+    ) -> NewKey:
+        return await self.transport.call(
+            wire.create_key(subject=subject, project=project, role=role, name=name)
+        )
+
+    async def list_keys(self) -> builtins.list[KeyInfo]:
+        return await self.transport.call(wire.list_keys())
+
+    async def revoke_key(self, key_id: str) -> None:
+        await self.transport.call(wire.revoke_key(key_id))
+
+    async def list_edges(self) -> builtins.list[dict[str, object]]:
+        return await self.transport.call(wire.list_edges())
+
+    async def aclose(self) -> None:
+        """Close the pooled HTTP connections."""
+        await self.transport.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class AsyncSandbox:
+    """One sandbox. ``async with`` it to kill it (and close its client) on exit."""
+
+    def __init__(self, sandbox_id: str, client: AsyncClient, *, owns_client: bool = False) -> None:
+        self._id = sandbox_id
+        self._client = client
+        self._t = client.transport
+        self._owns_client = owns_client
+        self.files = AsyncFiles(sandbox_id, self._t)
+        self.processes = AsyncProcesses(sandbox_id, self._t)
+        self.pty = AsyncPtys(sandbox_id, self._t)
+
+    @classmethod
+    async def create(
+        cls,
+        backend: str = "container",
+        image: str = "base",
+        cpu: float = 1.0,
+        memory_mb: int = 512,
+        pids: int | None = None,
+        timeout: int = 300,  # noqa: ASYNC109 -- the sandbox's lifetime, not a call deadline
+        env: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        client: AsyncClient | None = None,
+    ) -> AsyncSandbox:
+        """Create a sandbox and wait until it runs; ``timeout`` is its lifetime in seconds."""
+        call = wire.create_sandbox(
+            backend=backend,
+            image=image,
+            cpu=cpu,
+            memory_mb=memory_mb,
+            pids=pids,
+            timeout_s=timeout,
+            env=env,
+            metadata=metadata,
+        )
+        owned = client is None
+        c = client or AsyncClient(api_url, api_key)
+        try:
+            info = await c.transport.call(call)
+        except BaseException:
+            if owned:
+                await c.aclose()
+            raise
+        return cls(info.id, c, owns_client=owned)
+
+    @classmethod
+    async def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        client: AsyncClient | None = None,
+    ) -> AsyncSandbox:
+        """Attach to an existing sandbox (checks that it exists)."""
+        owned = client is None
+        c = client or AsyncClient(api_url, api_key)
+        try:
+            info = await c.get_sandbox(sandbox_id)
+        except BaseException:
+            if owned:
+                await c.aclose()
+            raise
+        return cls(info.id, c, owns_client=owned)
+
+    @classmethod
+    async def list(
+        cls,
+        all: bool = False,
+        *,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        client: AsyncClient | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """The caller's sandboxes (running ones, or every one with ``all=True``)."""
+        if client is not None:
+            return await client.list_sandboxes(all)
+        async with AsyncClient(api_url, api_key) as c:
+            return await c.list_sandboxes(all)
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def client(self) -> AsyncClient:
+        return self._client
+
+    async def info(self) -> SandboxInfo:
+        return await self._t.call(wire.get_sandbox(self._id))
+
+    async def set_timeout(self, seconds: int) -> SandboxInfo:
+        """Let the sandbox live ``seconds`` from now."""
+        return await self._t.call(wire.set_timeout(self._id, seconds))
+
+    async def kill(self) -> SandboxInfo:
+        return await self._t.call(wire.kill_sandbox(self._id))
+
+    async def exec(
+        self,
+        cmd: rc.Command,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = 60,  # noqa: ASYNC109 -- enforced inside the sandbox
+        stdin: str | bytes | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` to completion; raises ``CommandTimeout`` (with ``.result``) on timeout."""
+        call = rc.exec_command(
+            self._id, cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin
+        )
+        return await self._t.call(call)
+
+    def exec_stream(
+        self,
+        cmd: rc.Command,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = 60,
+        stdin: AsyncStdin | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run ``cmd`` yielding output chunks as they come, then one ``exit`` event."""
+        first = streams.exec_request(
+            cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin is not None
+        )
+        return self._t.events(self._id, first, stdin)
+
+    def shell(self, name: str = "default") -> AsyncShell:
+        """The named persistent shell session (started on first use)."""
+        rc.check_shell_name(name)
+        return AsyncShell(self._id, self._t, name)
+
+    async def shells(self) -> builtins.list[ShellSession]:
+        return await self._t.call(rc.list_shells(self._id))
+
+    async def http(
+        self,
+        port: int,
+        method: str = "GET",
+        path: str = "/",
+        headers: Mapping[str, str] | None = None,
+        body: bytes | str | None = None,
+        *,
+        timeout: float | None = 60,  # noqa: ASYNC109 -- enforced inside the sandbox
+    ) -> HttpResponse:
+        """Send an HTTP request to ``port`` inside the sandbox: ``(status, headers, body)``."""
+        req = rc.port_request(self._id, port, method, path, headers, body, timeout)
+        return await self._t.port(req)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this sandbox created it (the sandbox keeps running)."""
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.kill()
+        except NotFound:
+            pass
+        finally:
+            await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self._id!r})"

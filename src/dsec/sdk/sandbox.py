@@ -1,0 +1,275 @@
+"""The blocking SDK: :class:`Client` and :class:`Sandbox` with its files, processes, PTYs, shells.
+
+Every method is one line of glue: build a call with ``wire``/``runtime_calls``/``streams``,
+send it with :class:`~dsec.sdk.sync_io.SyncTransport`. ``async_sandbox.py`` mirrors this
+module name for name (a unit test checks the two surfaces match).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+
+import httpx
+
+from dsec.core.errors import NotFound
+from dsec.sdk import runtime_calls as rc
+from dsec.sdk import streams, wire
+from dsec.sdk.config import ClientConfig, resolve_config
+from dsec.sdk.models import (
+    ExecEvent,
+    ExecResult,
+    HttpResponse,
+    Identity,
+    KeyInfo,
+    NewKey,
+    SandboxInfo,
+    ShellSession,
+)
+from dsec.sdk.sandbox_runtime import Files, Processes, Ptys, Shell
+from dsec.sdk.sync_io import SyncTransport
+
+Stdin = bytes | Iterable[bytes]
+
+
+class Client:
+    """A keep-alive connection to the apiserver, shareable by many sandboxes.
+
+    Args:
+        api_url: The apiserver URL (else ``DSEC_API_URL``, else the client file).
+        api_key: The API key (else ``DSEC_API_KEY``, else the client file).
+        config: An already resolved configuration (overrides the two above).
+        http_transport: An httpx transport to use instead of the network (tests).
+    """
+
+    def __init__(
+        self,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        config: ClientConfig | None = None,
+        http_transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.config = config or resolve_config(api_url, api_key)
+        self.transport = SyncTransport(self.config, http_transport=http_transport)
+
+    def sandbox(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox, without a request (see ``Sandbox.connect``)."""
+        wire.sandbox_path(sandbox_id)
+        return Sandbox(sandbox_id, self)
+
+    def list_sandboxes(self, all: bool = False) -> builtins.list[SandboxInfo]:
+        return self.transport.call(wire.list_sandboxes(all))
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        return self.transport.call(wire.get_sandbox(sandbox_id))
+
+    def kill_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        return self.transport.call(wire.kill_sandbox(sandbox_id))
+
+    def whoami(self) -> Identity:
+        return self.transport.call(wire.whoami())
+
+    def create_key(self, subject: str, project: str, role: str = "user", name: str = "") -> NewKey:
+        return self.transport.call(
+            wire.create_key(subject=subject, project=project, role=role, name=name)
+        )
+
+    def list_keys(self) -> builtins.list[KeyInfo]:
+        return self.transport.call(wire.list_keys())
+
+    def revoke_key(self, key_id: str) -> None:
+        self.transport.call(wire.revoke_key(key_id))
+
+    def list_edges(self) -> builtins.list[dict[str, object]]:
+        return self.transport.call(wire.list_edges())
+
+    def close(self) -> None:
+        """Close the pooled HTTP connections."""
+        self.transport.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Sandbox:
+    """One sandbox. Use as a context manager to kill it (and close its client) on exit."""
+
+    def __init__(self, sandbox_id: str, client: Client, *, owns_client: bool = False) -> None:
+        self._id = sandbox_id
+        self._client = client
+        self._t = client.transport
+        self._owns_client = owns_client
+        self.files = Files(sandbox_id, self._t)
+        self.processes = Processes(sandbox_id, self._t)
+        self.pty = Ptys(sandbox_id, self._t)
+
+    @classmethod
+    def create(
+        cls,
+        backend: str = "container",
+        image: str = "base",
+        cpu: float = 1.0,
+        memory_mb: int = 512,
+        pids: int | None = None,
+        timeout: int = 300,
+        env: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        client: Client | None = None,
+    ) -> Sandbox:
+        """Create a sandbox and wait until it runs; ``timeout`` is its lifetime in seconds."""
+        call = wire.create_sandbox(
+            backend=backend,
+            image=image,
+            cpu=cpu,
+            memory_mb=memory_mb,
+            pids=pids,
+            timeout_s=timeout,
+            env=env,
+            metadata=metadata,
+        )
+        owned = client is None
+        c = client or Client(api_url, api_key)
+        try:
+            info = c.transport.call(call)
+        except BaseException:
+            if owned:
+                c.close()
+            raise
+        return cls(info.id, c, owns_client=owned)
+
+    @classmethod
+    def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        client: Client | None = None,
+    ) -> Sandbox:
+        """Attach to an existing sandbox (checks that it exists)."""
+        owned = client is None
+        c = client or Client(api_url, api_key)
+        try:
+            info = c.get_sandbox(sandbox_id)
+        except BaseException:
+            if owned:
+                c.close()
+            raise
+        return cls(info.id, c, owns_client=owned)
+
+    @classmethod
+    def list(
+        cls,
+        all: bool = False,
+        *,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        client: Client | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """The caller's sandboxes (running ones, or every one with ``all=True``)."""
+        if client is not None:
+            return client.list_sandboxes(all)
+        with Client(api_url, api_key) as c:
+            return c.list_sandboxes(all)
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    def info(self) -> SandboxInfo:
+        return self._t.call(wire.get_sandbox(self._id))
+
+    def set_timeout(self, seconds: int) -> SandboxInfo:
+        """Let the sandbox live ``seconds`` from now."""
+        return self._t.call(wire.set_timeout(self._id, seconds))
+
+    def kill(self) -> SandboxInfo:
+        return self._t.call(wire.kill_sandbox(self._id))
+
+    def exec(
+        self,
+        cmd: rc.Command,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = 60,
+        stdin: str | bytes | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` to completion; raises ``CommandTimeout`` (with ``.result``) on timeout."""
+        call = rc.exec_command(
+            self._id, cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin
+        )
+        return self._t.call(call)
+
+    def exec_stream(
+        self,
+        cmd: rc.Command,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = 60,
+        stdin: Stdin | None = None,
+    ) -> Iterator[ExecEvent]:
+        """Run ``cmd`` yielding output chunks as they come, then one ``exit`` event."""
+        first = streams.exec_request(
+            cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin is not None
+        )
+        return self._t.events(self._id, first, stdin)
+
+    def shell(self, name: str = "default") -> Shell:
+        """The named persistent shell session (started on first use)."""
+        rc.check_shell_name(name)
+        return Shell(self._id, self._t, name)
+
+    def shells(self) -> builtins.list[ShellSession]:
+        return self._t.call(rc.list_shells(self._id))
+
+    def http(
+        self,
+        port: int,
+        method: str = "GET",
+        path: str = "/",
+        headers: Mapping[str, str] | None = None,
+        body: bytes | str | None = None,
+        *,
+        timeout: float | None = 60,
+    ) -> HttpResponse:
+        """Send an HTTP request to ``port`` inside the sandbox: ``(status, headers, body)``."""
+        return self._t.port(rc.port_request(self._id, port, method, path, headers, body, timeout))
+
+    def close(self) -> None:
+        """Close the HTTP client if this sandbox created it (the sandbox keeps running)."""
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self.kill()
+        except NotFound:
+            pass
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self._id!r})"

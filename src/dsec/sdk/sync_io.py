@@ -1,0 +1,232 @@
+"""The blocking I/O shell of the SDK: one keep-alive ``httpx.Client`` plus runtime WebSockets.
+
+It only sends what ``wire``/``runtime_calls``/``streams`` build and translates foreign
+exceptions (httpx, websockets, OS errors) into ``dsec.core.errors`` exactly once, here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import httpx
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
+from websockets.sync.client import ClientConnection
+from websockets.sync.client import connect as ws_connect
+
+from dsec.agent.protocol import CHUNK, MAX_FRAME
+from dsec.core.errors import DeadlineExceeded, DsecError
+from dsec.sdk.config import ClientConfig
+from dsec.sdk.models import ExecEvent, HttpResponse
+from dsec.sdk.runtime_calls import port_response
+from dsec.sdk.streams import CLOSE_MESSAGE, RuntimeStream, input_messages, runtime_url
+from dsec.sdk.wire import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    USER_AGENT,
+    Call,
+    Request,
+    auth_headers,
+    connection_error,
+    error_for_status,
+    finish,
+)
+
+T = TypeVar("T")
+Content = bytes | Iterable[bytes]
+WS_OPEN_TIMEOUT_S = 30.0
+
+
+def _timeout(seconds: float | None) -> httpx.Timeout:
+    return httpx.Timeout(seconds, connect=CONNECT_TIMEOUT_S, pool=None)
+
+
+def translate_httpx(url: str, exc: httpx.HTTPError, timeout: float | None) -> DsecError:
+    """The dsec error for an httpx failure (timeouts are :class:`DeadlineExceeded`)."""
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return DeadlineExceeded(f"no answer from the apiserver at {url} within {timeout} s")
+    return connection_error(url, exc)
+
+
+def translate_ws(url: str, exc: BaseException) -> DsecError:
+    """The dsec error for a failed WebSocket handshake."""
+    if isinstance(exc, InvalidStatus):
+        err, _ = error_for_status(exc.response.status_code, bytes(exc.response.body or b""))
+        return err
+    return connection_error(url, exc)
+
+
+class SyncRuntimeSocket:
+    """One runtime call over a WebSocket; iterate it for events until the final one."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self._ws = ws
+        self._send_lock = threading.Lock()
+        self.stream = RuntimeStream()
+
+    def send(self, message: bytes) -> None:
+        try:
+            with self._send_lock:
+                self._ws.send(message)
+        except ConnectionClosed as exc:
+            raise self.stream.closed_early(str(exc)) from None
+
+    def send_input(self, data: bytes) -> None:
+        for message in input_messages(data):
+            self.send(message)
+
+    def close_input(self) -> None:
+        self.send(CLOSE_MESSAGE)
+
+    def next_event(self) -> ExecEvent | None:
+        """Block for the next output or final event; ``None`` once the call has finished."""
+        while not self.stream.done:
+            try:
+                message = self._ws.recv()
+            except ConnectionClosed as exc:
+                raise self.stream.closed_early(str(exc)) from None
+            event = self.stream.feed(message)
+            if event is not None:
+                return event
+        return None
+
+    def __iter__(self) -> Iterator[ExecEvent]:
+        while (event := self.next_event()) is not None:
+            yield event
+
+    def close(self) -> None:
+        self._ws.close()
+
+
+class SyncTransport:
+    """Sends calls over one pooled keep-alive HTTP client; opens runtime WebSockets."""
+
+    def __init__(
+        self, config: ClientConfig, *, http_transport: httpx.BaseTransport | None = None
+    ) -> None:
+        self.config = config
+        self._headers = auth_headers(config.api_key)
+        self._http = httpx.Client(
+            base_url=config.api_url,
+            headers=self._headers,
+            timeout=_timeout(DEFAULT_TIMEOUT_S),
+            transport=http_transport,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+        self._timeouts: dict[float | None, httpx.Timeout] = {}
+
+    def _req_timeout(self, seconds: float | None) -> httpx.Timeout:
+        t = self._timeouts.get(seconds)
+        if t is None:
+            t = self._timeouts[seconds] = _timeout(seconds)
+        return t
+
+    def send(self, req: Request, content: Content | None = None) -> httpx.Response:
+        """Send ``req`` (with ``content`` instead of its body if given) and read the answer."""
+        try:
+            return self._http.request(
+                req.method,
+                req.path,
+                params=req.params or None,
+                content=req.body if content is None else content,
+                headers=req.headers or None,
+                timeout=self._req_timeout(req.timeout),
+            )
+        except httpx.HTTPError as exc:
+            raise translate_httpx(self.config.api_url, exc, req.timeout) from None
+
+    def call(self, call: Call[T], content: Content | None = None) -> T:
+        resp = self.send(call.request, content)
+        return finish(call, resp.status_code, resp.content)
+
+    def fetch(self, req: Request) -> bytes:
+        """Send ``req`` and return the raw body of a successful answer."""
+        resp = self.send(req)
+        if resp.status_code >= 300:
+            raise error_for_status(resp.status_code, resp.content)[0]
+        return resp.content
+
+    def port(self, req: Request) -> HttpResponse:
+        resp = self.send(req)
+        return port_response(resp.status_code, resp.headers.multi_items(), resp.content)
+
+    @contextmanager
+    def download(self, req: Request, chunk_size: int = CHUNK) -> Iterator[Iterator[bytes]]:
+        """Open a streamed download; the yielded iterator gives the body in chunks."""
+        try:
+            with self._http.stream(
+                req.method,
+                req.path,
+                params=req.params or None,
+                timeout=self._req_timeout(req.timeout),
+            ) as resp:
+                if resp.status_code >= 300:
+                    raise error_for_status(resp.status_code, resp.read())[0]
+                yield resp.iter_bytes(chunk_size)
+        except httpx.HTTPError as exc:
+            raise translate_httpx(self.config.api_url, exc, req.timeout) from None
+
+    def open_runtime(self, sandbox_id: str, first: bytes) -> SyncRuntimeSocket:
+        """Open the sandbox's runtime WebSocket and send the call's request message."""
+        url = runtime_url(self.config.api_url, sandbox_id)
+        try:
+            ws = ws_connect(
+                url,
+                additional_headers={"Authorization": self._headers["Authorization"]},
+                user_agent_header=USER_AGENT,
+                compression=None,
+                open_timeout=WS_OPEN_TIMEOUT_S,
+                close_timeout=2,
+                max_size=MAX_FRAME + 16,
+            )
+        except (OSError, TimeoutError, WebSocketException) as exc:
+            raise translate_ws(url, exc) from None
+        sock = SyncRuntimeSocket(ws)
+        try:
+            sock.send(first)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def events(
+        self, sandbox_id: str, first: bytes, stdin: Content | None = None
+    ) -> Iterator[ExecEvent]:
+        """Run one streamed call: send ``stdin`` (if any, then end it) and yield events."""
+        sock = self.open_runtime(sandbox_id, first)
+        failures: list[BaseException] = []
+        try:
+            if isinstance(stdin, bytes | bytearray | memoryview) and len(stdin) <= CHUNK:
+                sock.send_input(bytes(stdin))
+                sock.close_input()
+            elif stdin is not None:
+                threading.Thread(
+                    target=_pump_input, args=(sock, stdin, failures), daemon=True
+                ).start()
+            yield from sock
+        finally:
+            sock.close()
+        if failures:
+            raise failures[0]
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _pump_input(sock: SyncRuntimeSocket, stdin: Content, failures: list[BaseException]) -> None:
+    """Send ``stdin`` then end it; runs in a thread so output is read meanwhile."""
+    chunks: Iterable[bytes] = [bytes(stdin)] if isinstance(stdin, bytes | bytearray) else stdin
+    try:
+        for chunk in chunks:
+            sock.send_input(bytes(chunk))
+        sock.close_input()
+    except DsecError:
+        pass  # the call ended (or the socket closed) while input was still being sent
+    except Exception as exc:
+        failures.append(exc)
+        try:
+            sock.close_input()
+        except DsecError:
+            pass

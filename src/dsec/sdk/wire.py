@@ -1,0 +1,252 @@
+"""Sans-I/O core of the SDK: each API call is a :class:`Call` (request + parser), no sockets.
+
+The sync and async shells (``sandbox.py``, ``async_sandbox.py``) only send what the
+builders here and in ``runtime_calls.py`` produce and hand the answer to :func:`finish`, so
+the two surfaces cannot drift apart. This module holds the plumbing (requests, error
+mapping) and the control-plane calls (sandboxes, keys, identity).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from dsec import __version__
+from dsec.core.errors import (
+    ClientError,
+    DeadlineExceeded,
+    DsecError,
+    Internal,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    QuotaExceeded,
+    Unauthenticated,
+    Unavailable,
+    error_from_wire,
+)
+from dsec.sdk.models import JSON, Identity, KeyInfo, NewKey, SandboxInfo
+
+T = TypeVar("T")
+
+USER_AGENT = f"dsec-sdk-python/{__version__}"
+DEFAULT_TIMEOUT_S = 30.0  # read timeout of a plain call
+CREATE_TIMEOUT_S = 300.0  # creating may pull and unpack an image
+EXEC_MARGIN_S = 30.0  # extra read time on top of a command's own timeout
+CONNECT_TIMEOUT_S = 5.0
+
+_STATUS_ERRORS: dict[int, type[DsecError]] = {
+    400: InvalidArgument,
+    401: Unauthenticated,
+    403: PermissionDenied,
+    404: NotFound,
+    409: InvalidState,
+    413: PayloadTooLarge,
+    429: QuotaExceeded,
+    502: Unavailable,
+    503: Unavailable,
+    504: DeadlineExceeded,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """An HTTP request relative to the API URL; ``timeout`` overrides the read timeout."""
+
+    method: str
+    path: str
+    params: tuple[tuple[str, str], ...] = ()
+    body: bytes | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    timeout: float | None = DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """A request and how to read its answer; ``on_error`` may refine a decoded error."""
+
+    request: Request
+    parse: Callable[[JSON], T]
+    on_error: Callable[[DsecError, JSON], DsecError] | None = None
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    """Headers every request carries (HTTP and the runtime WebSocket)."""
+    return {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT}
+
+
+def json_body(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def json_request(
+    method: str,
+    path: str,
+    body: Mapping[str, Any] | None = None,
+    *,
+    params: tuple[tuple[str, str], ...] = (),
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> Request:
+    """Build a request whose body (if any) is a compact JSON object."""
+    if body is None:
+        return Request(method, path, params, None, (), timeout)
+    return Request(
+        method, path, params, json_body(body), (("Content-Type", "application/json"),), timeout
+    )
+
+
+def compact(**fields: Any) -> JSON:
+    """Keep only the fields that were given (not None)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def decode_json(content: bytes) -> JSON:
+    """Decode a JSON object body; an empty body is ``{}``."""
+    if not content:
+        return {}
+    try:
+        obj = json.loads(content)
+    except ValueError:
+        raise Internal(f"the server sent invalid JSON: {content[:200]!r}") from None
+    if not isinstance(obj, dict):
+        raise Internal(f"the server sent JSON that is not an object: {content[:200]!r}")
+    return obj
+
+
+def error_for_status(status: int, content: bytes) -> tuple[DsecError, JSON]:
+    """Rebuild the error an error answer carries; returns it with the decoded body."""
+    try:
+        body = json.loads(content) if content else {}
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    err = body.get("error")
+    if isinstance(err, dict) and isinstance(err.get("code"), str):
+        return error_from_wire(err["code"], str(err.get("message", ""))), body
+    text = content[:200].decode("utf-8", "replace").strip()
+    cls = _STATUS_ERRORS.get(status)
+    if cls is None:
+        cls = ClientError if 400 <= status < 500 else Internal
+    return cls(f"HTTP {status}" + (f": {text}" if text else "")), body
+
+
+def finish(call: Call[T], status: int, content: bytes) -> T:
+    """Turn an answer into the call's result, or raise the error it carries."""
+    if 200 <= status < 300:
+        return call.parse(decode_json(content))
+    exc, body = error_for_status(status, content)
+    if call.on_error is not None:
+        exc = call.on_error(exc, body)
+    raise exc
+
+
+def connection_error(url: str, exc: BaseException) -> Unavailable:
+    """The error for a request that never got an answer."""
+    reason = str(exc) or type(exc).__name__
+    return Unavailable(f"cannot reach the apiserver at {url}: {reason}")
+
+
+def ignore_body(_: JSON) -> None:
+    return None
+
+
+def sandbox_path(sandbox_id: str) -> str:
+    if not sandbox_id or "/" in sandbox_id or sandbox_id in (".", ".."):
+        raise InvalidArgument(f"invalid sandbox id {sandbox_id!r}")
+    return f"/v1/sandboxes/{sandbox_id}"
+
+
+# -- sandboxes ------------------------------------------------------------------------------
+
+
+def create_sandbox(
+    *,
+    backend: str | None,
+    image: str | None,
+    cpu: float | None,
+    memory_mb: int | None,
+    pids: int | None,
+    timeout_s: int | None,
+    env: Mapping[str, str] | None,
+    metadata: Mapping[str, str] | None,
+) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes``: omitted (None) fields take the server's defaults."""
+    body = compact(
+        backend=backend,
+        image=image,
+        cpu=cpu,
+        memory_mb=memory_mb,
+        pids=pids,
+        timeout_s=timeout_s,
+        env=dict(env) if env is not None else None,
+        metadata=dict(metadata) if metadata is not None else None,
+    )
+    req = json_request("POST", "/v1/sandboxes", body, timeout=CREATE_TIMEOUT_S)
+    return Call(req, SandboxInfo.from_wire)
+
+
+def _sandbox_list(obj: JSON) -> list[SandboxInfo]:
+    return [SandboxInfo.from_wire(s) for s in obj.get("sandboxes") or []]
+
+
+def list_sandboxes(all: bool = False) -> Call[list[SandboxInfo]]:
+    params = (("all", "1"),) if all else ()
+    return Call(json_request("GET", "/v1/sandboxes", params=params), _sandbox_list)
+
+
+def get_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call(json_request("GET", sandbox_path(sandbox_id)), SandboxInfo.from_wire)
+
+
+def kill_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call(json_request("DELETE", sandbox_path(sandbox_id)), SandboxInfo.from_wire)
+
+
+def set_timeout(sandbox_id: str, seconds: int) -> Call[SandboxInfo]:
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+        raise InvalidArgument(f"timeout must be a positive number of seconds, got {seconds!r}")
+    path = sandbox_path(sandbox_id) + "/timeout"
+    return Call(json_request("POST", path, {"timeout_s": int(seconds)}), SandboxInfo.from_wire)
+
+
+# -- identity and keys ----------------------------------------------------------------------
+
+
+def whoami() -> Call[Identity]:
+    return Call(json_request("GET", "/v1/whoami"), Identity.from_wire)
+
+
+def _new_key(obj: JSON) -> NewKey:
+    return NewKey(api_key=str(obj.get("api_key", "")), key_id=str(obj.get("key_id", "")))
+
+
+def create_key(*, subject: str, project: str, role: str, name: str) -> Call[NewKey]:
+    body = {"subject": subject, "project": project, "role": role, "name": name}
+    return Call(json_request("POST", "/v1/keys", body), _new_key)
+
+
+def _key_list(obj: JSON) -> list[KeyInfo]:
+    return [KeyInfo.from_wire(k) for k in obj.get("keys") or []]
+
+
+def list_keys() -> Call[list[KeyInfo]]:
+    return Call(json_request("GET", "/v1/keys"), _key_list)
+
+
+def revoke_key(key_id: str) -> Call[None]:
+    if not key_id or "/" in key_id:
+        raise InvalidArgument(f"invalid key id {key_id!r}")
+    return Call(json_request("DELETE", f"/v1/keys/{key_id}"), ignore_body)
+
+
+def _edges(obj: JSON) -> list[JSON]:
+    return [dict(e) for e in obj.get("edges") or [] if isinstance(e, dict)]
+
+
+def list_edges() -> Call[list[JSON]]:
+    return Call(json_request("GET", "/v1/edges"), _edges)
