@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
-from dsec.daemon import parse_hostport, serve_metrics
+from dsec.daemon import bound_port, parse_hostport, serve_metrics
 from dsec.iam.db import IamDb
 from dsec.iam.service import ALLOWED_ROLES, DEFAULT_RECONCILE_GRACE_S, IamService
 from dsec.obs import Metrics, log
@@ -63,6 +63,7 @@ class IamApp:
         self.config = config
         self.metrics = Metrics("dsec_iam")
         self.port = 0
+        self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
         self._service: IamService | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -86,6 +87,7 @@ class IamApp:
         if cfg.metrics_listen:
             host, port = parse_hostport(cfg.metrics_listen)
             self._metrics_runner = await serve_metrics(self.metrics, host, port)
+            self.metrics_port = bound_port(self._metrics_runner)
         log(_log, "listening", listen=cfg.listen, port=self.port, db=str(cfg.db_path))
         return self.port
 

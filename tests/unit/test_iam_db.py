@@ -1,0 +1,224 @@
+"""IamDb: bootstrap, keys, authentication and quota admission, directly on SQLite."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.core import errors as e
+from dsec.core.ids import new_sandbox_id
+from dsec.iam.db import DEFAULT_PROJECT, IamDb, Project
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sid(edge: str, n: int) -> str:
+    return new_sandbox_id(edge, n.to_bytes(13, "little"))
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def db(tmp_path: Path, clock: Clock) -> Iterator[IamDb]:
+    d = IamDb(tmp_path / "iam.db", clock=clock)
+    yield d
+    d.close()
+
+
+def test_bootstrap_once(db: IamDb, tmp_path: Path) -> None:
+    written: list[tuple[str, str]] = []
+    assert db.bootstrap(lambda kid, key: written.append((kid, key)))
+    assert db.get_project(DEFAULT_PROJECT).max_sandboxes == 1000
+    ((key_id, token),) = written
+    p = db.authenticate(token)
+    assert (p.subject, p.project, p.role, p.key_id) == ("admin", "default", "admin", key_id)
+    assert not db.bootstrap(lambda kid, key: written.append((kid, key)))
+    assert len(written) == 1
+    # Only the hash of the secret is stored.
+    raw = sqlite3.connect(tmp_path / "iam.db").execute("SELECT * FROM api_keys").fetchall()
+    assert token.split("_")[-1] not in repr(raw)
+
+
+def test_bootstrap_failure_commits_nothing(db: IamDb) -> None:
+    def fail(key_id: str, key: str) -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        db.bootstrap(fail)
+    assert db.list_keys() == []
+    assert db.bootstrap(lambda kid, key: None)
+
+
+def test_keys_lifecycle(db: IamDb, clock: Clock) -> None:
+    db.put_project(Project("team-a", 10, 4.0, 4096))
+    token, rec = db.create_key("alice", "team-a", "member", "laptop")
+    assert token.startswith(f"dsk_{rec.key_id}_")
+    assert len(rec.key_id) == 12
+    assert db.authenticate(token).subject == "alice"
+    clock.now += 1
+    _, other = db.create_key("bob", "team-a", "viewer", "")
+    assert [k.key_id for k in db.list_keys("team-a")] == [rec.key_id, other.key_id]
+    assert db.list_keys("nope") == []
+    db.revoke_key(rec.key_id)
+    db.revoke_key(rec.key_id)  # idempotent
+    assert db.get_key(rec.key_id).revoked
+    with pytest.raises(e.Unauthenticated):
+        db.authenticate(token)
+    with pytest.raises(e.NotFound):
+        db.revoke_key("zzzzzzzzzzzz")
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "",
+        "garbage",
+        "dsk_abcdefabcdef_" + "A" * 43,  # well-formed, unknown id
+        "dsk_ABCDEFABCDEF_" + "A" * 43,  # malformed id
+    ],
+)
+def test_authenticate_refuses(db: IamDb, token: str) -> None:
+    with pytest.raises(e.Unauthenticated, match="invalid API key"):
+        db.authenticate(token)
+
+
+def test_authenticate_refuses_wrong_secret(db: IamDb) -> None:
+    db.put_project(Project("p", 0, 0, 0))
+    token, _ = db.create_key("alice", "p", "admin", "")
+    wrong = token[:-1] + ("A" if token[-1] != "A" else "B")
+    with pytest.raises(e.Unauthenticated):
+        db.authenticate(wrong)
+
+
+def test_create_key_validation(db: IamDb) -> None:
+    db.put_project(Project("p", 0, 0, 0))
+    with pytest.raises(e.InvalidArgument):
+        db.create_key("alice", "p", "root", "")
+    with pytest.raises(e.InvalidArgument):
+        db.create_key("", "p", "member", "")
+    with pytest.raises(e.NotFound):
+        db.create_key("alice", "missing", "member", "")
+
+
+def test_project_validation(db: IamDb) -> None:
+    with pytest.raises(e.InvalidArgument):
+        db.put_project(Project("Bad Name", 1, 1, 1))
+    with pytest.raises(e.InvalidArgument):
+        db.put_project(Project("ok", -1, 1, 1))
+    assert db.put_project(Project("ok", 1, 0.5, 2)) == Project("ok", 1, 0.5, 2)
+    assert db.put_project(Project("ok", 5, 0, 0)).max_sandboxes == 5
+    assert [p.name for p in db.list_projects()] == ["ok"]
+    with pytest.raises(e.NotFound):
+        db.get_project("missing")
+
+
+def test_admit_counts_sandboxes(db: IamDb) -> None:
+    db.put_project(Project("p", 2, 0, 0))
+    assert db.admit("p", sid("ab12", 1), 1.0, 512)
+    assert not db.admit("p", sid("ab12", 1), 1.0, 512)  # same id again: no-op
+    assert db.admit("p", sid("ab12", 2), 1.0, 512)
+    with pytest.raises(e.QuotaExceeded, match="max_sandboxes 2"):
+        db.admit("p", sid("ab12", 3), 1.0, 512)
+    u = db.usage("p")
+    assert (u.sandboxes, u.cpu, u.memory_mb) == (2, 2.0, 1024)
+    assert db.release(sid("ab12", 1)) is not None
+    assert db.release(sid("ab12", 1)) is None  # idempotent
+    assert db.admit("p", sid("ab12", 3), 1.0, 512)
+
+
+def test_admit_cpu_and_memory_limits_are_exact(db: IamDb) -> None:
+    db.put_project(Project("p", 0, 1.0, 1000))
+    for i in range(10):
+        db.admit("p", sid("ab12", i), 0.1, 100)  # ten times 0.1 is exactly 1.0 here
+    with pytest.raises(e.QuotaExceeded, match="max_cpu 1"):
+        db.admit("p", sid("ab12", 99), 0.1, 0)
+    db.put_project(Project("p", 0, 0, 1000))
+    with pytest.raises(e.QuotaExceeded, match="max_memory_mb 1000"):
+        db.admit("p", sid("ab12", 99), 0.1, 1)
+    assert db.usage("p").cpu == pytest.approx(1.0)
+
+
+def test_admit_validation(db: IamDb) -> None:
+    db.put_project(Project("p", 0, 0, 0))
+    db.put_project(Project("q", 0, 0, 0))
+    with pytest.raises(e.NotFound):
+        db.admit("missing", sid("ab12", 1), 1, 1)
+    with pytest.raises(e.InvalidArgument):
+        db.admit("p", "sbx-nope", 1, 1)
+    with pytest.raises(e.InvalidArgument):
+        db.admit("p", sid("ab12", 1), 1, 1, edge_id="cd34")
+    with pytest.raises(e.InvalidArgument):
+        db.admit("p", sid("ab12", 1), -1, 1)
+    db.admit("p", sid("ab12", 1), 1, 1, edge_id="ab12")
+    with pytest.raises(e.AlreadyExists):
+        db.admit("q", sid("ab12", 1), 1, 1)
+    assert db.allocations(edge_id="ab12")[0].edge_id == "ab12"
+
+
+def test_release_by_edge_only_its_own(db: IamDb) -> None:
+    db.put_project(Project("p", 0, 0, 0))
+    db.admit("p", sid("ab12", 1), 1, 1)
+    with pytest.raises(e.PermissionDenied):
+        db.release(sid("ab12", 1), edge_id="cd34")
+    assert db.release(sid("ab12", 1), edge_id="ab12") is not None
+
+
+def test_reconcile_drops_dead_allocations_after_grace(db: IamDb, clock: Clock) -> None:
+    db.put_project(Project("p", 0, 0, 0))
+    for i in range(3):
+        db.admit("p", sid("ab12", i), 1, 1)
+    db.admit("p", sid("cd34", 9), 1, 1)
+    clock.now += 60
+    db.admit("p", sid("ab12", 7), 1, 1)  # young: the edge may not know it yet
+    gone = db.reconcile("ab12", [sid("ab12", 0)], grace_s=30)
+    assert sorted(gone) == sorted([sid("ab12", 1), sid("ab12", 2)])
+    left = {a.sandbox_id for a in db.allocations()}
+    assert left == {sid("ab12", 0), sid("ab12", 7), sid("cd34", 9)}
+    with pytest.raises(e.InvalidArgument):
+        db.reconcile("BAD", [], grace_s=0)
+
+
+def test_two_connections_never_overcommit(tmp_path: Path) -> None:
+    """Admission holds across processes/connections: BEGIN IMMEDIATE serializes them."""
+    setup = IamDb(tmp_path / "iam.db")
+    setup.put_project(Project("p", 50, 0, 0))
+    setup.close()
+    admitted: list[str] = []
+    lock = threading.Lock()
+
+    def worker(offset: int) -> None:
+        conn = IamDb(tmp_path / "iam.db")
+        try:
+            for i in range(40):
+                s = sid("ab12", offset * 1000 + i)
+                try:
+                    conn.admit("p", s, 0.5, 10)
+                except e.QuotaExceeded:
+                    continue
+                with lock:
+                    admitted.append(s)
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    check = IamDb(tmp_path / "iam.db")
+    assert len(admitted) == 50
+    assert check.usage("p").sandboxes == 50
+    check.close()
