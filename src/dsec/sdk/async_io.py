@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -179,7 +179,7 @@ class AsyncTransport:
 
     async def events(
         self, sandbox_id: str, first: bytes, stdin: AsyncStdin | None = None
-    ) -> AsyncIterator[ExecEvent]:
+    ) -> AsyncGenerator[ExecEvent, None]:
         """Run one streamed call: send ``stdin`` (if any, then end it) and yield events."""
         sock = await self.open_runtime(sandbox_id, first)
         failures: list[BaseException] = []

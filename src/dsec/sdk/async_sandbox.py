@@ -8,7 +8,7 @@ work in ``upload``/``download``/``write`` runs in a worker thread.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from types import TracebackType
 
 import httpx
@@ -225,7 +225,7 @@ class AsyncSandbox:
         user: str | int | None = None,
         timeout: float | None = 60,
         stdin: AsyncStdin | None = None,
-    ) -> AsyncIterator[ExecEvent]:
+    ) -> AsyncGenerator[ExecEvent, None]:
         """Run ``cmd`` yielding output chunks as they come, then one ``exit`` event."""
         first = streams.exec_request(
             cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin is not None

@@ -11,7 +11,7 @@ import builtins
 import contextlib
 import os
 import tempfile
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -37,7 +37,7 @@ class AsyncFiles:
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
 
-    async def read_stream(self, path: str, chunk_size: int = CHUNK) -> AsyncIterator[bytes]:
+    async def read_stream(self, path: str, chunk_size: int = CHUNK) -> AsyncGenerator[bytes, None]:
         """Yield the file's content in chunks without holding it in memory."""
         req = rc.read_file(self._id, path)
         async with self._t.download(req, chunk_size) as chunks:
@@ -156,7 +156,7 @@ class AsyncProcesses:
     async def send_input(self, pid: int, data: bytes | str) -> None:
         await self._t.call(rc.send_input(self._id, pid, data))
 
-    def connect(self, pid: int) -> AsyncIterator[ExecEvent]:
+    def connect(self, pid: int) -> AsyncGenerator[ExecEvent, None]:
         """Replay the process's buffered output, follow it live, end with its ``exit``."""
         return self._t.events(self._id, streams.connect_request(pid))
 
@@ -215,7 +215,7 @@ class AsyncPty:
     async def resize(self, cols: int, rows: int) -> None:
         await (await self._socket()).send(streams.resize_message(cols, rows))
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    async def __aiter__(self) -> AsyncGenerator[bytes, None]:
         if self._exit is not None:
             return
         async for event in await self._socket():

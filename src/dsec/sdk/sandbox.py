@@ -8,7 +8,7 @@ module name for name (a unit test checks the two surfaces match).
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from types import TracebackType
 
 import httpx
@@ -225,7 +225,7 @@ class Sandbox:
         user: str | int | None = None,
         timeout: float | None = 60,
         stdin: Stdin | None = None,
-    ) -> Iterator[ExecEvent]:
+    ) -> Generator[ExecEvent, None, None]:
         """Run ``cmd`` yielding output chunks as they come, then one ``exit`` event."""
         first = streams.exec_request(
             cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin is not None

@@ -11,7 +11,7 @@ import builtins
 import os
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -37,7 +37,7 @@ class Files:
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return self.read(path).decode(encoding)
 
-    def read_stream(self, path: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+    def read_stream(self, path: str, chunk_size: int = CHUNK) -> Generator[bytes, None, None]:
         """Yield the file's content in chunks without holding it in memory."""
         req = rc.read_file(self._id, path)
         with self._t.download(req, chunk_size) as chunks:
@@ -146,7 +146,7 @@ class Processes:
     def send_input(self, pid: int, data: bytes | str) -> None:
         self._t.call(rc.send_input(self._id, pid, data))
 
-    def connect(self, pid: int) -> Iterator[ExecEvent]:
+    def connect(self, pid: int) -> Generator[ExecEvent, None, None]:
         """Replay the process's buffered output, follow it live, end with its ``exit``."""
         return self._t.events(self._id, streams.connect_request(pid))
 
@@ -204,7 +204,7 @@ class Pty:
     def resize(self, cols: int, rows: int) -> None:
         self._socket().send(streams.resize_message(cols, rows))
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Generator[bytes, None, None]:
         if self._exit is not None:
             return
         for event in self._socket():

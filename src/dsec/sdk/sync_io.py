@@ -7,7 +7,7 @@ exceptions (httpx, websockets, OS errors) into ``dsec.core.errors`` exactly once
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -172,6 +172,7 @@ class SyncTransport:
         """Open the sandbox's runtime WebSocket and send the call's request message."""
         url = runtime_url(self.config.api_url, sandbox_id)
         try:
+            # Entered as a context manager: websockets >= 17.1 warns about bare connections.
             ws = ws_connect(
                 url,
                 additional_headers={"Authorization": self._headers["Authorization"]},
@@ -180,7 +181,7 @@ class SyncTransport:
                 open_timeout=WS_OPEN_TIMEOUT_S,
                 close_timeout=2,
                 max_size=MAX_FRAME + 16,
-            )
+            ).__enter__()
         except (OSError, TimeoutError, WebSocketException) as exc:
             raise translate_ws(url, exc) from None
         sock = SyncRuntimeSocket(ws)
@@ -193,7 +194,7 @@ class SyncTransport:
 
     def events(
         self, sandbox_id: str, first: bytes, stdin: Content | None = None
-    ) -> Iterator[ExecEvent]:
+    ) -> Generator[ExecEvent, None, None]:
         """Run one streamed call: send ``stdin`` (if any, then end it) and yield events."""
         sock = self.open_runtime(sandbox_id, first)
         failures: list[BaseException] = []
