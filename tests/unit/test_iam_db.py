@@ -11,7 +11,7 @@ import pytest
 
 from dsec.core import errors as e
 from dsec.core.ids import new_sandbox_id
-from dsec.iam.db import DEFAULT_PROJECT, IamDb, Project
+from dsec.iam.db import DEFAULT_PROJECT, Admission, IamDb, Project
 
 
 class Clock:
@@ -222,3 +222,24 @@ def test_two_connections_never_overcommit(tmp_path: Path) -> None:
     assert len(admitted) == 50
     assert check.usage("p").sandboxes == 50
     check.close()
+
+
+def test_admit_many_decides_each_in_order(db: IamDb) -> None:
+    db.put_project(Project("p", 2, 0, 0))
+    results = db.admit_many(
+        [
+            Admission("p", sid("ab12", 1), 1, 1),
+            Admission("p", "bad id", 1, 1),
+            Admission("p", sid("ab12", 1), 1, 1),  # repeat of the first: no-op
+            Admission("missing", sid("ab12", 2), 1, 1),
+            Admission("p", sid("ab12", 3), 1, 1),
+            Admission("p", sid("ab12", 4), 1, 1),  # third sandbox: over the limit
+        ]
+    )
+    assert results[0] is True
+    assert isinstance(results[1], e.InvalidArgument)
+    assert results[2] is False
+    assert isinstance(results[3], e.NotFound)
+    assert results[4] is True
+    assert isinstance(results[5], e.QuotaExceeded)
+    assert {a.sandbox_id for a in db.allocations()} == {sid("ab12", 1), sid("ab12", 3)}

@@ -9,7 +9,8 @@ Theory of operation:
 * Quota usage is never stored as a counter: it is the sum over ``allocations`` rows of the
   project. :meth:`IamDb.admit` reads that sum and inserts the new row inside one
   ``BEGIN IMMEDIATE`` transaction, so two admissions can never both see the last free slot,
-  even from two processes.
+  even from two processes. :meth:`IamDb.admit_many` decides a batch in one transaction
+  (each request in its own savepoint) so a burst shares one fsync.
 * Every method validates its inputs and raises :mod:`dsec.core.errors` classes; sqlite3
   errors are translated to :class:`~dsec.core.errors.Unavailable` at this boundary.
 * Resource amounts: CPU is stored in integer millicores so sums are exact; a limit of 0
@@ -114,6 +115,17 @@ class Usage:
     sandboxes: int
     cpu: float
     memory_mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """One request to admit a sandbox against its project's quota."""
+
+    project: str
+    sandbox_id: str
+    cpu: float
+    memory_mb: int
+    edge_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,38 +352,64 @@ class IamDb:
             AlreadyExists: the sandbox id is allocated to another project.
             QuotaExceeded: a limit would be exceeded; the message names it.
         """
-        if not is_sandbox_id(sandbox_id):
-            raise InvalidArgument(f"malformed sandbox id {sandbox_id!r}")
-        owner = edge_of(sandbox_id)
-        if edge_id and validate_edge_id(edge_id) != owner:
-            raise InvalidArgument(f"sandbox {sandbox_id} belongs to edge {owner}, not {edge_id}")
-        if cpu < 0 or memory_mb < 0:
-            raise InvalidArgument("cpu and memory_mb must be >= 0")
-        milli = _milli(cpu)
+        (result,) = self.admit_many([Admission(project, sandbox_id, cpu, memory_mb, edge_id)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def admit_many(self, batch: Sequence[Admission]) -> list[bool | Exception]:
+        """Admit several requests in one transaction, so they share one disk sync.
+
+        Each is decided on its own, in order, seeing the ones before it; the answer for each
+        is what :meth:`admit` would return or raise. If the commit itself fails, this raises
+        (nothing was admitted).
+        """
+        out: list[bool | Exception] = []
         with self._write() as db:
-            row = db.execute(
-                "SELECT max_sandboxes, max_cpu_milli, max_memory_mb FROM projects WHERE name = ?",
-                (project,),
-            ).fetchone()
-            if row is None:
-                raise NotFound(f"no project {project!r}")
-            have = db.execute(
-                "SELECT project FROM allocations WHERE sandbox_id = ?", (sandbox_id,)
-            ).fetchone()
-            if have is not None:
-                if have[0] != project:
-                    raise AlreadyExists(f"sandbox {sandbox_id} is allocated to another project")
-                return False
-            count, used_milli, used_mem = db.execute(
-                "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
-                "FROM allocations WHERE project = ?",
-                (project,),
-            ).fetchone()
-            _check_quota(project, row, (count, used_milli, used_mem), milli, memory_mb)
-            db.execute(
-                "INSERT INTO allocations VALUES (?, ?, ?, ?, ?, ?)",
-                (sandbox_id, project, owner, milli, memory_mb, self._clock()),
+            for a in batch:
+                db.execute("SAVEPOINT admit")
+                try:
+                    out.append(self._admit_one(db, a))
+                except Exception as exc:
+                    db.execute("ROLLBACK TO admit")
+                    out.append(exc)
+                db.execute("RELEASE admit")
+        return out
+
+    def _admit_one(self, db: sqlite3.Connection, a: Admission) -> bool:
+        if not is_sandbox_id(a.sandbox_id):
+            raise InvalidArgument(f"malformed sandbox id {a.sandbox_id!r}")
+        owner = edge_of(a.sandbox_id)
+        if a.edge_id and validate_edge_id(a.edge_id) != owner:
+            raise InvalidArgument(
+                f"sandbox {a.sandbox_id} belongs to edge {owner}, not {a.edge_id}"
             )
+        if a.cpu < 0 or a.memory_mb < 0:
+            raise InvalidArgument("cpu and memory_mb must be >= 0")
+        milli = _milli(a.cpu)
+        row = db.execute(
+            "SELECT max_sandboxes, max_cpu_milli, max_memory_mb FROM projects WHERE name = ?",
+            (a.project,),
+        ).fetchone()
+        if row is None:
+            raise NotFound(f"no project {a.project!r}")
+        have = db.execute(
+            "SELECT project FROM allocations WHERE sandbox_id = ?", (a.sandbox_id,)
+        ).fetchone()
+        if have is not None:
+            if have[0] != a.project:
+                raise AlreadyExists(f"sandbox {a.sandbox_id} is allocated to another project")
+            return False
+        count, used_milli, used_mem = db.execute(
+            "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
+            "FROM allocations WHERE project = ?",
+            (a.project,),
+        ).fetchone()
+        _check_quota(a.project, row, (count, used_milli, used_mem), milli, a.memory_mb)
+        db.execute(
+            "INSERT INTO allocations VALUES (?, ?, ?, ?, ?, ?)",
+            (a.sandbox_id, a.project, owner, milli, a.memory_mb, self._clock()),
+        )
         return True
 
     def release(self, sandbox_id: str, *, edge_id: str = "") -> Allocation | None:

@@ -1,7 +1,10 @@
 """The ``dsec.v1.Iam`` gRPC servicer: proto messages in, :class:`IamDb` calls, messages out.
 
 Every database call runs on one dedicated thread (a one-worker executor), so the event loop
-never waits on SQLite or an fsync, and the database sees exactly one writer. Who may call
+never waits on SQLite or an fsync, and the database sees exactly one writer. Admit calls
+that arrive while the database thread is busy are queued and decided together in one
+transaction (:meth:`IamDb.admit_many`): a burst of admissions costs one disk sync, not one
+each. Who may call
 what is :data:`ALLOWED_ROLES`; an edge may additionally only release and reconcile its own
 sandboxes (checked here against the name in its certificate).
 """
@@ -18,7 +21,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 
 from dsec.core.errors import PermissionDenied, QuotaExceeded, Unauthenticated
-from dsec.iam.db import IamDb, KeyRecord, Project
+from dsec.iam.db import Admission, IamDb, KeyRecord, Project
 from dsec.obs import Metrics, log
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
@@ -50,14 +53,44 @@ class IamService(pb_grpc.IamServicer):
         self._metrics = metrics or Metrics("dsec_iam")
         self._grace = reconcile_grace_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iam-db")
+        self._admit_queue: list[tuple[Admission, asyncio.Future[bool]]] = []
+        self._admit_drainer: asyncio.Task[None] | None = None
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run a blocking database call on the database thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
+    async def admit(self, admission: Admission) -> bool:
+        """Admit through the batching queue; same answers as :meth:`IamDb.admit`."""
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._admit_queue.append((admission, fut))
+        if self._admit_drainer is None:
+            self._admit_drainer = asyncio.create_task(self._drain_admissions())
+        return await fut
+
+    async def _drain_admissions(self) -> None:
+        try:
+            while self._admit_queue:
+                batch, self._admit_queue = self._admit_queue, []
+                try:
+                    results = await self.run(self._db.admit_many, [a for a, _ in batch])
+                except Exception as exc:  # the commit failed: nobody was admitted
+                    results = [exc] * len(batch)
+                for (_, fut), result in zip(batch, results, strict=True):
+                    if fut.done():  # the caller went away; its decision stands
+                        continue
+                    if isinstance(result, Exception):
+                        fut.set_exception(result)
+                    else:
+                        fut.set_result(result)
+        finally:
+            self._admit_drainer = None
+
     async def close(self) -> None:
         """Close the database (on its own thread) and stop the thread."""
+        if self._admit_drainer is not None:
+            await self._admit_drainer
         await self.run(self._db.close)
         self._pool.shutdown(wait=True)
 
@@ -96,13 +129,14 @@ class IamService(pb_grpc.IamServicer):
 
     async def Admit(self, request: pb.AdmitRequest, context: _Ctx) -> pb.Empty:
         try:
-            new = await self.run(
-                self._db.admit,
-                request.project,
-                request.sandbox_id,
-                request.cpu,
-                request.memory_mb,
-                request.edge_id,
+            new = await self.admit(
+                Admission(
+                    request.project,
+                    request.sandbox_id,
+                    request.cpu,
+                    request.memory_mb,
+                    request.edge_id,
+                )
             )
         except QuotaExceeded:
             self._metrics.inc("admissions", result="quota_exceeded")

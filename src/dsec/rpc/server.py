@@ -88,21 +88,16 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, allowed_roles: AllowedRoles, metrics: Metrics | None = None) -> None:
         self._rules = {k: frozenset(v) for k, v in allowed_roles.items()}
         self._metrics = metrics
-        self._by_method: dict[str, frozenset[str]] = {}
+        # method -> (the servicer's handler, our wrapper of it): wrap once, not per call
+        self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
 
     def roles_for(self, method: str) -> frozenset[str]:
         """The roles allowed to call ``method`` (``/package.Service/Method``)."""
-        cached = self._by_method.get(method)
-        if cached is None:
-            service = method.lstrip("/").rpartition("/")[0]
-            for key in (method, service, "*"):
-                if key in self._rules:
-                    cached = self._rules[key]
-                    break
-            else:
-                cached = frozenset()
-            self._by_method[method] = cached
-        return cached
+        service = method.lstrip("/").rpartition("/")[0]
+        for key in (method, service, "*"):
+            if key in self._rules:
+                return self._rules[key]
+        return frozenset()
 
     async def intercept_service(
         self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -111,8 +106,12 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
-        guard = _Guard(method, self.roles_for(method), self._metrics)
-        return _wrap_handler(handler, guard)
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = _wrap_handler(handler, _Guard(method, self.roles_for(method), self._metrics))
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
 
 class _Guard:
