@@ -108,8 +108,12 @@ def test_exec_request_and_stdin_encodings() -> None:
     assert _body(req) == {"cmd": ["ls", "-l"], "env": {"X": "1"}, "cwd": "/tmp", "timeout": 5}
     assert req.timeout == 5 + wire.EXEC_MARGIN_S
     assert _body(rc.exec_command(SID, "cat", stdin=b"hi").request)["stdin"] == "hi"
-    binary = _body(rc.exec_command(SID, "cat", stdin=b"\xff\x00").request)
+    call = rc.exec_command(SID, "cat", stdin=b"\xff\x00")
+    binary = _body(call.request)
     assert binary["encoding"] == "base64"
+    # ... and then the answer's output is base64 too
+    answer = {"stdout": base64.b64encode(b"out").decode(), "stderr": "", "exit_code": 0}
+    assert wire.finish(call, 200, json.dumps(answer).encode()).stdout == "out"
     assert base64.b64decode(str(binary["stdin"])) == b"\xff\x00"
     assert rc.exec_command(SID, "sleep 1", timeout=None).request.timeout is None
     bad: str | list[str]
@@ -152,7 +156,7 @@ def test_file_requests() -> None:
     req = rc.write_file(SID, "/a b", mode=0o755).request
     assert (req.method, req.params) == (
         "PUT",
-        (("path", "/a b"), ("mode", "493"), ("parents", "1")),
+        (("path", "/a b"), ("mode", "755"), ("parents", "1")),
     )
     assert req.timeout is None  # uploads may take as long as they take
     assert rc.read_file(SID, "x").params == (("path", "x"),)

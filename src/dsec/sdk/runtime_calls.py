@@ -66,9 +66,11 @@ def read_timeout(timeout: float | None) -> float | None:
     return None if timeout is None else timeout + EXEC_MARGIN_S
 
 
-def _command_parser(timeout: float | None) -> Callable[[JSON], ExecResult]:
+def _command_parser(
+    timeout: float | None, encoding: str | None = None
+) -> Callable[[JSON], ExecResult]:
     def parse(obj: JSON) -> ExecResult:
-        result = ExecResult.from_wire(obj)
+        result = ExecResult.from_wire({**obj, "encoding": encoding} if encoding else obj)
         if result.timed_out:
             after = f" after {timeout:g} s" if timeout else ""
             raise CommandTimeout(f"command timed out{after}", result)
@@ -77,12 +79,19 @@ def _command_parser(timeout: float | None) -> Callable[[JSON], ExecResult]:
     return parse
 
 
-def _timeout_refiner(exc: DsecError, body: JSON) -> DsecError:
-    partial = body.get("result")
-    if isinstance(exc, DeadlineExceeded) and isinstance(partial, dict):
-        result = ExecResult.from_wire({**partial, "timed_out": True})
-        return CommandTimeout(exc.message, result)
-    return exc
+def _timeout_refiner(
+    encoding: str | None = None,
+) -> Callable[[DsecError, JSON], DsecError]:
+    def refine(exc: DsecError, body: JSON) -> DsecError:
+        partial = body.get("result")
+        if isinstance(exc, DeadlineExceeded) and isinstance(partial, dict):
+            fields = {**partial, "timed_out": True}
+            if encoding:
+                fields["encoding"] = encoding
+            return CommandTimeout(exc.message, ExecResult.from_wire(fields))
+        return exc
+
+    return refine
 
 
 def _path(sandbox_id: str, tail: str) -> str:
@@ -111,17 +120,19 @@ def exec_command(
         user=user,
         timeout=timeout,
     )
+    encoding = None
     if isinstance(stdin, bytes | bytearray | memoryview):
         raw = bytes(stdin)
         try:
             body["stdin"] = raw.decode("utf-8")
         except UnicodeDecodeError:
+            # Binary stdin: the API then also answers stdout/stderr in base64.
             body["stdin"] = base64.b64encode(raw).decode()
-            body["encoding"] = "base64"
+            body["encoding"] = encoding = "base64"
     elif stdin is not None:
         body["stdin"] = str(stdin)
     req = json_request("POST", _path(sandbox_id, "exec"), body, timeout=read_timeout(timeout))
-    return Call(req, _command_parser(timeout), _timeout_refiner)
+    return Call(req, _command_parser(timeout, encoding), _timeout_refiner(encoding))
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -147,12 +158,12 @@ def write_file(
     parents: bool = True,
     append: bool = False,
 ) -> Call[WriteResult]:
-    """``PUT .../files``: the shell supplies the (streamed) body. ``mode`` is sent in decimal."""
+    """``PUT .../files``: the shell supplies the (streamed) body; ``mode`` goes as octal."""
     params: list[tuple[str, str]] = [("path", _check_path(path))]
     if mode is not None:
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
             raise InvalidArgument(f"mode must be an integer permission such as 0o644, got {mode!r}")
-        params.append(("mode", str(mode)))
+        params.append(("mode", format(mode, "o")))
     if parents:
         params.append(("parents", "1"))
     if append:
@@ -307,7 +318,7 @@ def run_in_shell(
     )
     path = _shell_path(sandbox_id, name) + "/run"
     req = json_request("POST", path, body, timeout=read_timeout(timeout))
-    return Call(req, _command_parser(timeout), _timeout_refiner)
+    return Call(req, _command_parser(timeout), _timeout_refiner())
 
 
 def _sessions(obj: JSON) -> list[ShellSession]:
