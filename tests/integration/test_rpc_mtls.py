@@ -3,6 +3,7 @@ is refused, and how errors cross the wire. Needs only loopback (no root)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import statistics
 import time
@@ -22,8 +23,21 @@ from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.client import secure_channel
 from dsec.rpc.errors import CODE_KEY, translated
+from dsec.rpc.options import (
+    CLIENT_KEEPALIVE_MS,
+    MIN_PING_INTERVAL_MS,
+    client_options,
+    server_options,
+)
 from dsec.rpc.server import make_server, peer_identity, server_port
-from dsec.rpc.tls import Identity, default_identities, ensure_pki, read_pki
+from dsec.rpc.tls import (
+    Identity,
+    channel_credentials,
+    default_identities,
+    ensure_pki,
+    read_pki,
+    server_credentials,
+)
 
 ALLOWED = {
     "dsec.v1.Iam": {"apiserver"},
@@ -222,3 +236,35 @@ async def test_unary_round_trip_latency(served: Served) -> None:
     median_ms = statistics.median(samples) * 1000
     print(f"\nmTLS unary round trip (fake handler): median {median_ms:.3f} ms over 1000 calls")
     assert median_ms < 50
+
+
+async def _stays_connected(pki: Path, keepalive_ms: int, floor_ms: int, idle_s: float) -> bool:
+    """Idle a channel with these keepalive settings; did the server keep the connection?"""
+    server = grpc.aio.server(options=server_options(min_ping_interval_ms=floor_ms))
+    pb_grpc.add_IamServicer_to_server(FakeIam(), server)  # type: ignore[abstract]
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(pki, "iam"))
+    await server.start()
+    try:
+        creds = channel_credentials(pki, "apiserver")
+        opts = client_options(keepalive_ms=keepalive_ms)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds, options=opts) as ch:
+            await pb_grpc.IamStub(ch).Authenticate(pb.AuthenticateRequest(), timeout=5)
+            deadline = time.monotonic() + idle_s
+            while time.monotonic() < deadline:
+                if ch.get_state() != grpc.ChannelConnectivity.READY:
+                    return False
+                await asyncio.sleep(0.02)
+            return True
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_keepalive_settings_agree(served: Served) -> None:
+    # The real settings scaled down 20x (gRPC will not ping much more often than once a
+    # second): client pings every 1 s, server floor 0.5 s; three pings in 3.5 s are fine.
+    assert CLIENT_KEEPALIVE_MS > MIN_PING_INTERVAL_MS
+    assert await _stays_connected(served.pki, keepalive_ms=1000, floor_ms=500, idle_s=3.5)
+    # Control: a client pinging more often than the server's floor is cut off after the
+    # third ping (GOAWAY too_many_pings), as happened with gRPC's default 5-minute floor.
+    assert not await _stays_connected(served.pki, keepalive_ms=1000, floor_ms=5000, idle_s=3.5)
