@@ -70,7 +70,7 @@ class AsyncClient:
         return await self.transport.call(wire.whoami())
 
     async def create_key(
-        self, subject: str, project: str, role: str = "user", name: str = ""
+        self, subject: str, project: str, role: str = "member", name: str = ""
     ) -> NewKey:
         return await self.transport.call(
             wire.create_key(subject=subject, project=project, role=role, name=name)

@@ -131,8 +131,8 @@ def resolve_config(
     if not key:
         raise MissingCredentials(
             f"no API key: set {ENV_KEY} (and {ENV_URL} if the apiserver is not at "
-            f"{DEFAULT_API_URL}), pass api_key=..., or run `dsec up` on this machine so "
-            f"{path} exists"
+            f"{DEFAULT_API_URL}), pass --api-key (CLI) or api_key= (SDK), or run `dsec up` "
+            f"on this machine so {path} exists"
         )
     if not url:
         url, url_source = DEFAULT_API_URL, "default"

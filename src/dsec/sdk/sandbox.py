@@ -71,7 +71,9 @@ class Client:
     def whoami(self) -> Identity:
         return self.transport.call(wire.whoami())
 
-    def create_key(self, subject: str, project: str, role: str = "user", name: str = "") -> NewKey:
+    def create_key(
+        self, subject: str, project: str, role: str = "member", name: str = ""
+    ) -> NewKey:
         return self.transport.call(
             wire.create_key(subject=subject, project=project, role=role, name=name)
         )

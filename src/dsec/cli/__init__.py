@@ -1,0 +1,1 @@
+"""The ``dsec`` command line: sandboxes, files, keys, and (from ``platform``) the platform."""

@@ -1,0 +1,203 @@
+"""``dsec sandbox ...``: create, list, inspect, run commands in, open shells in, and kill
+sandboxes. Every command takes ``--json``; exec and shell exit with the remote status."""
+
+from __future__ import annotations
+
+import click
+
+from dsec.cli import files as files_cmd
+from dsec.cli import terminal
+from dsec.cli.output import (
+    EXIT_TIMEOUT,
+    json_option,
+    parse_pairs,
+    print_json,
+    report,
+    sandbox_details,
+    sandbox_table,
+    state,
+    stderr,
+    stdout,
+)
+from dsec.core.errors import DsecError, InvalidArgument
+from dsec.sdk import Sandbox
+from dsec.sdk.runtime_calls import Command
+
+
+@click.group("sandbox")
+def sandbox_group() -> None:
+    """Create, use and remove sandboxes."""
+
+
+sandbox_group.add_command(files_cmd.files_group)
+
+
+@sandbox_group.command("create")
+@click.option("--image", default="base", show_default=True, help="Image to start from.")
+@click.option(
+    "--backend",
+    default="container",
+    show_default=True,
+    type=click.Choice(["container", "microvm", "vm", "function"]),
+)
+@click.option("--cpu", type=float, default=1.0, show_default=True, help="CPU cores.")
+@click.option("--memory", type=int, default=512, show_default=True, help="Memory in MiB.")
+@click.option("--pids", type=int, default=None, help="Process limit (server default if unset).")
+@click.option("--timeout", type=int, default=300, show_default=True, help="Lifetime in seconds.")
+@click.option("--env", "env", multiple=True, metavar="K=V", help="Environment (repeatable).")
+@click.option("--meta", "meta", multiple=True, metavar="K=V", help="Metadata (repeatable).")
+@json_option
+def create(
+    image: str,
+    backend: str,
+    cpu: float,
+    memory: int,
+    pids: int | None,
+    timeout: int,
+    env: tuple[str, ...],
+    meta: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Create a sandbox and print its id."""
+    env_map, meta_map = parse_pairs(env, "--env"), parse_pairs(meta, "--meta")
+    client = state().client()
+    with stderr().status(f"creating a {backend} sandbox from {image!r}"):
+        sbx = Sandbox.create(
+            backend=backend,
+            image=image,
+            cpu=cpu,
+            memory_mb=memory,
+            pids=pids,
+            timeout=timeout,
+            env=env_map,
+            metadata=meta_map,
+            client=client,
+        )
+    if as_json:
+        print_json(sbx.info())
+    else:
+        click.echo(sbx.id)
+
+
+@sandbox_group.command("ls")
+@click.option("--all", "show_all", is_flag=True, help="Include stopped and failed sandboxes.")
+@json_option
+def list_sandboxes(show_all: bool, as_json: bool) -> None:
+    """List your sandboxes."""
+    infos = state().client().list_sandboxes(all=show_all)
+    if as_json:
+        print_json(infos)
+    elif not infos:
+        stderr().print("no sandboxes" + ("" if show_all else " running (see --all)"))
+    else:
+        stdout().print(sandbox_table(infos))
+
+
+@sandbox_group.command("info")
+@click.argument("sandbox_id")
+@json_option
+def info(sandbox_id: str, as_json: bool) -> None:
+    """Show one sandbox."""
+    details = state().client().get_sandbox(sandbox_id)
+    if as_json:
+        print_json(details)
+    else:
+        stdout().print(sandbox_details(details))
+
+
+@sandbox_group.command("kill")
+@click.argument("sandbox_ids", nargs=-1, required=True, metavar="ID...")
+@json_option
+def kill(sandbox_ids: tuple[str, ...], as_json: bool) -> None:
+    """Stop and remove sandboxes (each one is tried; failures are reported)."""
+    client = state().client()
+    done, worst = [], 0
+    for sid in sandbox_ids:
+        try:
+            done.append(client.kill_sandbox(sid))
+        except DsecError as exc:
+            worst = max(worst, report(exc))
+            continue
+        if not as_json:
+            click.echo(f"killed {sid}")
+    if as_json:
+        print_json(done)
+    if worst:
+        raise click.exceptions.Exit(worst)
+
+
+@sandbox_group.command("timeout")
+@click.argument("sandbox_id")
+@click.argument("seconds", type=click.IntRange(min=1))
+@json_option
+def set_timeout(sandbox_id: str, seconds: int, as_json: bool) -> None:
+    """Let a sandbox live SECONDS from now."""
+    details = state().client().sandbox(sandbox_id).set_timeout(seconds)
+    if as_json:
+        print_json(details)
+    else:
+        expires = details.expires_at.isoformat() if details.expires_at else "unknown"
+        click.echo(f"{sandbox_id} now expires at {expires}")
+
+
+def _command(argv: tuple[str, ...]) -> Command:
+    if argv[:1] == ("--",):
+        argv = argv[1:]
+    if not argv:
+        raise click.UsageError("give the command after --, e.g. dsec sandbox exec ID -- ls -l")
+    return argv[0] if len(argv) == 1 else list(argv)
+
+
+@sandbox_group.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="-- CMD...")
+@click.option("--timeout", type=float, default=60, show_default=True, help="Seconds to allow.")
+@click.option("--env", "env", multiple=True, metavar="K=V", help="Environment (repeatable).")
+@click.option("--cwd", default=None, help="Working directory.")
+@click.option("--user", default=None, help="User name or uid.")
+@json_option
+def exec_(
+    sandbox_id: str,
+    cmd: tuple[str, ...],
+    timeout: float,
+    env: tuple[str, ...],
+    cwd: str | None,
+    user: str | None,
+    as_json: bool,
+) -> None:
+    """Run a command, streaming its output, and exit with its exit status.
+
+    One argument runs through ``/bin/sh -c`` (so ``'echo $HOME | wc'`` works); several are
+    executed directly. Piped stdin is forwarded. With --json the output is collected and
+    printed with the exit status as one JSON object. A timeout exits with 124.
+    """
+    command = _command(cmd)
+    env_map = parse_pairs(env, "--env") or None
+    sbx = state().client().sandbox(sandbox_id)
+    events = sbx.exec_stream(
+        command, env=env_map, cwd=cwd, user=user, timeout=timeout, stdin=terminal.stdin_for_exec()
+    )
+    if as_json:
+        result = terminal.collect_output(events)
+        print_json(result)
+        code = EXIT_TIMEOUT if result.timed_out else terminal.exit_status(result)
+        raise click.exceptions.Exit(code)
+    final = terminal.stream_output(events)
+    if final.timed_out:
+        click.echo(f"dsec: command timed out after {timeout:g} s", err=True)
+        raise click.exceptions.Exit(EXIT_TIMEOUT)
+    raise click.exceptions.Exit(terminal.exit_status(final))
+
+
+@sandbox_group.command("shell")
+@click.argument("sandbox_id")
+@click.option("--cmd", default=None, help="Program to run instead of a login shell.")
+@click.option("--cwd", default=None, help="Working directory.")
+def shell(sandbox_id: str, cmd: str | None, cwd: str | None) -> None:
+    """Open an interactive terminal in a sandbox (also works with piped stdin)."""
+    sbx = state().client().sandbox(sandbox_id)
+    cols, rows = terminal.terminal_size()
+    if cmd is not None and not cmd.strip():
+        raise InvalidArgument("--cmd must not be empty")
+    pty = sbx.pty.create(cols=cols, rows=rows, cmd=cmd, cwd=cwd)
+    raise click.exceptions.Exit(terminal.run_pty_session(pty))
