@@ -192,3 +192,15 @@ def test_shell_with_piped_stdin(api: FakeApi, dsec: Dsec) -> None:
     (proc,) = api.sandboxes[sid].processes.values()
     assert proc["pty"]
     assert proc["cmd"].startswith("if command -v bash")
+
+
+def test_ctrl_c_exits_130(tmp_path: Path) -> None:
+    def interrupted(request: httpx.Request) -> httpx.Response:
+        raise KeyboardInterrupt
+
+    state = CliState(
+        api_url="http://127.0.0.1:9", api_key="k", http_transport=httpx.MockTransport(interrupted)
+    )
+    res = CliRunner().invoke(cli, ["sandbox", "ls"], obj=state)
+    assert res.exit_code == 130
+    assert "interrupted" in res.stderr

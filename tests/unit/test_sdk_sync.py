@@ -230,3 +230,21 @@ def test_one_keep_alive_client_for_every_call(api: FakeApi, sbx: Sandbox) -> Non
         sbx.exec("echo x")
         seen.append(id(transport._http))
     assert len(set(seen)) == 1
+
+
+def test_api_url_with_a_path_prefix_and_query_params() -> None:
+    urls: list[str] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        urls.append(str(request.url))
+        return httpx.Response(200, json={"sandboxes": [], "entries": []})
+
+    cfg = ClientConfig("http://10.0.0.1:8/api", "k")
+    with Client(config=cfg, http_transport=httpx.MockTransport(record)) as c:
+        c.list_sandboxes(all=True)
+        c.list_sandboxes(all=True)  # the second call uses the cached URL
+        c.sandbox("sbx-e0a1-abcdefghijklmnopqrst").files.list("/a b&c")
+    assert urls[0] == urls[1] == "http://10.0.0.1:8/api/v1/sandboxes?all=1"
+    assert urls[2].endswith(
+        "/api/v1/sandboxes/sbx-e0a1-abcdefghijklmnopqrst/files/list?path=%2Fa+b%26c&depth=1"
+    )

@@ -3,7 +3,7 @@
 Sandbox commands live in ``sandbox.py``/``files.py``, keys in ``keys.py``; the platform
 commands (``up``, ``down``, ``status``, ``setup``) are registered from ``platform.py`` when
 that module is present. Every :class:`~dsec.core.errors.DsecError` ends the command with one
-line on stderr and exit code 2 (the caller's fault) or 1 (the platform's).
+line on stderr and exit code 2 (the caller's fault) or 1 (the platform's); Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import click
 
 from dsec import __version__
 from dsec.cli.keys import keys_group, whoami
-from dsec.cli.output import CliState, report
+from dsec.cli.output import EXIT_INTERRUPTED, CliState, report
 from dsec.cli.sandbox import sandbox_group
 from dsec.core.errors import DsecError
 
@@ -28,6 +28,9 @@ class DsecGroup(click.Group):
             return super().invoke(ctx)
         except DsecError as exc:
             ctx.exit(report(exc))
+        except KeyboardInterrupt:
+            click.echo("dsec: interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
 
 
 @click.group(cls=DsecGroup, invoke_without_command=True)

@@ -25,6 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 EXIT_SERVER_ERROR = 1
 EXIT_CLIENT_ERROR = 2
 EXIT_TIMEOUT = 124  # like timeout(1)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 PIPE_WIDTH = 250
 
 

@@ -23,7 +23,7 @@ from dsec.sdk.config import ClientConfig
 from dsec.sdk.models import ExecEvent, HttpResponse
 from dsec.sdk.runtime_calls import port_response
 from dsec.sdk.streams import CLOSE_MESSAGE, RuntimeStream, input_messages, runtime_url
-from dsec.sdk.sync_io import WS_OPEN_TIMEOUT_S, translate_httpx, translate_ws
+from dsec.sdk.sync_io import URL_CACHE_SIZE, WS_OPEN_TIMEOUT_S, translate_httpx, translate_ws
 from dsec.sdk.wire import (
     CONNECT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -100,6 +100,16 @@ class AsyncTransport:
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
         self._timeouts: dict[float | None, httpx.Timeout] = {}
+        self._urls: dict[str, httpx.URL] = {}
+
+    def _url(self, path: str) -> httpx.URL:
+        """The absolute URL of ``path``, parsed once (httpx's base-URL merge is slow)."""
+        url = self._urls.get(path)
+        if url is None:
+            url = httpx.URL(self.config.api_url + path)
+            if len(self._urls) < URL_CACHE_SIZE:
+                self._urls[path] = url
+        return url
 
     def _req_timeout(self, seconds: float | None) -> httpx.Timeout:
         t = self._timeouts.get(seconds)
@@ -112,7 +122,7 @@ class AsyncTransport:
         try:
             return await self._http.request(
                 req.method,
-                req.path,
+                self._url(req.path),
                 params=req.params or None,
                 content=req.body if content is None else content,
                 headers=req.headers or None,
@@ -144,7 +154,7 @@ class AsyncTransport:
         try:
             async with self._http.stream(
                 req.method,
-                req.path,
+                self._url(req.path),
                 params=req.params or None,
                 timeout=self._req_timeout(req.timeout),
             ) as resp:

@@ -37,6 +37,7 @@ from dsec.sdk.wire import (
 T = TypeVar("T")
 Content = bytes | Iterable[bytes]
 WS_OPEN_TIMEOUT_S = 30.0
+URL_CACHE_SIZE = 4096
 
 
 def _timeout(seconds: float | None) -> httpx.Timeout:
@@ -116,6 +117,16 @@ class SyncTransport:
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
         self._timeouts: dict[float | None, httpx.Timeout] = {}
+        self._urls: dict[str, httpx.URL] = {}
+
+    def _url(self, path: str) -> httpx.URL:
+        """The absolute URL of ``path``, parsed once (httpx's base-URL merge is slow)."""
+        url = self._urls.get(path)
+        if url is None:
+            url = httpx.URL(self.config.api_url + path)
+            if len(self._urls) < URL_CACHE_SIZE:
+                self._urls[path] = url
+        return url
 
     def _req_timeout(self, seconds: float | None) -> httpx.Timeout:
         t = self._timeouts.get(seconds)
@@ -128,7 +139,7 @@ class SyncTransport:
         try:
             return self._http.request(
                 req.method,
-                req.path,
+                self._url(req.path),
                 params=req.params or None,
                 content=req.body if content is None else content,
                 headers=req.headers or None,
@@ -158,7 +169,7 @@ class SyncTransport:
         try:
             with self._http.stream(
                 req.method,
-                req.path,
+                self._url(req.path),
                 params=req.params or None,
                 timeout=self._req_timeout(req.timeout),
             ) as resp:
