@@ -46,12 +46,23 @@ class Layout:
     @classmethod
     def from_port_base(cls, base: int, host: str = "127.0.0.1") -> Layout:
         a = [f"{host}:{base + i}" for i in range(7)]
-        return cls(apiserver=a[0], iam=a[1], watcher=a[2], edge=a[3], iam_metrics=a[4],
-                   watcher_metrics=a[5], edge_metrics=a[6])  # fmt: skip
+        return cls(
+            apiserver=a[0],
+            iam=a[1],
+            watcher=a[2],
+            edge=a[3],
+            iam_metrics=a[4],
+            watcher_metrics=a[5],
+            edge_metrics=a[6],
+        )
 
     def health_url(self, component: str) -> str:
-        addr = {"apiserver": self.apiserver, "iam": self.iam_metrics,
-                "watcher": self.watcher_metrics, "edge": self.edge_metrics}[component]  # fmt: skip
+        addr = {
+            "apiserver": self.apiserver,
+            "iam": self.iam_metrics,
+            "watcher": self.watcher_metrics,
+            "edge": self.edge_metrics,
+        }[component]
         return f"http://{addr}/healthz"
 
     def address(self, component: str) -> str:
@@ -73,15 +84,21 @@ def layout_path(paths: Paths) -> Path:
 
 def healthy(url: str, timeout: float = 1.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return bool(r.status == 200)
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
 class Supervisor:
-    def __init__(self, paths: Paths, layout: Layout, *, keep_sandboxes: bool = False,
-                 echo: Callable[[str], None] = print) -> None:  # fmt: skip
+    def __init__(
+        self,
+        paths: Paths,
+        layout: Layout,
+        *,
+        keep_sandboxes: bool = False,
+        echo: Callable[[str], None] = print,
+    ) -> None:
         self.paths = paths
         self.layout = layout
         self.keep_sandboxes = keep_sandboxes
@@ -98,8 +115,19 @@ class Supervisor:
         if component == "watcher":
             return [*common, "--listen", lay.watcher, "--metrics-listen", lay.watcher_metrics]
         if component == "edge":
-            argv = [*common, "--listen", lay.edge, "--metrics-listen", lay.edge_metrics,
-                    "--iam", lay.iam, "--watcher", lay.watcher, "--edge-id", lay.edge_id]  # fmt: skip
+            argv = [
+                *common,
+                "--listen",
+                lay.edge,
+                "--metrics-listen",
+                lay.edge_metrics,
+                "--iam",
+                lay.iam,
+                "--watcher",
+                lay.watcher,
+                "--edge-id",
+                lay.edge_id,
+            ]
             return argv if self.keep_sandboxes else [*argv, "--stop-sandboxes-on-exit"]
         return [*common, "--listen", lay.apiserver, "--iam", lay.iam, "--watcher", lay.watcher]
 
@@ -107,10 +135,16 @@ class Supervisor:
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         with open(self.paths.logs / f"{component}.log", "ab") as logf:
             proc = subprocess.Popen(
-                self._argv(component), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                env={**os.environ, "DSEC_HOME": str(self.paths.home),
-                     "DSEC_RUN": str(self.paths.run)},
-            )  # fmt: skip
+                self._argv(component),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                env={
+                    **os.environ,
+                    "DSEC_HOME": str(self.paths.home),
+                    "DSEC_RUN": str(self.paths.run),
+                },
+            )
         self.procs[component] = proc
         self.layout.pids[component] = proc.pid
         self.layout.save(layout_path(self.paths))
@@ -144,8 +178,10 @@ class Supervisor:
         self._write_client_config()
 
     def _write_client_config(self) -> None:
-        cfg = {"api_url": f"http://{self.layout.apiserver}",
-               "api_key_file": str(self.paths.home / "admin.key")}  # fmt: skip
+        cfg = {
+            "api_url": f"http://{self.layout.apiserver}",
+            "api_key_file": str(self.paths.home / "admin.key"),
+        }
         path = self.paths.client_config
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(cfg, indent=2))
@@ -185,9 +221,14 @@ class Supervisor:
         layout_path(self.paths).unlink(missing_ok=True)
 
 
-def run_foreground(paths: Paths, layout: Layout, *, keep_sandboxes: bool,
-                   echo: Callable[[str], None] = print,
-                   ready: Callable[[Layout], None] | None = None) -> int:  # fmt: skip
+def run_foreground(
+    paths: Paths,
+    layout: Layout,
+    *,
+    keep_sandboxes: bool,
+    echo: Callable[[str], None] = print,
+    ready: Callable[[Layout], None] | None = None,
+) -> int:
     sup = Supervisor(paths, layout, keep_sandboxes=keep_sandboxes, echo=echo)
 
     def on_signal(signum: int, frame: object) -> None:
@@ -216,8 +257,14 @@ def main() -> None:
     home, base = sys.argv[1], int(sys.argv[2])
     keep = "--keep-sandboxes" in sys.argv[3:]
     paths = Paths.from_env(home)
-    sys.exit(run_foreground(paths, Layout.from_port_base(base), keep_sandboxes=keep,
-                            echo=lambda s: print(s, flush=True)))  # fmt: skip
+    sys.exit(
+        run_foreground(
+            paths,
+            Layout.from_port_base(base),
+            keep_sandboxes=keep,
+            echo=lambda s: print(s, flush=True),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,16 @@ def test_sandbox_id_is_fixed_width_dns_label_and_names_its_edge() -> None:
     assert ids.new_sandbox_id("e0a1", bytes(range(1, 14))) != sid
 
 
-@pytest.mark.parametrize("bad", ["", "sbx-E0A1-aaaaaaaaaaaaaaaaaaaa", "sbx-e0a1-short",
-                                 "xyz-e0a1-aaaaaaaaaaaaaaaaaaaa", "../../etc/passwd"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "sbx-E0A1-aaaaaaaaaaaaaaaaaaaa",
+        "sbx-e0a1-short",
+        "xyz-e0a1-aaaaaaaaaaaaaaaaaaaa",
+        "../../etc/passwd",
+    ],
+)
 def test_malformed_sandbox_ids_are_not_found(bad: str) -> None:
     with pytest.raises(errors.SandboxNotFound):
         ids.edge_of(bad)
@@ -45,8 +53,9 @@ def test_api_key_round_trip_and_rejection() -> None:
 
 def test_every_error_is_in_the_docstring_tree_with_a_unique_code() -> None:
     doc = errors.__doc__ or ""
-    classes = [c for c in vars(errors).values()
-               if inspect.isclass(c) and issubclass(c, errors.DsecError)]
+    classes = [
+        c for c in vars(errors).values() if inspect.isclass(c) and issubclass(c, errors.DsecError)
+    ]
     codes = [c.code for c in classes]
     assert len(codes) == len(set(codes))
     for cls in classes:
@@ -84,11 +93,22 @@ def test_only_lifecycle_assigns_state() -> None:
     assert offenders == []
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("cpu", 0), ("cpu", 1000), ("memory_mb", 1), ("memory_mb", 10**9), ("pids", 1),
-    ("timeout_s", 0), ("backend", "docker"), ("image", "UPPER case"), ("env", {"1X": "y"}),
-    ("env", {"X": "a\0b"}), ("metadata", {"k": 5}),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("cpu", 0),
+        ("cpu", 1000),
+        ("memory_mb", 1),
+        ("memory_mb", 10**9),
+        ("pids", 1),
+        ("timeout_s", 0),
+        ("backend", "docker"),
+        ("image", "UPPER case"),
+        ("env", {"1X": "y"}),
+        ("env", {"X": "a\0b"}),
+        ("metadata", {"k": 5}),
+    ],
+)
 def test_absurd_specs_are_rejected(field: str, value: object) -> None:
     with pytest.raises(errors.InvalidArgument):
         spec.SandboxSpec(**{field: value})  # type: ignore[arg-type]
@@ -104,8 +124,9 @@ def test_spec_round_trip_and_unknown_fields() -> None:
 
 
 def test_node_admission() -> None:
-    cap = admission.NodeCapacity(cpu_total=2, memory_total_mb=1000, max_sandboxes=3,
-                                 cpu_overcommit=2, memory_overcommit=1)
+    cap = admission.NodeCapacity(
+        cpu_total=2, memory_total_mb=1000, max_sandboxes=3, cpu_overcommit=2, memory_overcommit=1
+    )
     small = spec.SandboxSpec(cpu=1, memory_mb=300)
     admission.admit(cap, admission.NodeLoad(sandboxes=0, cpu=0, memory_mb=0), small)
     with pytest.raises(errors.NodeFull, match="maximum of 3"):
@@ -115,5 +136,6 @@ def test_node_admission() -> None:
     with pytest.raises(errors.NodeFull, match="memory"):
         admission.admit(cap, admission.NodeLoad(sandboxes=1, cpu=0, memory_mb=800), small)
     with pytest.raises(errors.InvalidArgument, match="exceeds this node"):
-        admission.admit(cap, admission.NodeLoad(sandboxes=0, cpu=0, memory_mb=0),
-                        spec.SandboxSpec(cpu=4))
+        admission.admit(
+            cap, admission.NodeLoad(sandboxes=0, cpu=0, memory_mb=0), spec.SandboxSpec(cpu=4)
+        )

@@ -13,8 +13,15 @@ from dsec.edge.records import RecordStore, SandboxRecord
 
 
 def _rec(sid: str = "sbx-e0a1-aaaaaaaaaaaaaaaaaaaa") -> SandboxRecord:
-    return SandboxRecord(id=sid, project="p", owner="o", state=State.CREATING,
-                         spec=SandboxSpec(memory_mb=64), created_at=1.0, expires_at=301.0)
+    return SandboxRecord(
+        id=sid,
+        project="p",
+        owner="o",
+        state=State.CREATING,
+        spec=SandboxSpec(memory_mb=64),
+        created_at=1.0,
+        expires_at=301.0,
+    )
 
 
 def test_records_survive_reopen_and_move_through_the_table(tmp_path: Path) -> None:
@@ -28,7 +35,9 @@ def test_records_survive_reopen_and_move_through_the_table(tmp_path: Path) -> No
     again = RecordStore(db)
     got = again.get(rec.id)
     assert got == running
-    assert got is not None and got.live and got.state is State.RUNNING
+    assert got is not None
+    assert got.live
+    assert got.state is State.RUNNING
     with pytest.raises(InvalidState):
         got.moved(Event.RESUME)
     stopped = got.moved(Event.STOP).moved(Event.STOPPED, ended_at=5.0)

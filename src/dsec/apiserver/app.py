@@ -51,11 +51,14 @@ async def status(request: web.Request) -> web.Response:
     """Platform components and their addresses as the apiserver sees them."""
     c = ctx(request)
     edges = await c.upstream.edges(fresh=True)
-    return ok({
-        "components": c.components,
-        "edges": [{"edge_id": e.edge_id, "address": e.address, "healthy": e.healthy}
-                  for e in edges],
-    })  # fmt: skip
+    return ok(
+        {
+            "components": c.components,
+            "edges": [
+                {"edge_id": e.edge_id, "address": e.address, "healthy": e.healthy} for e in edges
+            ],
+        }
+    )
 
 
 def all_routes() -> list[tuple[str, str, Any]]:
@@ -75,8 +78,11 @@ def all_routes() -> list[tuple[str, str, Any]]:
 async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     c = ctx(request)
     start = time.perf_counter()
-    route = request.match_info.route.resource.canonical if request.match_info.route.resource \
-        else "unmatched"  # fmt: skip
+    route = (
+        request.match_info.route.resource.canonical
+        if request.match_info.route.resource
+        else "unmatched"
+    )
     rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
     status_code = 500
     try:
@@ -96,8 +102,9 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         )
     except DsecError as exc:
         status_code = exc.http_status
-        return web.json_response({"error": exc.to_wire()}, status=status_code,
-                                 headers={"X-Request-Id": rid})  # fmt: skip
+        return web.json_response(
+            {"error": exc.to_wire()}, status=status_code, headers={"X-Request-Id": rid}
+        )
     except (ConnectionResetError, asyncio.CancelledError):
         status_code = 499
         raise
@@ -106,17 +113,20 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         err = Internal(f"internal error (request id {rid}): {type(exc).__name__}")
         return web.json_response({"error": err.to_wire()}, status=500)
     finally:
-        c.metrics.observe("http_request", time.perf_counter() - start, route=route,
-                          method=request.method)  # fmt: skip
+        c.metrics.observe(
+            "http_request", time.perf_counter() - start, route=route, method=request.method
+        )
         c.metrics.inc("http_requests", route=route, method=request.method, code=str(status_code))
 
 
 def make_app(upstream: Upstream, components: dict[str, str]) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
     app[CTX] = Ctx(
-        upstream=upstream, auth=Authenticator(upstream), metrics=Metrics("dsec_apiserver"),
+        upstream=upstream,
+        auth=Authenticator(upstream),
+        metrics=Metrics("dsec_apiserver"),
         components=components,
-    )  # fmt: skip
+    )
     for method, path, handler in all_routes():
         app.router.add_route(method, path, handler)
     return app
@@ -152,3 +162,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--watcher", default="127.0.0.1:8422")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    from dsec.daemon import run_daemon
+
+    args = parse_args(argv)
+    sys.exit(run_daemon("apiserver", lambda stop: serve(args, stop), log_level=args.log_level))

@@ -58,8 +58,9 @@ class Authenticator:
         hit = self._cache.get(token)
         if hit is not None and hit[1] > now:
             return hit[0]
-        reply = await rpc("iam", self._up.iam.Authenticate(pb.AuthenticateRequest(api_key=token),
-                                                           timeout=5))
+        reply = await rpc(
+            "iam", self._up.iam.Authenticate(pb.AuthenticateRequest(api_key=token), timeout=5)
+        )
         p = Principal(reply.subject, reply.project, reply.role, reply.key_id)
         if len(self._cache) > 10_000:
             self._cache.clear()

@@ -42,7 +42,7 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise PayloadTooLarge(
-            f"request body over {request.app._client_max_size} bytes; "  # noqa: SLF001
+            f"request body over {request.app._client_max_size} bytes; "
             "upload files with PUT /files, which streams"
         ) from exc
     if not raw:

@@ -31,21 +31,33 @@ async def create_key(request: web.Request) -> web.Response:
 async def list_keys(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
     p.require("admin")
-    reply = await rpc("iam", c.upstream.iam.ListKeys(
-        pb.ListKeysRequest(project=request.query.get("project", "")), timeout=10))  # fmt: skip
+    reply = await rpc(
+        "iam",
+        c.upstream.iam.ListKeys(
+            pb.ListKeysRequest(project=request.query.get("project", "")), timeout=10
+        ),
+    )
     keys = [
-        {"key_id": k.key_id, "subject": k.subject, "project": k.project, "role": k.role,
-         "name": k.name, "created_at": k.created_at, "revoked": k.revoked}
+        {
+            "key_id": k.key_id,
+            "subject": k.subject,
+            "project": k.project,
+            "role": k.role,
+            "name": k.name,
+            "created_at": k.created_at,
+            "revoked": k.revoked,
+        }
         for k in reply.keys
-    ]  # fmt: skip
+    ]
     return ok({"keys": keys})
 
 
 async def revoke_key(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
     p.require("admin")
-    await rpc("iam", c.upstream.iam.RevokeKey(pb.KeyRef(key_id=request.match_info["key_id"]),
-                                              timeout=10))
+    await rpc(
+        "iam", c.upstream.iam.RevokeKey(pb.KeyRef(key_id=request.match_info["key_id"]), timeout=10)
+    )
     c.auth.forget()
     return ok({})
 

@@ -40,10 +40,18 @@ SCHEMAS: dict[str, Any] = {
     "SandboxInfo": {
         "type": "object",
         "properties": {
-            "id": _STR, "project": _STR, "owner": _STR, "edge_id": _STR, "error": _STR,
-            "state": {"type": "string",
-                      "enum": ["creating", "running", "paused", "stopping", "stopped", "failed"]},
-            "created_at": _NUM, "started_at": _NUM, "expires_at": _NUM,
+            "id": _STR,
+            "project": _STR,
+            "owner": _STR,
+            "edge_id": _STR,
+            "error": _STR,
+            "state": {
+                "type": "string",
+                "enum": ["creating", "running", "paused", "stopping", "stopped", "failed"],
+            },
+            "created_at": _NUM,
+            "started_at": _NUM,
+            "expires_at": _NUM,
             "spec": {"$ref": "#/components/schemas/SandboxSpec"},
         },
     },
@@ -51,19 +59,29 @@ SCHEMAS: dict[str, Any] = {
         "type": "object",
         "required": ["cmd"],
         "properties": {
-            "cmd": _CMD, "env": _MAP, "cwd": _STR, "user": _STR, "timeout": _NUM,
-            "stdin": _STR, "encoding": {"type": "string", "enum": ["utf-8", "base64"]},
+            "cmd": _CMD,
+            "env": _MAP,
+            "cwd": _STR,
+            "user": _STR,
+            "timeout": _NUM,
+            "stdin": _STR,
+            "encoding": {"type": "string", "enum": ["utf-8", "base64"]},
         },
     },
     "ExecResult": {
         "type": "object",
         "properties": {
-            "exit_code": _INT, "signal": _INT, "timed_out": {"type": "boolean"},
-            "duration_ms": _NUM, "stdout": _STR, "stderr": _STR, "truncated": {"type": "boolean"},
+            "exit_code": _INT,
+            "signal": _INT,
+            "timed_out": {"type": "boolean"},
+            "duration_ms": _NUM,
+            "stdout": _STR,
+            "stderr": _STR,
+            "truncated": {"type": "boolean"},
         },
     },
     "Object": {"type": "object"},
-}  # fmt: skip
+}
 
 _BODIES = {
     ("POST", "/v1/sandboxes"): "SandboxSpec",
@@ -78,10 +96,16 @@ _RESULTS = {
     "/v1/sandboxes/{sandbox_id}/shells/{name}/run": "ExecResult",
 }
 _ERRORS = {
-    "400": "invalid argument", "401": "missing or invalid API key", "403": "role too low",
-    "404": "not found", "409": "invalid state", "413": "payload too large",
-    "429": "quota exceeded", "503": "unavailable", "504": "timed out",
-}  # fmt: skip
+    "400": "invalid argument",
+    "401": "missing or invalid API key",
+    "403": "role too low",
+    "404": "not found",
+    "409": "invalid state",
+    "413": "payload too large",
+    "429": "quota exceeded",
+    "503": "unavailable",
+    "504": "timed out",
+}
 
 
 def document(routes: list[tuple[str, str, Any]], version: str) -> dict[str, Any]:
@@ -98,24 +122,42 @@ def document(routes: list[tuple[str, str, Any]], version: str) -> dict[str, Any]
                     for n in re.findall(r"\{(\w+)", oa_path)
                 ],
                 "responses": {
-                    "200" if not (m == "post" and oa_path in ("/v1/sandboxes", "/v1/keys"))
-                    else "201": {"description": "success", "content": {"application/json": {
-                        "schema": {"$ref": "#/components/schemas/"
-                                   + _RESULTS.get(oa_path, "Object")}}}},
-                    **{code: {"description": d, "content": {"application/json": {
-                        "schema": {"$ref": "#/components/schemas/Error"}}}}
-                       for code, d in _ERRORS.items()},
+                    "200"
+                    if not (m == "post" and oa_path in ("/v1/sandboxes", "/v1/keys"))
+                    else "201": {
+                        "description": "success",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "$ref": "#/components/schemas/"
+                                    + _RESULTS.get(oa_path, "Object")
+                                }
+                            }
+                        },
+                    },
+                    **{
+                        code: {
+                            "description": d,
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/Error"}
+                                }
+                            },
+                        }
+                        for code, d in _ERRORS.items()
+                    },
                 },
-            }  # fmt: skip
+            }
             if path.startswith("/v1/"):
                 op["security"] = [{"apiKey": []}]
             body = _BODIES.get((method, path))
             if body:
                 op["requestBody"] = {
                     "required": True,
-                    "content": {"application/json": {
-                        "schema": {"$ref": f"#/components/schemas/{body}"}}},
-                }  # fmt: skip
+                    "content": {
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}
+                    },
+                }
             paths.setdefault(oa_path, {})[m] = op
     return {
         "openapi": "3.1.0",

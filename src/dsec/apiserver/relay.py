@@ -36,23 +36,36 @@ def raise_for_final(final: dict[str, Any]) -> dict[str, Any]:
 
 
 async def call(
-    c: Ctx, p: Principal, sandbox_id: str, request: dict[str, Any], stdin: bytes | None = None,
-    *, timeout: float = 3600,
-) -> Reply:  # fmt: skip
+    c: Ctx,
+    p: Principal,
+    sandbox_id: str,
+    request: dict[str, Any],
+    stdin: bytes | None = None,
+    *,
+    deadline_s: float = 3600,
+) -> Reply:
     stub = await c.upstream.edge_for(sandbox_id)
-    reply = await rpc("edge", stub.Call(
-        pb.RuntimeCall(
-            sandbox_id=sandbox_id, request=json.dumps(request).encode(),
-            stdin=stdin or b"", has_stdin=stdin is not None,
+    reply = await rpc(
+        "edge",
+        stub.Call(
+            pb.RuntimeCall(
+                sandbox_id=sandbox_id,
+                request=json.dumps(request).encode(),
+                stdin=stdin or b"",
+                has_stdin=stdin is not None,
+            ),
+            metadata=p.metadata(),
+            timeout=deadline_s,
         ),
-        metadata=p.metadata(), timeout=timeout,
-    ))  # fmt: skip
+    )
     final = json.loads(reply.final)
     return Reply(
         result=raise_for_final(final) if "error" in final else final.get("result", {}),
-        stdout=reply.stdout, stderr=reply.stderr,
-        events=[json.loads(e) for e in reply.events], truncated=reply.truncated,
-    )  # fmt: skip
+        stdout=reply.stdout,
+        stderr=reply.stderr,
+        events=[json.loads(e) for e in reply.events],
+        truncated=reply.truncated,
+    )
 
 
 class EdgeStream:

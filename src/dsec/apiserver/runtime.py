@@ -26,10 +26,19 @@ DEFAULT_EXEC_TIMEOUT_S = 60
 _HOP_HEADERS = frozenset(
     h.lower()
     for h in (
-        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
-        "Trailer", "Transfer-Encoding", "Upgrade", "Authorization", "Host", "Content-Length",
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Authorization",
+        "Host",
+        "Content-Length",
     )
-)  # fmt: skip
+)
 
 
 def _command(body: dict[str, Any]) -> str | list[str]:
@@ -98,9 +107,14 @@ async def exec_(request: web.Request) -> web.Response:
             )
         except binascii.Error:
             raise InvalidArgument("'stdin' is not valid base64") from None
-    req = {"op": "exec", "cmd": _command(body), "timeout": timeout, "stdin": stdin is not None,
-           **_proc_args(body)}  # fmt: skip
-    reply = await relay.call(c, p, sid, req, stdin, timeout=timeout + 30)
+    req = {
+        "op": "exec",
+        "cmd": _command(body),
+        "timeout": timeout,
+        "stdin": stdin is not None,
+        **_proc_args(body),
+    }
+    reply = await relay.call(c, p, sid, req, stdin, deadline_s=timeout + 30)
     return _finish(_output(reply, encoding))
 
 
@@ -109,17 +123,23 @@ async def shell_run(request: web.Request) -> web.Response:
     p.require("member")
     body = await json_body(request)
     timeout = _timeout(body)
-    req = {"op": "shell.run", "session": request.match_info["name"], "cmd": _command(body),
-           "timeout": timeout, **_proc_args(body)}  # fmt: skip
-    reply = await relay.call(c, p, sid, req, timeout=timeout + 30)
+    req = {
+        "op": "shell.run",
+        "session": request.match_info["name"],
+        "cmd": _command(body),
+        "timeout": timeout,
+        **_proc_args(body),
+    }
+    reply = await relay.call(c, p, sid, req, deadline_s=timeout + 30)
     return _finish(_output(reply, "utf-8"))
 
 
-async def _unary(request: web.Request, role: str, req: dict[str, Any],
-                 stdin: bytes | None = None) -> web.Response:  # fmt: skip
+async def _unary(
+    request: web.Request, role: str, req: dict[str, Any], stdin: bytes | None = None
+) -> web.Response:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require(role)
-    reply = await relay.call(c, p, sid, req, stdin, timeout=60)
+    reply = await relay.call(c, p, sid, req, stdin, deadline_s=60)
     return ok(reply.result)
 
 
@@ -128,8 +148,9 @@ async def shells_list(request: web.Request) -> web.Response:
 
 
 async def shell_close(request: web.Request) -> web.Response:
-    return await _unary(request, "member", {"op": "shell.close",
-                                            "session": request.match_info["name"]})
+    return await _unary(
+        request, "member", {"op": "shell.close", "session": request.match_info["name"]}
+    )
 
 
 async def files_stat(request: web.Request) -> web.Response:
@@ -147,20 +168,31 @@ async def files_list(request: web.Request) -> web.Response:
 
 async def files_mkdir(request: web.Request) -> web.Response:
     body = await json_body(request)
-    return await _unary(request, "member", {"op": "files.mkdir", "path": body.get("path"),
-                                            "parents": bool(body.get("parents", True))})
+    return await _unary(
+        request,
+        "member",
+        {"op": "files.mkdir", "path": body.get("path"), "parents": bool(body.get("parents", True))},
+    )
 
 
 async def files_remove(request: web.Request) -> web.Response:
     body = await json_body(request)
-    return await _unary(request, "member", {"op": "files.remove", "path": body.get("path"),
-                                            "recursive": bool(body.get("recursive", False))})
+    return await _unary(
+        request,
+        "member",
+        {
+            "op": "files.remove",
+            "path": body.get("path"),
+            "recursive": bool(body.get("recursive", False)),
+        },
+    )
 
 
 async def files_rename(request: web.Request) -> web.Response:
     body = await json_body(request)
-    return await _unary(request, "member",
-                        {"op": "files.rename", "src": body.get("src"), "dst": body.get("dst")})
+    return await _unary(
+        request, "member", {"op": "files.rename", "src": body.get("src"), "dst": body.get("dst")}
+    )
 
 
 async def processes_start(request: web.Request) -> web.Response:
@@ -186,8 +218,11 @@ def _pid(request: web.Request) -> int:
 
 async def process_signal(request: web.Request) -> web.Response:
     body = await json_body(request)
-    return await _unary(request, "member", {"op": "process.signal", "pid": _pid(request),
-                                            "signal": body.get("signal", 15)})
+    return await _unary(
+        request,
+        "member",
+        {"op": "process.signal", "pid": _pid(request), "signal": body.get("signal", 15)},
+    )
 
 
 async def process_input(request: web.Request) -> web.Response:
@@ -197,8 +232,16 @@ async def process_input(request: web.Request) -> web.Response:
 
 async def process_resize(request: web.Request) -> web.Response:
     body = await json_body(request)
-    return await _unary(request, "member", {"op": "pty.resize", "pid": _pid(request),
-                                            "cols": body.get("cols"), "rows": body.get("rows")})
+    return await _unary(
+        request,
+        "member",
+        {
+            "op": "pty.resize",
+            "pid": _pid(request),
+            "cols": body.get("cols"),
+            "rows": body.get("rows"),
+        },
+    )
 
 
 async def _read_final(stream: relay.EdgeStream) -> dict[str, Any]:
@@ -214,8 +257,9 @@ async def _read_final(stream: relay.EdgeStream) -> dict[str, Any]:
 async def files_read(request: web.Request) -> web.StreamResponse:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("viewer")
-    stream = await relay.EdgeStream.open(c, p, sid, {"op": "files.read",
-                                                     "path": query(request, "path")})
+    stream = await relay.EdgeStream.open(
+        c, p, sid, {"op": "files.read", "path": query(request, "path")}
+    )
     resp: web.StreamResponse | None = None
     try:
         await stream.done_writing()
@@ -253,10 +297,15 @@ async def files_write(request: web.Request) -> web.Response:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("member")
     if request.content_length is not None and request.content_length > MAX_UPLOAD_BYTES:
-        raise PayloadTooLarge(f"upload of {request.content_length} bytes exceeds "
-                              f"the limit of {MAX_UPLOAD_BYTES}")  # fmt: skip
-    req: dict[str, Any] = {"op": "files.write", "path": query(request, "path"),
-                           "append": flag(request, "append"), "parents": flag(request, "parents")}  # fmt: skip
+        raise PayloadTooLarge(
+            f"upload of {request.content_length} bytes exceeds the limit of {MAX_UPLOAD_BYTES}"
+        )
+    req: dict[str, Any] = {
+        "op": "files.write",
+        "path": query(request, "path"),
+        "append": flag(request, "append"),
+        "parents": flag(request, "parents"),
+    }
     if "mode" in request.query:
         try:
             req["mode"] = int(request.query["mode"], 8)
@@ -288,10 +337,18 @@ async def port_proxy(request: web.Request) -> web.StreamResponse:
         path += "?" + request.query_string
     headers = [[k, v] for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
     headers.append(["Host", f"localhost:{port_raw}"])
-    stream = await relay.EdgeStream.open(c, p, sid, {
-        "op": "http", "port": int(port_raw), "method": request.method, "path": path,
-        "headers": headers,
-    })  # fmt: skip
+    stream = await relay.EdgeStream.open(
+        c,
+        p,
+        sid,
+        {
+            "op": "http",
+            "port": int(port_raw),
+            "method": request.method,
+            "path": path,
+            "headers": headers,
+        },
+    )
     try:
         async for chunk in request.content.iter_chunked(protocol.CHUNK):
             await stream.send(protocol.KIND_IN, chunk)

@@ -32,11 +32,16 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
         "expires_at": info.expires_at,
         "error": info.error,
         "spec": {
-            "backend": spec.backend, "image": spec.image, "cpu": spec.cpu,
-            "memory_mb": spec.memory_mb, "pids": spec.pids, "timeout_s": spec.timeout_s,
-            "env": dict(spec.env), "metadata": dict(spec.metadata),
+            "backend": spec.backend,
+            "image": spec.image,
+            "cpu": spec.cpu,
+            "memory_mb": spec.memory_mb,
+            "pids": spec.pids,
+            "timeout_s": spec.timeout_s,
+            "env": dict(spec.env),
+            "metadata": dict(spec.metadata),
         },
-    }  # fmt: skip
+    }
 
 
 def _placement(edges: list[EdgeEntry], backend: str) -> list[EdgeEntry]:
@@ -64,16 +69,25 @@ async def create(request: web.Request) -> web.Response:
     body = await json_body(request)
     spec = SandboxSpec.from_dict(body)
     req_spec = pb.SandboxSpec(
-        backend=spec.backend, image=spec.image, cpu=spec.cpu, memory_mb=spec.memory_mb,
-        pids=spec.pids, timeout_s=spec.timeout_s, env=spec.env, metadata=spec.metadata,
-    )  # fmt: skip
+        backend=spec.backend,
+        image=spec.image,
+        cpu=spec.cpu,
+        memory_mb=spec.memory_mb,
+        pids=spec.pids,
+        timeout_s=spec.timeout_s,
+        env=spec.env,
+        metadata=spec.metadata,
+    )
     last: DsecError = NodeFull("every edge is full")
     for entry in _placement(await c.upstream.edges(), spec.backend)[:MAX_EDGE_TRIES]:
         sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
         admit = pb.AdmitRequest(
-            project=p.project, sandbox_id=sid, cpu=spec.cpu, memory_mb=spec.memory_mb,
+            project=p.project,
+            sandbox_id=sid,
+            cpu=spec.cpu,
+            memory_mb=spec.memory_mb,
             edge_id=entry.edge_id,
-        )  # fmt: skip
+        )
         await rpc("iam", c.upstream.iam.Admit(admit, timeout=10))
         try:
             info = await rpc(
@@ -99,8 +113,9 @@ async def create(request: web.Request) -> web.Response:
 
 async def _release(request: web.Request, sid: str) -> None:
     try:
-        await rpc("iam", ctx(request).upstream.iam.Release(pb.ReleaseRequest(sandbox_id=sid),
-                                                           timeout=10))
+        await rpc(
+            "iam", ctx(request).upstream.iam.Release(pb.ReleaseRequest(sandbox_id=sid), timeout=10)
+        )
     except DsecError:
         pass  # the edge's periodic reconcile frees it
 
@@ -113,11 +128,13 @@ async def list_(request: web.Request) -> web.Response:
     req = pb.ListSandboxesRequest(project="" if p.admin else p.project, include_terminated=include)
     replies = await asyncio.gather(
         *(
-            rpc(f"edge {e.edge_id}",
-                c.upstream.edge_stub(e).ListSandboxes(req, metadata=p.metadata(), timeout=10))
+            rpc(
+                f"edge {e.edge_id}",
+                c.upstream.edge_stub(e).ListSandboxes(req, metadata=p.metadata(), timeout=10),
+            )
             for e in edges
         )
-    )  # fmt: skip
+    )
     items = [info_json(i) for r in replies for i in r.sandboxes]
     items.sort(key=lambda i: i["created_at"])
     return ok({"sandboxes": items})
@@ -127,8 +144,9 @@ async def get(request: web.Request) -> web.Response:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("viewer")
     stub = await c.upstream.edge_for(sid)
-    info = await rpc("edge", stub.GetSandbox(pb.SandboxRef(sandbox_id=sid),
-                                             metadata=p.metadata(), timeout=10))
+    info = await rpc(
+        "edge", stub.GetSandbox(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=10)
+    )
     return ok(info_json(info))
 
 
@@ -136,8 +154,9 @@ async def kill(request: web.Request) -> web.Response:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("member")
     stub = await c.upstream.edge_for(sid)
-    info = await rpc("edge", stub.KillSandbox(pb.SandboxRef(sandbox_id=sid),
-                                              metadata=p.metadata(), timeout=60))
+    info = await rpc(
+        "edge", stub.KillSandbox(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=60)
+    )
     return ok(info_json(info))
 
 
@@ -148,9 +167,14 @@ async def set_timeout(request: web.Request) -> web.Response:
     timeout_s = body.get("timeout_s")
     SandboxSpec(timeout_s=timeout_s if isinstance(timeout_s, int) else -1)
     stub = await c.upstream.edge_for(sid)
-    info = await rpc("edge", stub.SetTimeout(
-        pb.SetTimeoutRequest(sandbox_id=sid, timeout_s=int(timeout_s or 0)),
-        metadata=p.metadata(), timeout=10))  # fmt: skip
+    info = await rpc(
+        "edge",
+        stub.SetTimeout(
+            pb.SetTimeoutRequest(sandbox_id=sid, timeout_s=int(timeout_s or 0)),
+            metadata=p.metadata(),
+            timeout=10,
+        ),
+    )
     return ok(info_json(info))
 
 

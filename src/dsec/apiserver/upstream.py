@@ -50,7 +50,7 @@ class Upstream:
         self._watcher_ch = secure_channel(pki, name, watcher)
         self.iam = pb_grpc.IamStub(self._iam_ch)
         self.watcher = pb_grpc.WatcherStub(self._watcher_ch)
-        self._edge_channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeStub]] = {}
+        self._edge_channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
         self._view: list[EdgeEntry] = []
         self._view_at = 0.0
 
@@ -64,7 +64,7 @@ class Upstream:
             self._view_at = now
         return self._view
 
-    async def edge_for(self, sandbox_id: str) -> pb_grpc.EdgeStub:
+    async def edge_for(self, sandbox_id: str) -> pb_grpc.EdgeAsyncStub:
         edge_id = edge_of(sandbox_id)
         for attempt in (False, True):
             for e in await self.edges(fresh=attempt):
@@ -74,7 +74,7 @@ class Upstream:
                     return self.edge_stub(e)
         raise SandboxNotFound(f"no sandbox {sandbox_id} (its edge {edge_id} is unknown)")
 
-    def edge_stub(self, entry: EdgeEntry) -> pb_grpc.EdgeStub:
+    def edge_stub(self, entry: EdgeEntry) -> pb_grpc.EdgeAsyncStub:
         cached = self._edge_channels.get(entry.edge_id)
         if cached is not None and cached[0] == entry.address:
             return cached[2]

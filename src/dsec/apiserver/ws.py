@@ -16,8 +16,9 @@ from dsec.apiserver.context import ctx, principal, sandbox_id
 from dsec.core.errors import DsecError, InvalidArgument
 
 MAX_MESSAGE = protocol.MAX_FRAME + 1
-_WRITE_OPS = frozenset({"files.read", "files.stat", "files.list", "process.list", "shell.list",
-                        "ping"})  # fmt: skip
+_WRITE_OPS = frozenset(
+    {"files.read", "files.stat", "files.list", "process.list", "shell.list", "ping"}
+)
 
 
 async def runtime_ws(request: web.Request) -> web.WebSocketResponse:

@@ -20,9 +20,12 @@ _err = Console(stderr=True)
 _out = Console()
 
 home_option = click.option(
-    "--home", type=click.Path(path_type=Path), default=None, envvar="DSEC_HOME",
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
+    envvar="DSEC_HOME",
     help="State directory (default /var/lib/dsec).",
-)  # fmt: skip
+)
 
 
 def _setup(paths: Paths, *, quiet: bool = False) -> None:
@@ -43,8 +46,13 @@ def _setup(paths: Paths, *, quiet: bool = False) -> None:
 
 
 @click.command()
-@click.option("--data", type=click.Path(path_type=Path), default=None, envvar="DSEC_DATA",
-              help="Where images and the agent bundle live (default /var/lib/dsec).")
+@click.option(
+    "--data",
+    type=click.Path(path_type=Path),
+    default=None,
+    envvar="DSEC_DATA",
+    help="Where images and the agent bundle live (default /var/lib/dsec).",
+)
 def setup(data: Path | None) -> None:
     """Build the agent bundle and the base image (cached; fast when already done)."""
     if data is not None:
@@ -63,10 +71,18 @@ def _ready_message(paths: Paths, lay: Layout) -> None:
 @click.command()
 @home_option
 @click.option("--detach", "-d", is_flag=True, help="Run in the background.")
-@click.option("--port-base", type=int, default=8420, show_default=True,
-              help="apiserver on this port; iam, watcher, edge and metrics on the next six.")
-@click.option("--keep-sandboxes", is_flag=True,
-              help="Leave sandboxes running on shutdown (re-adopted by the next `up`).")
+@click.option(
+    "--port-base",
+    type=int,
+    default=8420,
+    show_default=True,
+    help="apiserver on this port; iam, watcher, edge and metrics on the next six.",
+)
+@click.option(
+    "--keep-sandboxes",
+    is_flag=True,
+    help="Leave sandboxes running on shutdown (re-adopted by the next `up`).",
+)
 def up(home: Path | None, detach: bool, port_base: int, keep_sandboxes: bool) -> None:
     """Start iam, watcher, edge and apiserver on this machine."""
     paths = Paths.from_env(home)
@@ -76,9 +92,12 @@ def up(home: Path | None, detach: bool, port_base: int, keep_sandboxes: bool) ->
     _setup(paths, quiet=True)
     if not detach:
         code = run_foreground(
-            paths, Layout.from_port_base(port_base), keep_sandboxes=keep_sandboxes,
-            echo=lambda s: _err.log(s), ready=lambda lay: _ready_message(paths, lay),
-        )  # fmt: skip
+            paths,
+            Layout.from_port_base(port_base),
+            keep_sandboxes=keep_sandboxes,
+            echo=lambda s: _err.log(s),
+            ready=lambda lay: _ready_message(paths, lay),
+        )
         sys.exit(code)
     paths.logs.mkdir(parents=True, exist_ok=True)
     paths.run.mkdir(parents=True, exist_ok=True)
@@ -86,8 +105,9 @@ def up(home: Path | None, detach: bool, port_base: int, keep_sandboxes: bool) ->
     if keep_sandboxes:
         argv.append("--keep-sandboxes")
     with open(paths.logs / "supervisor.log", "ab") as logf:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
+        )
     with _err.status("starting OpenDsec") as st:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -163,9 +183,18 @@ def status(home: Path | None, as_json: bool) -> None:
         }
     all_ok = lay is not None and all(v["healthy"] for v in comps.values())
     if as_json:
-        click.echo(json.dumps({"running": lay is not None, "healthy": all_ok, "home":
-                               str(paths.home), "edge_id": lay.edge_id if lay else None,
-                               "components": comps}, indent=2))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {
+                    "running": lay is not None,
+                    "healthy": all_ok,
+                    "home": str(paths.home),
+                    "edge_id": lay.edge_id if lay else None,
+                    "components": comps,
+                },
+                indent=2,
+            )
+        )
     elif lay is None:
         _err.print(f"OpenDsec is not running (home {paths.home})")
     else:
@@ -173,8 +202,12 @@ def status(home: Path | None, as_json: bool) -> None:
 
         t = Table("component", "address", "pid", "health")
         for c, v in comps.items():
-            t.add_row(c, str(v["address"]), str(v["pid"]),
-                      "[green]ok[/green]" if v["healthy"] else "[red]down[/red]")  # fmt: skip
+            t.add_row(
+                c,
+                str(v["address"]),
+                str(v["pid"]),
+                "[green]ok[/green]" if v["healthy"] else "[red]down[/red]",
+            )
         _out.print(t)
     if not all_ok:
         sys.exit(1)

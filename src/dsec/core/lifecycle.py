@@ -79,9 +79,7 @@ def apply(state: State, event: Event) -> State:
     try:
         return TRANSITIONS[state][event]
     except KeyError:
-        raise InvalidState(
-            f"sandbox is {state.value}: cannot {event.value}"
-        ) from None
+        raise InvalidState(f"sandbox is {state.value}: cannot {event.value}") from None
 
 
 def can(state: State, event: Event) -> bool:

@@ -69,7 +69,7 @@ class SandboxSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SandboxSpec:
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
             raise InvalidArgument(f"unknown sandbox fields: {', '.join(sorted(unknown))}")

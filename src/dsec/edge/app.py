@@ -66,16 +66,29 @@ def make_backends(paths: Paths, edge_id: str) -> dict[str, Backend]:
     return out
 
 
-def status_of(manager: SandboxManager, cap: NodeCapacity, address: str, started: float,
-              paths: Paths, backends: dict[str, Backend]) -> pb.EdgeStatus:  # fmt: skip
+def status_of(
+    manager: SandboxManager,
+    cap: NodeCapacity,
+    address: str,
+    started: float,
+    paths: Paths,
+    backends: dict[str, Backend],
+) -> pb.EdgeStatus:
     load = manager.load()
     disk = shutil.disk_usage(paths.home)
     return pb.EdgeStatus(
-        edge_id=manager.edge_id, address=address, sandboxes=load.sandboxes,
-        cpu_total=cap.cpu_total, cpu_allocated=load.cpu, memory_total_mb=cap.memory_total_mb,
-        memory_allocated_mb=load.memory_mb, backends=sorted(backends), version=__version__,
-        started_at=started, disk_free_mb=disk.free // (1024 * 1024),
-    )  # fmt: skip
+        edge_id=manager.edge_id,
+        address=address,
+        sandboxes=load.sandboxes,
+        cpu_total=cap.cpu_total,
+        cpu_allocated=load.cpu,
+        memory_total_mb=cap.memory_total_mb,
+        memory_allocated_mb=load.memory_mb,
+        backends=sorted(backends),
+        version=__version__,
+        started_at=started,
+        disk_free_mb=disk.free // (1024 * 1024),
+    )
 
 
 async def _every(seconds: float, fn: object, stop: asyncio.Event, what: str) -> None:
@@ -114,10 +127,15 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     records = RecordStore(paths.home / "edge" / "records.db")
     manager = SandboxManager(
-        edge_id=edge_id, state_root=paths.home / "edge" / "sandboxes",
-        socket_root=paths.run / "sbx", backends=backends, records=records, capacity=cap,
-        metrics=metrics, on_ended=release,
-    )  # fmt: skip
+        edge_id=edge_id,
+        state_root=paths.home / "edge" / "sandboxes",
+        socket_root=paths.run / "sbx",
+        backends=backends,
+        records=records,
+        capacity=cap,
+        metrics=metrics,
+        on_ended=release,
+    )
     await manager.adopt()
     started = time.time()
 
@@ -125,15 +143,24 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         return status_of(manager, cap, args.advertise or args.listen, started, paths, backends)
 
     server = make_server(
-        paths.pki, edge_id, args.listen,
+        paths.pki,
+        edge_id,
+        args.listen,
         allowed_roles={"dsec.v1.Edge": {"apiserver", "admin"}},
-    )  # fmt: skip
+    )
     pb_grpc.add_EdgeServicer_to_server(EdgeService(manager, status), server)
     await server.start()
-    metrics_runner = await serve_metrics(metrics, *_split(args.metrics_listen)) \
-        if args.metrics_listen else None  # fmt: skip
-    log(_log, "edge listening", address=args.listen, edge_id=edge_id,
-        backends=sorted(backends), adopted=len(manager.live_records()))  # fmt: skip
+    metrics_runner = (
+        await serve_metrics(metrics, *_split(args.metrics_listen)) if args.metrics_listen else None
+    )
+    log(
+        _log,
+        "edge listening",
+        address=args.listen,
+        edge_id=edge_id,
+        backends=sorted(backends),
+        adopted=len(manager.live_records()),
+    )
 
     async def heartbeat() -> None:
         async with translated("watcher"):
@@ -141,9 +168,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     async def reconcile() -> None:
         async with translated("iam"):
-            await iam.Reconcile(pb.ReconcileRequest(
-                edge_id=edge_id, live_sandbox_ids=[r.id for r in manager.live_records()]),
-                timeout=10)  # fmt: skip
+            await iam.Reconcile(
+                pb.ReconcileRequest(
+                    edge_id=edge_id, live_sandbox_ids=[r.id for r in manager.live_records()]
+                ),
+                timeout=10,
+            )
 
     loops = [
         asyncio.ensure_future(_every(HEARTBEAT_S, heartbeat, stop, "heartbeat")),
@@ -178,7 +208,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--home", type=Path, default=None)
     ap.add_argument("--edge-id", default="")
     ap.add_argument("--listen", default="127.0.0.1:8423")
-    ap.add_argument("--advertise", default="", help="address the apiserver dials (default --listen)")
+    ap.add_argument(
+        "--advertise", default="", help="address the apiserver dials (default --listen)"
+    )
     ap.add_argument("--metrics-listen", default="")
     ap.add_argument("--iam", default="127.0.0.1:8421")
     ap.add_argument("--watcher", default="127.0.0.1:8422")
@@ -188,3 +220,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stop-sandboxes-on-exit", action="store_true")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    from dsec.daemon import run_daemon
+
+    args = parse_args(argv)
+    sys.exit(run_daemon("edge", lambda stop: serve(args, stop), log_level=args.log_level))

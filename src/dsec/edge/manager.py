@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsec.core import admission
@@ -106,9 +106,9 @@ class SandboxManager:
         caller.check(rec)
         return rec
 
-    def list(self, caller: Caller, *, project: str = "", include_terminated: bool = False) -> list[
-        SandboxRecord
-    ]:
+    def query(
+        self, caller: Caller, *, project: str = "", include_terminated: bool = False
+    ) -> list[SandboxRecord]:
         recs = self._records.all() if include_terminated else list(self._live.values())
         if not caller.admin:
             project = caller.project
@@ -152,9 +152,14 @@ class SandboxManager:
         admission.admit(self._capacity, self.load(), spec)
         now = self._clock()
         rec = SandboxRecord(
-            id=sandbox_id, project=project, owner=owner, state=State.CREATING, spec=spec,
-            created_at=now, expires_at=now + spec.timeout_s,
-        )  # fmt: skip
+            id=sandbox_id,
+            project=project,
+            owner=owner,
+            state=State.CREATING,
+            spec=spec,
+            created_at=now,
+            expires_at=now + spec.timeout_s,
+        )
         self._save(rec)
         paths = self.paths(sandbox_id)
         started_at = time.perf_counter()
@@ -173,7 +178,9 @@ class SandboxManager:
         log(_log, "sandbox running", sandbox=sandbox_id, project=project, pid=started.pid)
         return rec
 
-    async def kill(self, sandbox_id: str, caller: Caller, *, reason: str = "killed") -> SandboxRecord:
+    async def kill(
+        self, sandbox_id: str, caller: Caller, *, reason: str = "killed"
+    ) -> SandboxRecord:
         rec = self.get(sandbox_id, caller)
         if not rec.live:
             return rec
@@ -187,8 +194,6 @@ class SandboxManager:
         if not rec.live or rec.state is State.STOPPING:
             raise InvalidState(f"sandbox {sandbox_id} is {rec.state.value}")
         SandboxSpec(timeout_s=timeout_s)  # validates the range
-        from dataclasses import replace
-
         rec = replace(rec, expires_at=self._clock() + timeout_s)
         self._save(rec)
         return rec
@@ -225,7 +230,7 @@ class SandboxManager:
                 continue
             runtime, pid = await backend.state(rec.id)
             if runtime in (RuntimeState.RUNNING, RuntimeState.PAUSED) and pid > 0:
-                rec = SandboxRecord(**{**_fields(rec), "pid": pid})
+                rec = replace(rec, pid=pid)
                 self._live[rec.id] = rec
                 self._save(rec)
                 self._watch(rec)
@@ -263,7 +268,7 @@ class SandboxManager:
         current = self._live.get(rec.id, rec)
         new = current.moved(event, **changes)
         if not new.live:
-            new = SandboxRecord(**{**_fields(new), "ended_at": self._clock()})
+            new = replace(new, ended_at=self._clock())
         self._save(new)
         return new
 
@@ -343,7 +348,3 @@ class SandboxManager:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _fields(rec: SandboxRecord) -> dict[str, object]:
-    return {name: getattr(rec, name) for name in rec.__dataclass_fields__}

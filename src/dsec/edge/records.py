@@ -73,11 +73,19 @@ class RecordStore:
             self._db.execute(
                 "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (
-                    rec.id, rec.project, rec.owner, rec.state.value,
-                    json.dumps(rec.spec.to_dict()), rec.created_at, rec.started_at,
-                    rec.expires_at, rec.ended_at, rec.pid, rec.error,
+                    rec.id,
+                    rec.project,
+                    rec.owner,
+                    rec.state.value,
+                    json.dumps(rec.spec.to_dict()),
+                    rec.created_at,
+                    rec.started_at,
+                    rec.expires_at,
+                    rec.ended_at,
+                    rec.pid,
+                    rec.error,
                 ),
-            )  # fmt: skip
+            )
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:

@@ -59,17 +59,30 @@ def spec_from_pb(msg: pb.SandboxSpec) -> SandboxSpec:
 
 def spec_to_pb(spec: SandboxSpec) -> pb.SandboxSpec:
     return pb.SandboxSpec(
-        backend=spec.backend, image=spec.image, cpu=spec.cpu, memory_mb=spec.memory_mb,
-        pids=spec.pids, timeout_s=spec.timeout_s, env=spec.env, metadata=spec.metadata,
-    )  # fmt: skip
+        backend=spec.backend,
+        image=spec.image,
+        cpu=spec.cpu,
+        memory_mb=spec.memory_mb,
+        pids=spec.pids,
+        timeout_s=spec.timeout_s,
+        env=spec.env,
+        metadata=spec.metadata,
+    )
 
 
 def info_to_pb(rec: SandboxRecord, edge_id: str) -> pb.SandboxInfo:
     return pb.SandboxInfo(
-        id=rec.id, project=rec.project, owner=rec.owner, state=rec.state.value,
-        spec=spec_to_pb(rec.spec), edge_id=edge_id, created_at=rec.created_at,
-        started_at=rec.started_at, expires_at=rec.expires_at, error=rec.error,
-    )  # fmt: skip
+        id=rec.id,
+        project=rec.project,
+        owner=rec.owner,
+        state=rec.state.value,
+        spec=spec_to_pb(rec.spec),
+        edge_id=edge_id,
+        created_at=rec.created_at,
+        started_at=rec.started_at,
+        expires_at=rec.expires_at,
+        error=rec.error,
+    )
 
 
 def _parse_request(raw: bytes) -> dict[str, Any]:
@@ -93,10 +106,12 @@ class EdgeService(pb_grpc.EdgeServicer):
         caller = caller_of(context)
         spec = spec_from_pb(request.spec)
         rec = await self._m.create(
-            request.sandbox_id, spec,
-            project=request.project or caller.project, owner=request.owner or caller.subject,
+            request.sandbox_id,
+            spec,
+            project=request.project or caller.project,
+            owner=request.owner or caller.subject,
             caller=caller,
-        )  # fmt: skip
+        )
         return info_to_pb(rec, self._m.edge_id)
 
     async def GetSandbox(
@@ -107,10 +122,11 @@ class EdgeService(pb_grpc.EdgeServicer):
     async def ListSandboxes(
         self, request: pb.ListSandboxesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SandboxList:
-        recs = self._m.list(
-            caller_of(context), project=request.project,
+        recs = self._m.query(
+            caller_of(context),
+            project=request.project,
             include_terminated=request.include_terminated,
-        )  # fmt: skip
+        )
         return pb.SandboxList(sandboxes=[info_to_pb(r, self._m.edge_id) for r in recs])
 
     async def KillSandbox(
@@ -140,15 +156,21 @@ class EdgeService(pb_grpc.EdgeServicer):
         remaining = context.time_remaining()
         try:
             res = await agent_client.call(
-                sock, req, request.stdin if request.has_stdin else None,
-                limit=REPLY_LIMIT, timeout=remaining,
-            )  # fmt: skip
+                sock,
+                req,
+                request.stdin if request.has_stdin else None,
+                limit=REPLY_LIMIT,
+                timeout=remaining,
+            )
         except (OSError, asyncio.IncompleteReadError, protocol.ProtocolError) as exc:
             raise self._lost(request.sandbox_id, caller, exc) from exc
         return pb.RuntimeReply(
-            final=json.dumps(res.final).encode(), stdout=res.stdout, stderr=res.stderr,
-            events=[json.dumps(e).encode() for e in res.events], truncated=res.truncated,
-        )  # fmt: skip
+            final=json.dumps(res.final).encode(),
+            stdout=res.stdout,
+            stderr=res.stderr,
+            events=[json.dumps(e).encode() for e in res.events],
+            truncated=res.truncated,
+        )
 
     async def Stream(
         self,

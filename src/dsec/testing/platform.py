@@ -66,8 +66,12 @@ class RunningPlatform:
     process: subprocess.Popen[bytes]
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "DSEC_API_URL": self.api_url, "DSEC_API_KEY": self.admin_key,
-                "DSEC_HOME": str(self.paths.home)}  # fmt: skip
+        return {
+            **os.environ,
+            "DSEC_API_URL": self.api_url,
+            "DSEC_API_KEY": self.admin_key,
+            "DSEC_HOME": str(self.paths.home),
+        }
 
     def pid(self, component: str) -> int:
         return Layout.load(layout_path(self.paths)).pids[component]
@@ -94,11 +98,21 @@ def running_platform(*, keep_sandboxes: bool = False) -> Iterator[RunningPlatfor
     argv = [sys.executable, "-m", "dsec.supervisor", str(paths.home), str(base)]
     if keep_sandboxes:
         argv.append("--keep-sandboxes")
-    env = {**os.environ, "DSEC_HOME": str(paths.home), "DSEC_RUN": str(paths.run),
-           "DSEC_DATA": str(paths.data)}  # fmt: skip
+    env = {
+        **os.environ,
+        "DSEC_HOME": str(paths.home),
+        "DSEC_RUN": str(paths.run),
+        "DSEC_DATA": str(paths.data),
+    }
     with open(paths.logs / "supervisor.log", "ab") as logf:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                env=env, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            env=env,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -124,7 +138,6 @@ def running_platform(*, keep_sandboxes: bool = False) -> Iterator[RunningPlatfor
 
 
 def _logs(paths: Paths) -> str:
-    out = []
-    for f in sorted(paths.logs.glob("*.log")):
-        out.append(f"--- {f.name}\n{f.read_text()[-3000:]}")
-    return "\n".join(out)
+    return "\n".join(
+        f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(paths.logs.glob("*.log"))
+    )
