@@ -142,6 +142,7 @@ def test_upload_and_download_stream(api: FakeApi, sbx: Sandbox, tmp_path: Path) 
     dest.parent.mkdir()
     assert sbx.files.download("/root/up.bin", dest) == src.stat().st_size
     assert dest.read_bytes() == src.read_bytes()
+    assert dest.stat().st_mode & 0o777 == 0o644
     with pytest.raises(errors.NotFound):
         sbx.files.download("/missing", tmp_path / "out" / "x")
     assert sorted(p.name for p in dest.parent.iterdir()) == ["down.bin"]  # no temp files left

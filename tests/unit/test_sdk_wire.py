@@ -51,13 +51,15 @@ def test_list_and_lifecycle_paths() -> None:
 
 def test_sandbox_info_parses_epoch_and_iso_times_and_tolerates_new_fields() -> None:
     info = SandboxInfo.from_wire({
-        "id": SID, "state": "running", "created_at": 0, "expires_at": "2030-01-01T00:00:00Z",
+        "id": SID, "state": "running", "created_at": 1, "started_at": 0.0,
+        "expires_at": "2030-01-01T00:00:00Z",
         "error": {"code": "sandbox_failed", "message": "boom"}, "brand_new": 1,
         "spec": {"backend": "vm", "image": "base", "cpu": 2, "memory_mb": 1024,
                  "timeout_s": 10, "pids": None},
     })  # fmt: skip
     assert info.created_at is not None
     assert info.created_at.year == 1970
+    assert info.started_at is None  # 0 is an unset field
     assert info.expires_at is not None
     assert info.expires_at.year == 2030
     assert info.error == "sandbox_failed: boom"

@@ -22,6 +22,7 @@ from dsec.sdk import runtime_calls as rc
 from dsec.sdk import streams
 from dsec.sdk.async_io import AsyncContent, AsyncRuntimeSocket, AsyncTransport
 from dsec.sdk.models import ExecEvent, ExecResult, FileEntry, ProcessInfo, WriteResult
+from dsec.sdk.sandbox_runtime import DOWNLOAD_MODE
 
 
 class AsyncFiles:
@@ -112,6 +113,7 @@ class AsyncFiles:
                     await asyncio.to_thread(out.write, chunk)
                     size += len(chunk)
             await asyncio.to_thread(out.close)
+            await asyncio.to_thread(os.chmod, tmp, DOWNLOAD_MODE)
             await asyncio.to_thread(os.replace, tmp, dest)
         except BaseException:
             out.close()

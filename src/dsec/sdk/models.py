@@ -25,11 +25,11 @@ def _req(obj: Mapping[str, Any], key: str, what: str) -> Any:
 
 
 def _time(value: Any) -> datetime | None:
-    """Accept epoch seconds or ISO 8601 strings; anything else is unknown (None)."""
+    """Accept epoch seconds or ISO 8601 strings; 0 (an unset proto field) and junk are None."""
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int | float):
-        return datetime.fromtimestamp(value, UTC)
+        return datetime.fromtimestamp(value, UTC) if value > 0 else None
     if isinstance(value, str) and value:
         try:
             parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))

@@ -23,6 +23,8 @@ from dsec.sdk import streams
 from dsec.sdk.models import ExecEvent, ExecResult, FileEntry, ProcessInfo, WriteResult
 from dsec.sdk.sync_io import Content, SyncRuntimeSocket, SyncTransport
 
+DOWNLOAD_MODE = 0o644  # mkstemp makes 0600; downloads get ordinary file permissions
+
 
 class Files:
     """The sandbox's filesystem; transfers are streamed in chunks."""
@@ -105,6 +107,7 @@ class Files:
                 for chunk in chunks:
                     out.write(chunk)
                     size += len(chunk)
+            os.chmod(tmp, DOWNLOAD_MODE)
             os.replace(tmp, dest)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
