@@ -1,0 +1,231 @@
+"""The platform end to end through the SDK, the HTTP API and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from dsec.core import errors
+from dsec.sdk import Client, CommandTimeout, Sandbox
+from dsec.testing.platform import RunningPlatform
+from tests.e2e.leakcheck import leaks
+
+
+def _cli(
+    platform: RunningPlatform, *args: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsec.cli.main", *args],
+        env=platform.env(),
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=check,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_status_json_lists_every_component_healthy(platform: RunningPlatform) -> None:
+    out = _cli(platform, "status", "--json")
+    st = json.loads(out.stdout)
+    assert st["healthy"] is True
+    assert set(st["components"]) == {"iam", "watcher", "edge", "apiserver"}
+    for comp in st["components"].values():
+        assert comp["healthy"]
+        assert comp["address"].startswith("127.0.0.1:")
+
+
+def test_status_exits_nonzero_when_platform_is_down(tmp_path) -> None:
+    env = {"DSEC_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run(
+        [sys.executable, "-m", "dsec.cli.main", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 1
+    assert json.loads(res.stdout)["running"] is False
+
+
+def test_requests_without_a_valid_key_get_401(platform: RunningPlatform) -> None:
+    with httpx.Client(base_url=platform.api_url) as h:
+        assert h.get("/healthz").status_code == 200
+        r = h.get("/v1/sandboxes")
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "unauthenticated"
+        bad = "dsk_aaaaaaaaaaaa_" + "b" * 43
+        assert h.get("/v1/sandboxes", headers={"Authorization": f"Bearer {bad}"}).status_code == 401
+        assert (
+            h.get("/v1/sandboxes", headers={"Authorization": "Bearer nonsense"}).status_code == 401
+        )
+        doc = h.get("/openapi.json").json()
+        assert "/v1/sandboxes/{sandbox_id}/exec" in doc["paths"]
+
+
+def test_create_exec_python_and_kill(api: Client) -> None:
+    with Sandbox.create(memory_mb=256, timeout=120) as sbx:
+        info = sbx.info()
+        assert info.state == "running"
+        r = sbx.exec(["python3", "-c", "import socket; print(socket.gethostname()); print(6*7)"])
+        assert r.exit_code == 0
+        assert r.stdout.split() == [sbx.id, "42"]
+        r = sbx.exec("echo out; echo err >&2; exit 3")
+        assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 3)
+        r = sbx.exec("cat; echo $FOO; pwd", stdin="in\n", env={"FOO": "bar"}, cwd="/tmp")
+        assert r.stdout == "in\nbar\n/tmp\n"
+        r = sbx.exec(["printf", "\\xff\\xfe"])
+        assert r.stdout == "\ufffd\ufffd"  # invalid UTF-8 is replaced, not an error
+        sid = sbx.id
+    # The context manager killed it.
+    assert api.get_sandbox(sid).state == "stopped"
+    with pytest.raises(errors.InvalidState):
+        Sandbox.connect(sid).exec("true")
+
+
+def test_commands_that_never_end_time_out_with_partial_output(sbx: Sandbox) -> None:
+    start = time.monotonic()
+    with pytest.raises(CommandTimeout) as exc:
+        sbx.exec("echo started; sleep 600", timeout=1)
+    assert time.monotonic() - start < 15
+    assert exc.value.result is not None
+    assert exc.value.result.stdout == "started\n"
+    assert sbx.exec("echo still-alive").stdout == "still-alive\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"image": "no-such-image"}, "image_not_found"),
+        ({"memory_mb": 10**8}, "invalid_argument"),
+        ({"cpu": -1}, "invalid_argument"),
+        ({"backend": "teleport"}, "invalid_argument"),
+        ({"memory_mb": "lots"}, "invalid_argument"),
+        ({"bogus": 1}, "invalid_argument"),
+    ],
+)
+def test_bad_create_requests_fail_cleanly(
+    platform: RunningPlatform, api: Client, body: dict[str, object], code: str
+) -> None:
+    before = {s.id for s in api.list_sandboxes(all=True)}
+    with httpx.Client(
+        base_url=platform.api_url, headers={"Authorization": f"Bearer {platform.admin_key}"}
+    ) as h:
+        r = h.post("/v1/sandboxes", json=body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["code"] == code
+    new = [s for s in api.list_sandboxes(all=True) if s.id not in before]
+    assert all(s.state == "failed" for s in new)
+    for s in new:
+        assert leaks(platform, s.id) == []
+
+
+def test_unknown_sandbox_and_malformed_ids(api: Client, platform: RunningPlatform) -> None:
+    with pytest.raises(errors.SandboxNotFound):
+        api.get_sandbox("sbx-zzzz-aaaaaaaaaaaaaaaaaaaa")
+    with pytest.raises(errors.SandboxNotFound):
+        api.get_sandbox("../../etc")
+    edge = platform.layout.edge_id
+    with pytest.raises(errors.SandboxNotFound):
+        Sandbox.connect(f"sbx-{edge}-aaaaaaaaaaaaaaaaaaaa").exec("true")
+
+
+def test_bad_runtime_input(sbx: Sandbox, platform: RunningPlatform) -> None:
+    with pytest.raises(errors.NotFound):
+        sbx.files.read("/no/such/file")
+    with pytest.raises(errors.InvalidArgument):
+        sbx.files.read("/etc/\x00passwd")
+    with pytest.raises(errors.InvalidArgument):
+        sbx.exec("")
+    with httpx.Client(
+        base_url=platform.api_url, headers={"Authorization": f"Bearer {platform.admin_key}"}
+    ) as h:
+        r = h.post(f"/v1/sandboxes/{sbx.id}/exec", content=b"{not json")
+        assert r.status_code == 400
+        r = h.post(f"/v1/sandboxes/{sbx.id}/exec", content=b"x" * (65 * 1024 * 1024))
+        assert r.status_code == 413
+        assert r.json()["error"]["code"] == "payload_too_large"
+    assert sbx.exec("true").exit_code == 0
+
+
+def test_paths_cannot_escape_the_sandbox(sbx: Sandbox) -> None:
+    assert sbx.files.read_text("../../../../../etc/hostname").strip() == sbx.id
+    sbx.exec("ln -s / /tmp/hostroot && ln -s /etc/hostname /tmp/hn")
+    assert sbx.files.read_text("/tmp/hostroot/etc/hostname").strip() == sbx.id
+    assert sbx.files.read_text("/tmp/hn").strip() == sbx.id
+    sbx.files.write("/tmp/hostroot/tmp/written-through-link", b"x")
+    assert sbx.exec("cat /tmp/written-through-link").stdout == "x"
+
+
+def test_files_round_trip_large_and_binary(sbx: Sandbox, tmp_path) -> None:
+    blob = bytes(range(256)) * (20 * 4096)  # 20 MiB
+    sbx.files.write("/root/blob.bin", blob)
+    assert (
+        sbx.exec("sha256sum /root/blob.bin").stdout.split()[0]
+        == __import__("hashlib").sha256(blob).hexdigest()
+    )
+    assert sbx.files.read("/root/blob.bin") == blob
+    local = tmp_path / "down.bin"
+    assert sbx.files.download("/root/blob.bin", local) == len(blob)
+    assert local.read_bytes() == blob
+    sbx.files.mkdir("/root/d/e")
+    sbx.files.rename("/root/blob.bin", "/root/d/e/b.bin")
+    names = {e.name for e in sbx.files.list("/root/d", depth=2)}
+    assert {"e", "b.bin"} <= names
+    sbx.files.remove("/root/d", recursive=True)
+    assert not sbx.files.exists("/root/d")
+
+
+def test_shell_sessions_processes_and_pty(sbx: Sandbox) -> None:
+    sh = sbx.shell("work")
+    sh.run("cd /tmp && export GREETING=hello && sleep 300 &")
+    r = sh.run("echo $GREETING; pwd; jobs | wc -l")
+    assert r.stdout.split() == ["hello", "/tmp", "1"]
+    p = sbx.processes.start(["sh", "-c", "echo from-bg; sleep 300"], tag="bg")
+    assert any(x.pid == p.pid and x.running for x in sbx.processes.list())
+    events = sbx.processes.connect(p.pid)
+    first = next(events)
+    assert b"from-bg" in (first.data or b"")
+    sbx.processes.kill(p.pid)
+    pty = sbx.pty.create(cols=77, rows=11)
+    pty.send("stty size; exit\n")
+    out = b"".join(pty)
+    assert b"11 77" in out
+
+
+def test_sandbox_lifetime_expires(api: Client, platform: RunningPlatform) -> None:
+    s = Sandbox.create(memory_mb=64, timeout=2)
+    deadline = time.monotonic() + 20
+    while api.get_sandbox(s.id).state != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert api.get_sandbox(s.id).state == "stopped"
+    assert leaks(platform, s.id) == []
+
+
+def test_killing_a_sandbox_mid_stream_ends_the_stream_with_an_error(api: Client) -> None:
+    s = Sandbox.create(memory_mb=64, timeout=60)
+    got: list[object] = []
+
+    def consume() -> None:
+        try:
+            for ev in s.exec_stream("echo go; sleep 60"):
+                got.append(ev)  # noqa: PERF402 - the test watches it fill up
+        except errors.DsecError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s.kill()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert isinstance(got[-1], errors.DsecError), got
