@@ -189,6 +189,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await server.stop(grace=2)
         if args.stop_sandboxes_on_exit:
             await manager.stop_all("edge shut down")
+            if not manager.live_records():
+                for backend in backends.values():
+                    await asyncio.to_thread(backend.release_host_setup)
         manager.close()
         records.close()
         if metrics_runner is not None:

@@ -65,3 +65,7 @@ class Backend(Protocol):
     async def usage(self, sandbox_id: str) -> dict[str, float]:
         """Live resource usage: memory_bytes, cpu_seconds, pids (best effort)."""
         ...
+
+    def release_host_setup(self) -> None:
+        """Undo node-level setup (namespaces, mounts) once the edge leaves no sandbox."""
+        ...
