@@ -190,24 +190,35 @@ async def test_unexpected_exception_is_internal_and_logged(
 
 @pytest.mark.asyncio
 async def test_streaming_handler_errors_translate(served: Served) -> None:
+    # The client never writes after the server may have finished: with grpc.aio a write that
+    # races the server's status can replace it with INTERNAL (grpc/grpc#36066).
+    echoed = asyncio.Event()
+
     async def frames() -> AsyncIterator[pb.RuntimeFrame]:
         yield pb.RuntimeFrame(sandbox_id="s", kind=74)
+        await echoed.wait()
         yield pb.RuntimeFrame(sandbox_id="s", kind=0)
+        await asyncio.Event().wait()  # the server ends the call
+
+    async def nothing() -> AsyncIterator[pb.RuntimeFrame]:
+        await asyncio.Event().wait()
+        yield pb.RuntimeFrame()  # not reached
 
     got: list[bytes] = []
 
-    async def relay(ch: grpc.aio.Channel) -> None:
+    async def relay(ch: grpc.aio.Channel, requests: AsyncIterator[pb.RuntimeFrame]) -> None:
         async with translated("edge"):
-            async for frame in pb_grpc.EdgeStub(ch).Stream(frames(), timeout=5):
-                got.append(frame.data)  # noqa: PERF401 - must keep frames seen before the error
+            async for frame in pb_grpc.EdgeStub(ch).Stream(requests, timeout=5):
+                got.append(frame.data)
+                echoed.set()
 
     async with secure_channel(served.pki, "apiserver", served.target) as ch:
         with pytest.raises(e.ProcessNotFound, match="no process 42"):
-            await relay(ch)
+            await relay(ch, frames())
     assert got == [b"echo"]
     async with secure_channel(served.pki, "ab12", served.target) as ch:
         with pytest.raises(e.PermissionDenied):
-            await relay(ch)
+            await relay(ch, nothing())
 
 
 @pytest.mark.asyncio
