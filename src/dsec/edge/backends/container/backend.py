@@ -175,7 +175,7 @@ class ContainerBackend:
                 agent_bundle=agent,
                 cgroups_path=self.cgroup_path(sandbox_id),
             )
-            ocispec.write_config(paths.state_dir, config)
+            await asyncio.to_thread(ocispec.write_config, paths.state_dir, config)
             pid_file = paths.state_dir / "init.pid"
             await self.crun.run_detached(
                 sandbox_id,
@@ -257,18 +257,17 @@ class ContainerBackend:
         """
         _check_id(sandbox_id)
         problems: list[str] = []
+        layout = await asyncio.to_thread(self.layout)
+        path = self.cgroup_path(sandbox_id)
         if self.crun.exists(sandbox_id):
-            st = await self.crun.state(sandbox_id)
-            if st is not None and st.status == "paused":
-                with contextlib.suppress(DsecError):
-                    await self.crun.resume(sandbox_id)  # frozen tasks cannot die
-            await self.crun.kill(sandbox_id, "KILL")
+            # A paused sandbox's tasks cannot die until thawed; `delete --force` SIGKILLs
+            # every process of the container and removes it in one crun call.
+            await asyncio.to_thread(cgroups.thaw, layout, path)
             try:
                 await self.crun.delete(sandbox_id, force=True)
             except DsecError as exc:
                 problems.append(exc.message)
-        layout = await asyncio.to_thread(self.layout)
-        left = await asyncio.to_thread(cgroups.remove, layout, self.cgroup_path(sandbox_id))
+        left = await asyncio.to_thread(cgroups.remove, layout, path)
         problems.extend(f"cgroup {p} not removable" for p in left)
         try:
             await asyncio.to_thread(_remove_files, paths)

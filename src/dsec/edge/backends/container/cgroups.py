@@ -232,6 +232,28 @@ def list_children(layout: CgroupLayout, parent: str) -> list[Path]:
     return out
 
 
+def thaw(layout: CgroupLayout, cgroup_path: str) -> bool:
+    """Thaw a frozen (paused) sandbox cgroup; frozen tasks cannot die. Blocking.
+
+    Returns:
+        True if it was frozen.
+    """
+    was_frozen = False
+    for d in sandbox_cgroups(layout, cgroup_path):
+        for name, frozen, thawed in (
+            ("freezer.state", "FROZEN", "THAWED"),
+            ("cgroup.freeze", "1", "0"),
+        ):
+            f = d / name
+            try:
+                if f.read_text().strip() != thawed:
+                    was_frozen = was_frozen or f.read_text().strip() == frozen
+                    f.write_text(thawed)
+            except OSError:
+                continue
+    return was_frozen
+
+
 def _procs(d: Path) -> list[int]:
     try:
         return [int(x) for x in (d / "cgroup.procs").read_text().split()]
@@ -250,18 +272,7 @@ def remove(layout: CgroupLayout, cgroup_path: str, *, timeout: float = 5.0) -> l
         The directories that could not be removed.
     """
     dirs = sandbox_cgroups(layout, cgroup_path)
-    for d in dirs:
-        state = d / "freezer.state"
-        if state.exists():
-            try:
-                state.write_text("THAWED")
-            except OSError:
-                pass
-        if (d / "cgroup.freeze").exists():
-            try:
-                (d / "cgroup.freeze").write_text("0")
-            except OSError:
-                pass
+    thaw(layout, cgroup_path)
     left: list[Path] = []
     for d in dirs:
         # Children first (nothing in a sandbox can create them, but be thorough).

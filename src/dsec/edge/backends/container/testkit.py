@@ -1,15 +1,32 @@
-"""Helpers for tests that run real containers before the real agent bundle exists.
+"""Helpers for tests that run real containers (also usable before the agent bundle exists).
 
-A fake agent bundle is a directory whose ``init`` is a shell script that sleeps, so a
-container stays up and can be inspected with ``crun exec``.
+A fake agent bundle is a directory whose ``init`` is a shell script that stays up, so a
+container can be inspected with ``crun exec``. :func:`container_test_env` builds a complete
+throw-away node (data, home and run dirs, an image store holding ``base``, a unique
+cgroup parent) and removes all of it afterwards, including the persistent crun namespace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-FAKE_INIT = "#!/bin/sh\nexec sleep 100000\n"
+from dsec.core.ids import new_sandbox_id
+from dsec.edge.backends.api import SandboxPaths
+from dsec.edge.backends.container import cgroups, mounts
+from dsec.edge.backends.container.backend import ContainerBackend
+from dsec.edge.images.base import BASE_IMAGE, install_base_from_tar
+from dsec.edge.images.store import ImageStore
+from dsec.paths import Paths
+
+# Stays pid 1 under its own name (``/bin/sh /.dsec/init``) so tests can recognise it.
+FAKE_INIT = "#!/bin/sh\n# fake aether init for tests\nwhile :; do sleep 100000; done\n"
+DEFAULT_BASE_TAR = Path("/tmp/imgtest/base.tar")
 
 
 def make_fake_agent_bundle(path: Path, init_script: str = FAKE_INIT) -> Path:
@@ -20,3 +37,90 @@ def make_fake_agent_bundle(path: Path, init_script: str = FAKE_INIT) -> Path:
     init.write_text(init_script)
     os.chmod(init, 0o755)
     return path
+
+
+def base_tar() -> Path:
+    """The prebuilt base tar tests import (``$DSEC_TEST_BASE_TAR`` or the default)."""
+    return Path(os.environ.get("DSEC_TEST_BASE_TAR") or DEFAULT_BASE_TAR)
+
+
+def skip_reason(tar: Path | None = None) -> str | None:
+    """Why real-container tests cannot run here, or None if they can."""
+    tar = tar or base_tar()
+    if os.geteuid() != 0:
+        return "needs root"
+    if shutil.which("crun") is None:
+        return "needs crun (apt-get install crun)"
+    try:
+        with open("/proc/filesystems") as f:
+            if "overlay" not in f.read():
+                return "needs overlayfs"
+    except OSError:
+        return "cannot read /proc/filesystems"
+    if not tar.is_file():
+        return f"needs a base image tar at {tar} (set DSEC_TEST_BASE_TAR)"
+    return None
+
+
+@dataclass
+class ContainerTestEnv:
+    """A throw-away node for container tests."""
+
+    root: Path
+    paths: Paths
+    store: ImageStore
+    cgroup_parent: str
+
+    def backend(self) -> ContainerBackend:
+        return ContainerBackend(
+            self.paths, "e0a1", image_store=self.store, cgroup_parent=self.cgroup_parent
+        )
+
+    def sandbox(self) -> tuple[str, SandboxPaths]:
+        """A fresh sandbox id and its paths (state dir under the shared sandboxes dir)."""
+        sid = new_sandbox_id("e0a1", os.urandom(13))
+        return sid, SandboxPaths(
+            state_dir=self.paths.home / "edge" / "sandboxes" / sid,
+            agent_socket=self.paths.run / "sbx" / f"{sid}.sock",
+        )
+
+    def close(self) -> list[str]:
+        """Remove everything; return what could not be removed."""
+        problems: list[str] = []
+        backend = self.backend()
+        layout = cgroups.detect()
+        problems.extend(
+            f"cgroup left: {p}" for p in cgroups.list_children(layout, self.cgroup_parent)
+        )
+        problems.extend(str(p) for p in cgroups.remove(layout, "/" + self.cgroup_parent))
+        ours = {str(backend.sandboxes_dir), str(self.paths.run / "crun.mntns")}
+        for d in (self.paths.home, self.paths.run, self.paths.data):
+            for m in reversed(mounts.mounts_under(d)):
+                if m.mount_point in ours:
+                    continue
+                with contextlib.suppress(OSError):
+                    mounts.umount(m.mount_point, mounts.MNT_DETACH)
+                problems.append(f"mount left: {m.mount_point}")
+        backend.release_host_setup()
+        for d in (self.paths.run, self.root):
+            shutil.rmtree(d, ignore_errors=True)
+        return problems
+
+
+@contextlib.contextmanager
+def container_test_env(tar: Path | None = None) -> Iterator[ContainerTestEnv]:
+    """Yield a :class:`ContainerTestEnv` with ``base`` imported from ``tar``; clean up after."""
+    root = Path(tempfile.mkdtemp(prefix="dsec-ctest-"))
+    run = Path(tempfile.mkdtemp(prefix="dsec", dir="/tmp"))  # short: unix socket paths
+    paths = Paths(home=root / "home", data=root / "data", run=run)
+    store = ImageStore(paths.images)
+    env = ContainerTestEnv(
+        root=root, paths=paths, store=store, cgroup_parent=f"dsectest-{os.urandom(4).hex()}"
+    )
+    try:
+        install_base_from_tar(store, tar or base_tar())
+        assert store.has(BASE_IMAGE)
+        make_fake_agent_bundle(paths.agent_bundle)
+        yield env
+    finally:
+        env.close()
