@@ -119,7 +119,7 @@ class ContainerBackend:
                 return
             layout = await asyncio.to_thread(self.layout)
             if layout.crun_needs_private_ns:
-                ns = mntns.CrunNamespace(self.paths.run / "crun.mntns", self.sandboxes_dir)
+                ns = self._crun_namespace()
                 await asyncio.to_thread(ns.ensure)
                 self._ns = ns
             self._setup_done = True
@@ -128,11 +128,15 @@ class ContainerBackend:
         """Undo the persistent host setup (crun's namespace, the shared bind). Blocking.
 
         The edge never calls this (the namespace outlives restarts); tests and uninstall do.
+        Nothing happens on hosts that never needed the namespace.
         """
-        ns = self._ns or mntns.CrunNamespace(self.paths.run / "crun.mntns", self.sandboxes_dir)
-        ns.release()
         self._ns = None
         self._setup_done = False
+        if self.layout().crun_needs_private_ns:
+            self._crun_namespace().release()
+
+    def _crun_namespace(self) -> mntns.CrunNamespace:
+        return mntns.CrunNamespace(self.paths.run / "crun.mntns", self.sandboxes_dir)
 
     def cgroup_path(self, sandbox_id: str) -> str:
         return f"/{self.cgroup_parent}/{sandbox_id}"
@@ -295,13 +299,14 @@ class ContainerBackend:
         Looks for mounts (also inside crun's namespace), cgroups in every hierarchy,
         crun state, the agent socket and the state dir.
         """
+        layout = self.layout()
         return find_leaks(
             sandbox_id,
             paths,
-            layout=self.layout(),
+            layout=layout,
             cgroup_path=self.cgroup_path(sandbox_id),
             crun_root=self.crun.root,
-            ns_file=self._ns.ns_file if self._ns is not None else None,
+            ns_file=self._crun_namespace().ns_file if layout.crun_needs_private_ns else None,
         )
 
 

@@ -8,6 +8,7 @@ cgroup parent) and removes all of it afterwards, including the persistent crun n
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -107,19 +108,45 @@ class ContainerTestEnv:
         return problems
 
 
+_shared_stores: dict[Path, ImageStore] = {}
+
+
+def shared_base_store(tar: Path | None = None) -> ImageStore:
+    """An image store holding ``base`` from ``tar``, unpacked once per process.
+
+    Unpacking takes seconds, so every test module of a pytest run shares one copy; it is
+    removed when the process exits.
+    """
+    tar = tar or base_tar()
+    store = _shared_stores.get(tar)
+    if store is None:
+        root = Path(tempfile.mkdtemp(prefix="dsec-ctest-images-"))
+        atexit.register(shutil.rmtree, root, True)
+        store = ImageStore(root)
+        install_base_from_tar(store, tar)
+        _shared_stores[tar] = store
+    return store
+
+
 @contextlib.contextmanager
 def container_test_env(tar: Path | None = None) -> Iterator[ContainerTestEnv]:
-    """Yield a :class:`ContainerTestEnv` with ``base`` imported from ``tar``; clean up after."""
+    """Yield a :class:`ContainerTestEnv` with ``base`` from ``tar``; clean up after.
+
+    The image store is shared by every environment of the process (see
+    :func:`shared_base_store`); everything else is private to this environment.
+    """
     root = Path(tempfile.mkdtemp(prefix="dsec-ctest-"))
     run = Path(tempfile.mkdtemp(prefix="dsec", dir="/tmp"))  # short: unix socket paths
     paths = Paths(home=root / "home", data=root / "data", run=run)
-    store = ImageStore(paths.images)
     env = ContainerTestEnv(
-        root=root, paths=paths, store=store, cgroup_parent=f"dsectest-{os.urandom(4).hex()}"
+        root=root,
+        paths=paths,
+        store=ImageStore(paths.images),
+        cgroup_parent=f"dsectest-{os.urandom(4).hex()}",
     )
     try:
-        install_base_from_tar(store, tar or base_tar())
-        assert store.has(BASE_IMAGE)
+        env.store = shared_base_store(tar)
+        assert env.store.has(BASE_IMAGE)
         make_fake_agent_bundle(paths.agent_bundle)
         yield env
     finally:
