@@ -19,7 +19,7 @@ import pytest
 from dsec.core.errors import ImageNotFound, InvalidArgument, SandboxFailed
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import RuntimeState, SandboxPaths
-from dsec.edge.backends.container import cgroups, ocispec, testkit
+from dsec.edge.backends.container import cgroups, ocispec, overlay, testkit
 from dsec.edge.backends.container.backend import ContainerBackend
 from dsec.edge.backends.container.testkit import ContainerTestEnv
 
@@ -283,3 +283,45 @@ async def test_twenty_concurrent_creates(cenv: ContainerTestEnv, backend: Contai
     for sid, p in boxes:
         assert backend.leaked(sid, p) == []
     assert cgroups.list_children(cgroups.detect(), cenv.cgroup_parent) == []
+
+
+@pytest.mark.asyncio
+async def test_crun_create_then_start(cenv: ContainerTestEnv, backend: ContainerBackend) -> None:
+    """The two-step crun path (create, start) works with the same launcher and fd 3."""
+    sid, paths = cenv.sandbox()
+    image = cenv.store.resolve("base")
+    dirs = overlay.RootfsDirs.in_state_dir(paths.state_dir)
+    await backend._setup()  # before the mount: it may bind the sandboxes dir
+    paths.state_dir.mkdir(parents=True)
+    dirs.make()
+    overlay.mount_rootfs(dirs, image.layer_dirs)
+    try:
+        config = ocispec.build_config(
+            sandbox_id=sid,
+            spec=SandboxSpec(),
+            image=image,
+            rootfs=dirs.rootfs,
+            agent_bundle=cenv.paths.agent_bundle,
+            cgroups_path=backend.cgroup_path(sid),
+        )
+        ocispec.write_config(paths.state_dir, config)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            await backend.crun.run_detached(
+                sid,
+                paths.state_dir,
+                listen_fd=s.fileno(),
+                console=paths.state_dir / "console.log",
+                log=paths.state_dir / "crun.log",
+                pid_file=paths.state_dir / "init.pid",
+                prefix=backend._launcher(dirs.rootfs).prefix,
+                start=False,
+            )
+        st = await backend.crun.state(sid)
+        assert st is not None
+        assert st.status == "created"
+        assert await backend.state(sid) == (RuntimeState.STOPPED, 0)
+        await backend.crun.start(sid)
+        assert (await backend.state(sid))[0] is RuntimeState.RUNNING
+        assert (await sh(backend, sid, "readlink /proc/1/fd/3")).startswith("socket:")
+    finally:
+        await destroy_and_check(backend, sid, paths)

@@ -368,6 +368,6 @@ def _remove_files(paths: SandboxPaths) -> None:
     with contextlib.suppress(FileNotFoundError):
         paths.agent_socket.unlink()
     if paths.state_dir.exists():
-        if overlay.is_mounted(rootfs):
+        if os.path.ismount(rootfs):  # never rmtree into a mounted image
             raise OSError(errno.EBUSY, f"{rootfs} is still mounted")
         shutil.rmtree(paths.state_dir)

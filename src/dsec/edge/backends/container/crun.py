@@ -66,8 +66,12 @@ class Crun:
         pid_file: Path,
         prefix: Sequence[str] = (),
         time_limit: float = RUN_TIMEOUT_S,
+        start: bool = True,
     ) -> None:
         """``crun run -d --preserve-fds=1`` with ``listen_fd`` as the container's fd 3.
+
+        With ``start=False`` this is ``crun create`` instead: the container is set up and
+        its init waits for :meth:`start`.
 
         Args:
             container_id: crun's id (the sandbox id).
@@ -78,6 +82,7 @@ class Crun:
             pid_file: where crun writes the init's host pid.
             prefix: launcher argv placed before crun (nsenter / unshare).
             time_limit: seconds before crun is killed and the run fails.
+            start: run (default) or only create.
 
         Raises:
             SandboxFailed: crun failed; the message is crun's.
@@ -89,8 +94,7 @@ class Crun:
             *self._base(),
             f"--log=file:{log}",
             "--log-format=json",
-            "run",
-            "--detach",
+            *(["run", "--detach"] if start else ["create"]),
             "--preserve-fds=1",
             f"--bundle={bundle}",
             f"--pid-file={pid_file}",
@@ -98,7 +102,12 @@ class Crun:
         ]
         rc = await _spawn_and_wait(argv, listen_fd=listen_fd, console=console, limit=time_limit)
         if rc != 0:
-            raise SandboxFailed(f"crun run failed (exit {rc}): {read_errors(log, console)}")
+            verb = "run" if start else "create"
+            raise SandboxFailed(f"crun {verb} failed (exit {rc}): {read_errors(log, console)}")
+
+    async def start(self, container_id: str) -> None:
+        """Start a container made with ``run_detached(start=False)`` (see :meth:`pause`)."""
+        await self._verb("start", container_id)
 
     async def state(self, container_id: str) -> CrunState | None:
         """Return crun's view of the container, or None if crun does not know it."""

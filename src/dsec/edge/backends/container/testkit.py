@@ -85,6 +85,9 @@ class ContainerTestEnv:
             agent_socket=self.paths.run / "sbx" / f"{sid}.sock",
         )
 
+    def _unmount_leftovers(self, skip: set[str]) -> list[str]:
+        return _unmount_leftovers_impl((self.paths.home, self.paths.run, self.paths.data), skip)
+
     def close(self) -> list[str]:
         """Remove everything; return what could not be removed."""
         problems: list[str] = []
@@ -95,14 +98,9 @@ class ContainerTestEnv:
         )
         problems.extend(str(p) for p in cgroups.remove(layout, "/" + self.cgroup_parent))
         ours = {str(backend.sandboxes_dir), str(self.paths.run / "crun.mntns")}
-        for d in (self.paths.home, self.paths.run, self.paths.data):
-            for m in reversed(mounts.mounts_under(d)):
-                if m.mount_point in ours:
-                    continue
-                with contextlib.suppress(OSError):
-                    mounts.umount(m.mount_point, mounts.MNT_DETACH)
-                problems.append(f"mount left: {m.mount_point}")
+        problems.extend(self._unmount_leftovers(skip=ours))
         backend.release_host_setup()
+        problems.extend(self._unmount_leftovers(skip=set()))  # any hidden below the bind
         for d in (self.paths.run, self.root):
             shutil.rmtree(d, ignore_errors=True)
         return problems
@@ -128,6 +126,18 @@ def shared_base_store(tar: Path | None = None) -> ImageStore:
     return store
 
 
+def _unmount_leftovers_impl(dirs: tuple[Path, ...], skip: set[str]) -> list[str]:
+    problems: list[str] = []
+    for d in dirs:
+        for m in reversed(mounts.mounts_under(d)):
+            if m.mount_point in skip:
+                continue
+            with contextlib.suppress(OSError):
+                mounts.umount(m.mount_point, mounts.MNT_DETACH)
+            problems.append(f"mount left: {m.mount_point}")
+    return problems
+
+
 @contextlib.contextmanager
 def container_test_env(tar: Path | None = None) -> Iterator[ContainerTestEnv]:
     """Yield a :class:`ContainerTestEnv` with ``base`` from ``tar``; clean up after.
@@ -150,4 +160,6 @@ def container_test_env(tar: Path | None = None) -> Iterator[ContainerTestEnv]:
         make_fake_agent_bundle(paths.agent_bundle)
         yield env
     finally:
-        env.close()
+        problems = env.close()
+    if problems:
+        raise AssertionError("container tests left state behind: " + "; ".join(problems))
