@@ -1,0 +1,123 @@
+"""Users, working directories and environments for the commands aether and chronus start.
+
+Users come from the image's ``/etc/passwd`` and ``/etc/group``, parsed directly: the
+bundled interpreter must not load the image's NSS modules (they may not exist, or be built
+for another libc).
+"""
+
+from __future__ import annotations
+
+import os
+
+from dsec.agent.wire import AgentError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# Variables of the agent itself, never passed on to commands.
+AGENT_VARS = frozenset(
+    {"PYTHONHOME", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "DSEC_LISTEN_FD", "DSEC_AGENT_RUN_DIR"}
+)
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+ETC = os.environ.get("DSEC_AGENT_ETC", "/etc")
+
+
+class User:
+    """A resolved user (a plain slotted class: ``dataclasses`` would cost the agent 1.6 MiB)."""
+
+    __slots__ = ("gid", "groups", "home", "name", "uid")
+
+    def __init__(
+        self, uid: int, gid: int, name: str, home: str, groups: tuple[int, ...] = ()
+    ) -> None:
+        self.uid = uid
+        self.gid = gid
+        self.name = name
+        self.home = home
+        self.groups = groups
+
+    def __repr__(self) -> str:
+        return f"User(uid={self.uid}, gid={self.gid}, name={self.name!r}, home={self.home!r})"
+
+
+def _lines(name: str) -> list[list[str]]:
+    try:
+        with open(os.path.join(ETC, name), encoding="utf-8", errors="replace") as f:
+            return [line.rstrip("\n").split(":") for line in f if not line.startswith("#")]
+    except OSError:
+        return []
+
+
+def _supplementary(name: str, gid: int) -> tuple[int, ...]:
+    out: list[int] = []
+    for fields in _lines("group"):
+        if len(fields) >= 4 and fields[2].isdigit() and name in fields[3].split(","):
+            g = int(fields[2])
+            if g != gid and g not in out:
+                out.append(g)
+    return tuple(out)
+
+
+def resolve(spec: str | int | None) -> User:
+    """Look a user up by name or uid; ``None`` means the agent's own user.
+
+    Raises:
+        AgentError: ``invalid_argument`` for a name that is not in ``/etc/passwd``.
+    """
+    if spec is None:
+        uid: int | None = os.getuid()
+        name = None
+    elif isinstance(spec, int) or spec.isdigit():
+        uid, name = int(spec), None
+    else:
+        uid, name = None, spec
+    for fields in _lines("passwd"):
+        if len(fields) < 7 or not fields[2].isdigit() or not fields[3].isdigit():
+            continue
+        if (name is not None and fields[0] == name) or (uid is not None and int(fields[2]) == uid):
+            u, g = int(fields[2]), int(fields[3])
+            return User(u, g, fields[0], fields[5] or "/", _supplementary(fields[0], g))
+    if name is not None:
+        raise AgentError("invalid_argument", f"no user {name!r} in /etc/passwd")
+    assert uid is not None
+    home = "/root" if uid == 0 else "/"
+    gid = os.getgid() if uid == os.getuid() else uid
+    return User(uid, gid, str(uid), home)
+
+
+def default_cwd(user: User) -> str:
+    """The user's home when it exists, else ``/``."""
+    return user.home if os.path.isdir(user.home) else "/"
+
+
+def base_env() -> dict[str, str]:
+    """The agent's environment minus its own variables."""
+    env = {k: v for k, v in os.environ.items() if k not in AGENT_VARS}
+    env.setdefault("PATH", DEFAULT_PATH)
+    return env
+
+
+def child_env(user: User, extra: dict[str, str], *, explicit_user: bool) -> dict[str, str]:
+    """The environment of a command: the container's, the user's identity, then ``extra``."""
+    env = base_env()
+    if explicit_user:
+        env.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
+    env.update(extra)
+    return env
+
+
+def spawn_kwargs(user: User, explicit_user: bool) -> dict[str, Any]:
+    """Keyword arguments for ``subprocess.Popen`` that switch to ``user`` (when needed)."""
+    if not explicit_user or (user.uid == os.getuid() and user.gid == os.getgid()):
+        return {}
+    if os.getuid() != 0:
+        raise AgentError("permission_denied", f"the agent cannot switch to uid {user.uid}")
+    return {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+
+
+def resolve_cwd(cwd: str | None, user: User) -> str:
+    """An absolute working directory: ``cwd`` (relative to the home) or the default."""
+    if not cwd:
+        return default_cwd(user)
+    return cwd if cwd.startswith("/") else os.path.join(default_cwd(user), cwd)

@@ -1,0 +1,232 @@
+"""The edge's client of a sandbox's aether: one unix-socket connection per runtime call.
+
+``call`` sends a request (and optional stdin), collects output and events up to a limit and
+returns the final frame as sent; ``open_stream`` hands back a bidirectional frame stream
+for interactive calls (streamed exec, PTYs, process reattach). aether is inside the
+sandbox and so untrusted: every frame is size-checked and aggregation is bounded.
+Transport failures surface as ``OSError``/``asyncio.IncompleteReadError``/``ProtocolError``;
+errors aether answers become :mod:`dsec.core.errors` only through :func:`raise_for_final`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsec.agent import protocol
+from dsec.agent.protocol import KIND_CLOSE, KIND_ERR, KIND_IN, KIND_JSON, KIND_OUT, ProtocolError
+from dsec.core.errors import DeadlineExceeded, Internal, error_from_wire
+
+DEFAULT_LIMIT = 32 * 1024 * 1024
+CONNECT_RETRY_S = 5.0  # how long a socket that is not there yet (or refuses) is retried
+MAX_EVENTS = 10_000
+_RETRY = (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN)
+
+Frame = tuple[int, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """What one call produced: the final frame as sent, output bytes and events."""
+
+    final: dict[str, Any]
+    stdout: bytes = b""
+    stderr: bytes = b""
+    events: tuple[dict[str, Any], ...] = ()
+    truncated: bool = False
+
+    @property
+    def result(self) -> dict[str, Any]:
+        """The ``result`` object, raising the answered error instead (see raise_for_final)."""
+        return raise_for_final(self.final)
+
+
+def raise_for_final(final: dict[str, Any]) -> dict[str, Any]:
+    """Return ``final["result"]`` or raise the :mod:`dsec.core.errors` error it carries."""
+    err = final.get("error")
+    if isinstance(err, dict):
+        raise error_from_wire(str(err.get("code", "internal")), str(err.get("message", "")))
+    res = final.get("result")
+    if not isinstance(res, dict):
+        raise Internal("the agent answered a final frame without result or error")
+    return res
+
+
+def is_final(obj: dict[str, Any]) -> bool:
+    return "result" in obj or "error" in obj
+
+
+async def _connect(
+    path: str | Path, retry_s: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    deadline = time.monotonic() + retry_s
+    delay = 0.005
+    while True:
+        try:
+            return await asyncio.open_unix_connection(str(path))
+        except OSError as exc:
+            if exc.errno not in _RETRY or time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Frame | None:
+    """The next frame, or ``None`` at a clean end of stream (size-checked)."""
+    try:
+        head = await reader.readexactly(protocol.HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise
+    length, kind = protocol.parse_header(head)
+    return kind, await reader.readexactly(length) if length else b""
+
+
+class AgentStream:
+    """A live call: ``send`` frames in, iterate ``(kind, payload)`` frames out.
+
+    Iteration yields every frame aether sends, the final ``J`` frame included, and stops
+    after it (:attr:`final` is then set) or at end of stream.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.final: dict[str, Any] | None = None
+
+    async def send(self, kind: int, payload: bytes = b"") -> None:
+        """Send one frame (``I`` data, ``C`` end of input, or a ``J`` control)."""
+        if kind not in (KIND_IN, KIND_CLOSE, KIND_JSON):
+            raise ProtocolError(f"a client cannot send frame kind {kind:#x}")
+        for start in range(0, max(len(payload), 1), protocol.CHUNK):
+            self._writer.write(protocol.encode(kind, payload[start : start + protocol.CHUNK]))
+            await self._writer.drain()
+            if kind != KIND_IN:
+                break
+
+    async def send_json(self, obj: dict[str, Any]) -> None:
+        self._writer.write(protocol.encode_json(obj))
+        await self._writer.drain()
+
+    async def recv(self) -> Frame | None:
+        """The next frame, or ``None`` once the final frame was received or the peer closed."""
+        if self.final is not None:
+            return None
+        frame = await read_frame(self._reader)
+        if frame is None:
+            return None
+        if frame[0] == KIND_JSON:
+            obj = protocol.decode_json(frame[1])
+            if is_final(obj):
+                self.final = obj
+        elif frame[0] not in (KIND_OUT, KIND_ERR):
+            raise ProtocolError(f"the agent sent frame kind {frame[0]:#x}")
+        return frame
+
+    def __aiter__(self) -> AsyncIterator[Frame]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Frame]:
+        while (frame := await self.recv()) is not None:
+            yield frame
+
+    async def aclose(self) -> None:
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass
+
+
+async def open_stream(
+    path: str | Path, request: dict[str, Any], *, connect_retry_s: float = CONNECT_RETRY_S
+) -> AgentStream:
+    """Connect to aether at ``path`` and send ``request``; the caller drives the stream."""
+    reader, writer = await _connect(path, connect_retry_s)
+    stream = AgentStream(reader, writer)
+    try:
+        await stream.send_json(request)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream
+
+
+async def call(
+    path: str | Path,
+    request: dict[str, Any],
+    stdin: bytes | None = None,
+    *,
+    limit: int = DEFAULT_LIMIT,
+    timeout: float | None = None,  # noqa: ASYNC109 (the edge passes its RPC deadline through)
+) -> CallResult:
+    """Run one call to completion; ``stdin`` (if given) is sent as ``I`` frames and ``C``.
+
+    Output beyond ``limit`` bytes (stdout, stderr and events together) is dropped and
+    ``truncated`` set; the call still runs to its final frame.
+
+    Raises:
+        DeadlineExceeded: no final frame within ``timeout`` seconds.
+        ProtocolError: the peer broke the protocol or closed without a final frame.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            return await _call(path, request, stdin, limit)
+    except TimeoutError:
+        raise DeadlineExceeded(f"no answer from the agent within {timeout:g} s") from None
+
+
+async def _call(
+    path: str | Path, request: dict[str, Any], stdin: bytes | None, limit: int
+) -> CallResult:
+    stream = await open_stream(path, request)
+    sender: asyncio.Future[None] | None = None
+    try:
+        if stdin is not None:
+            sender = asyncio.ensure_future(_send_stdin(stream, stdin))
+        out, err = bytearray(), bytearray()
+        events: list[dict[str, Any]] = []
+        used, truncated = 0, False
+        async for kind, payload in stream:
+            if stream.final is not None:
+                break
+            if used + len(payload) > limit or (kind == KIND_JSON and len(events) >= MAX_EVENTS):
+                truncated = True
+                continue
+            used += len(payload)
+            if kind == KIND_OUT:
+                out += payload
+            elif kind == KIND_ERR:
+                err += payload
+            else:
+                events.append(protocol.decode_json(payload))
+        if stream.final is None:
+            raise ProtocolError("the agent closed the connection without a final frame")
+        return CallResult(stream.final, bytes(out), bytes(err), tuple(events), truncated)
+    finally:
+        try:
+            if sender is not None:
+                sender.cancel()
+                try:
+                    await sender
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise
+        finally:
+            await stream.aclose()
+
+
+async def _send_stdin(stream: AgentStream, data: bytes) -> None:
+    try:
+        if data:
+            await stream.send(KIND_IN, data)
+        await stream.send(KIND_CLOSE)
+    except (ConnectionError, OSError):
+        pass  # the call ended (or failed) before taking all input; its answer says why
