@@ -131,7 +131,9 @@ def test_unknown_sandbox_and_malformed_ids(api: Client, platform: RunningPlatfor
     with pytest.raises(errors.SandboxNotFound):
         api.get_sandbox("sbx-zzzz-aaaaaaaaaaaaaaaaaaaa")
     with pytest.raises(errors.SandboxNotFound):
-        api.get_sandbox("../../etc")
+        api.get_sandbox("sbx-not-an-id")
+    with pytest.raises(errors.InvalidArgument):
+        api.get_sandbox("../../etc")  # refused by the SDK before any request
     edge = platform.layout.edge_id
     with pytest.raises(errors.SandboxNotFound):
         Sandbox.connect(f"sbx-{edge}-aaaaaaaaaaaaaaaaaaaa").exec("true")
@@ -160,6 +162,7 @@ def test_paths_cannot_escape_the_sandbox(sbx: Sandbox) -> None:
     sbx.exec("ln -s / /tmp/hostroot && ln -s /etc/hostname /tmp/hn")
     assert sbx.files.read_text("/tmp/hostroot/etc/hostname").strip() == sbx.id
     assert sbx.files.read_text("/tmp/hn").strip() == sbx.id
+    assert sbx.exec("getent hosts $(hostname)").stdout.split()[-1] == sbx.id
     sbx.files.write("/tmp/hostroot/tmp/written-through-link", b"x")
     assert sbx.exec("cat /tmp/written-through-link").stdout == "x"
 
@@ -185,7 +188,7 @@ def test_files_round_trip_large_and_binary(sbx: Sandbox, tmp_path) -> None:
 
 def test_shell_sessions_processes_and_pty(sbx: Sandbox) -> None:
     sh = sbx.shell("work")
-    sh.run("cd /tmp && export GREETING=hello && sleep 300 &")
+    sh.run("cd /tmp; export GREETING=hello; sleep 300 &")
     r = sh.run("echo $GREETING; pwd; jobs | wc -l")
     assert r.stdout.split() == ["hello", "/tmp", "1"]
     p = sbx.processes.start(["sh", "-c", "echo from-bg; sleep 300"], tag="bg")

@@ -75,3 +75,7 @@ _register_platform_commands(cli)
 def main() -> None:
     """Entry point of the ``dsec`` console script."""
     cli(prog_name="dsec")
+
+
+if __name__ == "__main__":
+    main()

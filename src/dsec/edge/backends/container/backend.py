@@ -170,6 +170,8 @@ class ContainerBackend:
         sock: socket.socket | None = None
         try:
             await asyncio.to_thread(_prepare_rootfs, paths.state_dir, dirs, image.layer_dirs)
+            etc_dir = paths.state_dir / "etc"
+            await asyncio.to_thread(_write_etc, etc_dir, sandbox_id)
             sock = _listen(paths.agent_socket)
             config = ocispec.build_config(
                 sandbox_id=sandbox_id,
@@ -178,6 +180,7 @@ class ContainerBackend:
                 rootfs=dirs.rootfs,
                 agent_bundle=agent,
                 cgroups_path=self.cgroup_path(sandbox_id),
+                etc_dir=etc_dir,
             )
             await asyncio.to_thread(ocispec.write_config, paths.state_dir, config)
             pid_file = paths.state_dir / "init.pid"
@@ -331,6 +334,12 @@ def _check_agent_bundle(agent: Path) -> None:
             pass
         except OSError as exc:
             raise SandboxFailed(f"the agent bundle has no run/ directory: {exc}") from None
+
+
+def _write_etc(etc_dir: Path, sandbox_id: str) -> None:
+    etc_dir.mkdir(mode=0o755)
+    for name, text in ocispec.etc_files(sandbox_id).items():
+        (etc_dir / name).write_text(text)
 
 
 def _prepare_rootfs(

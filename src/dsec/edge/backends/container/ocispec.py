@@ -133,10 +133,32 @@ def resources(spec: SandboxSpec) -> dict[str, Any]:
     }
 
 
-def mounts(agent_bundle: Path) -> list[dict[str, Any]]:
-    """The container's mounts, in mount order."""
+def etc_files(sandbox_id: str) -> dict[str, str]:
+    """Files every sandbox gets in /etc (bind-mounted, so they never end up in its layer)."""
+    return {
+        "hostname": f"{sandbox_id}\n",
+        "hosts": (
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+            f"127.0.1.1\t{sandbox_id}\n"
+        ),
+    }
+
+
+def mounts(agent_bundle: Path, etc_dir: Path | None = None) -> list[dict[str, Any]]:
+    """The container's mounts, in mount order; ``etc_dir`` holds :func:`etc_files`."""
     nosuid_noexec_nodev = ["nosuid", "noexec", "nodev"]
+    etc = [
+        {
+            "destination": f"/etc/{name}",
+            "type": "bind",
+            "source": os.fspath(etc_dir / name),
+            "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+        }
+        for name in ("hostname", "hosts")
+        if etc_dir is not None
+    ]
     return [
+        *etc,
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {
             "destination": "/dev",
@@ -197,6 +219,7 @@ def build_config(
     rootfs: Path,
     agent_bundle: Path,
     cgroups_path: str,
+    etc_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Return the complete OCI runtime config of one sandbox.
 
@@ -207,6 +230,7 @@ def build_config(
         rootfs: the mounted overlay.
         agent_bundle: host directory mounted read-only at ``/.dsec``.
         cgroups_path: e.g. ``/dsec/<sandbox_id>``.
+        etc_dir: a host directory holding the sandbox's :func:`etc_files`, if any.
     """
     caps = list(CAPABILITIES)
     nofile = nofile_limit()
@@ -231,7 +255,7 @@ def build_config(
         },
         "root": {"path": os.fspath(rootfs), "readonly": False},
         "hostname": sandbox_id,
-        "mounts": mounts(agent_bundle),
+        "mounts": mounts(agent_bundle, etc_dir),
         "linux": {
             "namespaces": [
                 {"type": t} for t in ("pid", "mount", "uts", "ipc", "network", "cgroup")
