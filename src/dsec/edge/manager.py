@@ -165,6 +165,7 @@ class SandboxManager:
         started_at = time.perf_counter()
         try:
             started = await backend.create(sandbox_id, spec, paths)
+            backend_s = time.perf_counter() - started_at
             await agent_client.call(
                 paths.agent_socket, {"op": "ping"}, timeout=AGENT_READY_TIMEOUT_S
             )
@@ -175,7 +176,16 @@ class SandboxManager:
         self._watch(rec)
         self._metrics.observe("sandbox_create", time.perf_counter() - started_at)
         self._metrics.inc("sandboxes_created", backend=spec.backend)
-        log(_log, "sandbox running", sandbox=sandbox_id, project=project, pid=started.pid)
+        total_s = time.perf_counter() - started_at
+        log(
+            _log,
+            "sandbox running",
+            sandbox=sandbox_id,
+            project=project,
+            pid=started.pid,
+            backend_ms=round(backend_s * 1000, 1),
+            agent_ms=round((total_s - backend_s) * 1000, 1),
+        )
         return rec
 
     async def kill(
