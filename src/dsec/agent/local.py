@@ -9,12 +9,16 @@ module is not copied into the bundle.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,9 +136,12 @@ def call(
     """One call: send ``request`` (and ``stdin`` as ``I`` frames + ``C``), collect the reply."""
     with SyncStream(path, request, timeout) as stream:
         if stdin is not None:
-            if stdin:
-                stream.send(KIND_IN, stdin)
-            stream.send(KIND_CLOSE)
+            try:
+                if stdin:
+                    stream.send(KIND_IN, stdin)
+                stream.send(KIND_CLOSE)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the call ended before taking all input; its answer says why
         return stream.collect()
 
 
@@ -217,6 +224,17 @@ class LocalAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def local_agent(bundle: Path | None = None) -> Iterator[LocalAgent]:
+    """A started :class:`LocalAgent` in a fresh short temp dir, stopped and removed after."""
+    workdir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))  # short: socket paths <108
+    try:
+        with LocalAgent(workdir, bundle) as agent:
+            yield agent
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

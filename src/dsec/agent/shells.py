@@ -247,18 +247,21 @@ class Session:
                     drained = exited_at and (self.eof == 2 or now > exited_at + DRAIN_AFTER_EXIT_S)
                     if drained:
                         sink.flush()
-                    timers = [t for t in (next_step, exited_at + DRAIN_AFTER_EXIT_S) if t]
+                    timers = [t for t in (next_step, exited_at) if t]
+                    if exited_at:
+                        timers[-1] += DRAIN_AFTER_EXIT_S
                     if sink.ready or sink.complete() or drained or any(now >= t for t in timers):
                         break
                     self.cond.wait(min(timers) - now if timers else None)
                 ready, sink.ready = sink.ready, []
+                complete = sink.complete()  # decided together with the output taken
             for kind, data in ready:
                 if client:
                     try:
                         conn.send(kind, data)
                     except OSError:
                         client = False  # the caller left; the command still finishes
-            if sink.complete():
+            if complete:
                 return {"exit_code": sink.code, "timed_out": step > 0}
             if drained:
                 assert self.popen.returncode is not None
