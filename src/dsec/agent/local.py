@@ -226,6 +226,80 @@ class LocalAgent:
         self.stop()
 
 
+class NamespacedInit:
+    """The bundle's init as PID 1 of a new pid namespace (``unshare``), maybe chrooted.
+
+    ``root=None`` runs ``<bundle>/init`` from the host file system (chronus then keeps its
+    socket in ``<workdir>/run``); with ``root`` the bundle must be at ``<root>/.dsec``.
+    Needs root.
+    """
+
+    def __init__(self, workdir: Path, bundle: Path | None = None, root: Path | None = None):
+        self.workdir = workdir
+        self.root = root
+        self.init = "/.dsec/init" if root is not None else str(Path(bundle or "") / "init")
+        self.socket_path = workdir / "aether.sock"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(self.socket_path))
+        self.listener.listen(128)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> NamespacedInit:
+        fd = self.listener.fileno()
+        env = {"DSEC_LISTEN_FD": str(fd), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+        argv = ["unshare", "--fork", "--pid"]
+        if self.root is None:
+            (self.workdir / "run").mkdir(exist_ok=True)
+            env["DSEC_AGENT_RUN_DIR"] = str(self.workdir / "run")
+            argv += ["--mount-proc", self.init]
+        else:
+            argv += [f"--mount-proc={self.root}/proc", "chroot", str(self.root), self.init]
+        self.proc = subprocess.Popen(argv, env=env, pass_fds=(fd,), stdin=subprocess.DEVNULL)
+        return self
+
+    def call(
+        self, request: dict[str, Any], stdin: bytes | None = None, timeout: float = 30.0
+    ) -> Reply:
+        return call(self.socket_path, request, stdin, timeout)
+
+    def init_pid(self, timeout: float = 5.0) -> int:
+        """The host pid of init (the child of unshare)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            kids = children(self.proc.pid)
+            if kids:
+                return kids[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError("unshare has no child")
+            time.sleep(0.01)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM init and wait for the namespace to end; return unshare's exit status."""
+        if self.proc is None:
+            return None
+        rc = None
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.init_pid(0.5), signal.SIGTERM)
+                rc = self.proc.wait(timeout)
+            except (TimeoutError, subprocess.TimeoutExpired, ProcessLookupError):
+                for pid in children(self.proc.pid):  # killing PID 1 ends the namespace
+                    os.kill(pid, signal.SIGKILL)
+                rc = self.proc.wait(timeout)
+        self.listener.close()
+        return rc if rc is not None else self.proc.returncode
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from ``/proc``)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
 @contextlib.contextmanager
 def local_agent(bundle: Path | None = None) -> Iterator[LocalAgent]:
     """A started :class:`LocalAgent` in a fresh short temp dir, stopped and removed after."""

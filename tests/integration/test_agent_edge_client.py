@@ -1,0 +1,59 @@
+"""The edge's asyncio client against a real aether (on this host, no container)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from dsec.agent.local import LocalAgent, local_agent
+from dsec.agent.protocol import KIND_CLOSE, KIND_IN, KIND_OUT
+from dsec.core.errors import InvalidArgument, NotFound
+from dsec.edge import agent_client
+
+
+@pytest.fixture
+def agent() -> Iterator[LocalAgent]:
+    with local_agent() as a:
+        yield a
+
+
+@pytest.mark.asyncio
+async def test_call_exec_with_stdin_and_limit(agent: LocalAgent):
+    res = await agent_client.call(
+        agent.socket_path, {"op": "exec", "cmd": ["cat"], "stdin": True}, b"z" * 1_000_000,
+        limit=100_000, timeout=30,
+    )  # fmt: skip
+    assert res.truncated
+    assert len(res.stdout) <= 100_000
+    assert res.result["exit_code"] == 0
+    assert res.events[0]["event"] == "started"
+
+
+@pytest.mark.asyncio
+async def test_errors_map_to_core_errors(agent: LocalAgent):
+    res = await agent_client.call(agent.socket_path, {"op": "files.stat", "path": "/nope/x"})
+    with pytest.raises(NotFound):
+        agent_client.raise_for_final(res.final)
+    res = await agent_client.call(agent.socket_path, {"op": "files.stat", "path": "a\x00"})
+    with pytest.raises(InvalidArgument):
+        _ = res.result
+
+
+@pytest.mark.asyncio
+async def test_stream_process_connect(agent: LocalAgent):
+    started = await agent_client.call(agent.socket_path, {"op": "process.start", "cmd": ["cat"]})
+    pid = started.result["pid"]
+    stream = await agent_client.open_stream(
+        agent.socket_path, {"op": "process.connect", "pid": pid}
+    )
+    try:
+        await stream.send(KIND_IN, b"ping\n")
+        kind, payload = await stream.recv() or (0, b"")
+        assert (kind, payload) == (KIND_OUT, b"ping\n")
+        await stream.send(KIND_CLOSE)
+        rest = [frame async for frame in stream]
+        assert rest[-1][0] == ord("J")
+        assert stream.final == {"result": {"exit_code": 0, "signal": None}}
+    finally:
+        await stream.aclose()
