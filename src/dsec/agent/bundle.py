@@ -10,7 +10,7 @@ Layout (everything an image needs to run the agent, whatever libc or Python it h
     site/dsec/agent/*.py      the agent (stdlib-only modules)
     run/                      mount point of the per-sandbox tmpfs
 
-init runs ``lib/ld.so --library-path lib python/bin/python3 -s -S -c ...`` with
+init runs ``lib/ld.so --library-path lib python/bin/python3 -s -S -P -c ...`` with
 ``PYTHONHOME=<bundle>/python`` and ``PYTHONPATH=<bundle>/site``, so neither the image's
 loader nor its libraries are used. A stamp holds a hash of every input; an unchanged
 bundle is reused in milliseconds. A rebuild is made beside ``dest`` and swapped in by
