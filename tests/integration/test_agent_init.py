@@ -76,7 +76,7 @@ def test_init_serves_and_restarts_aether(ns_init: NamespacedInit):
 
 def test_init_reaps_orphans(ns_init: NamespacedInit):
     init_pid = ns_init.init_pid()
-    reply = ns_init.call({"op": "exec", "cmd": "sleep 0.5 & echo $!"})
+    reply = ns_init.call({"op": "exec", "cmd": "sleep 1.5 >/dev/null 2>&1 & echo $!"})
     assert reply.result["exit_code"] == 0
     orphans = [p for p in children(init_pid) if (stat_of(p) or ("",))[0] == "sleep"]
     assert orphans, "the orphaned sleep should have been reparented to init"
