@@ -99,8 +99,8 @@ class Metrics:
             for (name, labels), h in sorted(self._hist.items()):
                 full = f"{self.prefix}_{name}_seconds"
                 for i, bound in enumerate(_BUCKETS):
-                    lines.append(f"{full}_bucket{_fmt(labels + (('le', f'{bound:g}'),))} {h[i]:g}")
-                lines.append(f"{full}_bucket{_fmt(labels + (('le', '+Inf'),))} {h[-2]:g}")
+                    lines.append(f"{full}_bucket{_fmt((*labels, ('le', f'{bound:g}')))} {h[i]:g}")
+                lines.append(f"{full}_bucket{_fmt((*labels, ('le', '+Inf')))} {h[-2]:g}")
                 lines.append(f"{full}_count{_fmt(labels)} {h[-2]:g}")
                 lines.append(f"{full}_sum{_fmt(labels)} {h[-1]:.6f}")
         return "\n".join(lines) + "\n"
