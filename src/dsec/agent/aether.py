@@ -77,6 +77,10 @@ def main() -> None:
     """Serve forever on the inherited listening socket."""
     listener = server.listener_from_env()
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # never pass an ignored SIGINT on
+    try:  # commands default to the home directory; starting there lets exec use vfork
+        os.chdir(os.environ.get("HOME") or "/")
+    except OSError:
+        pass
     server.serve(listener, resolve, NAME)
 
 

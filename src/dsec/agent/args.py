@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import signal as _signal
+import _signal  # type: ignore[import-not-found]  # `signal` would import enum
 
 from dsec.agent.wire import AgentError
 
@@ -126,6 +126,6 @@ def signal_number(value: Any) -> int:
         name = value.upper()
         name = name if name.startswith("SIG") else "SIG" + name
         sig = getattr(_signal, name, None)
-        if isinstance(sig, _signal.Signals):
-            return int(sig)
+        if isinstance(sig, int) and not name.startswith("SIG_") and 0 < sig < 65:
+            return sig
     raise bad(f"unknown signal {value!r}")

@@ -11,11 +11,9 @@ from __future__ import annotations
 import errno
 import os
 import select
-import signal
-import subprocess
 import time
 
-from dsec.agent import args, users
+from dsec.agent import args, spawn, users
 from dsec.agent.protocol import CHUNK
 from dsec.agent.wire import (
     KIND_CLOSE,
@@ -37,7 +35,10 @@ DRAIN_AFTER_EXIT_S = 0.5  # output still arriving from leftovers after the comma
 STDIN_HIGH_WATER = 1 << 20  # stop reading the client while this much stdin is pending
 
 
-def spawn(req: dict[str, Any], *, stdin: bool) -> subprocess.Popen[bytes]:
+SIGKILL = 9
+
+
+def start(req: dict[str, Any], *, stdin: bool) -> spawn.Child:
     """Start the command of ``req`` (``cmd, env, cwd, user``) in its own session."""
     argv, _ = args.cmd(req)
     spec = args.user(req)
@@ -45,16 +46,16 @@ def spawn(req: dict[str, Any], *, stdin: bool) -> subprocess.Popen[bytes]:
     env = users.child_env(user, args.env(req), explicit_user=spec is not None)
     cwd = users.resolve_cwd(args.opt_str(req, "cwd"), user)
     args.check_text(cwd, "'cwd'")
+    ids = users.spawn_kwargs(user, spec is not None)
     try:
-        return subprocess.Popen(
+        return spawn.spawn(
             argv,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=cwd,
             env=env,
-            start_new_session=True,
-            **users.spawn_kwargs(user, spec is not None),
+            cwd=cwd,
+            stdin=stdin,
+            uid=ids.get("user"),
+            gid=ids.get("group"),
+            groups=tuple(ids.get("extra_groups", ())),
         )
     except OSError as exc:
         if exc.filename == cwd or not os.path.isdir(cwd):
@@ -85,7 +86,7 @@ def op_exec(conn: Conn, req: dict[str, Any]) -> dict[str, Any] | None:
     want_stdin = args.opt_bool(req, "stdin")
     started = time.monotonic()
     try:
-        proc = spawn(req, stdin=want_stdin)
+        proc = start(req, stdin=want_stdin)
     except _NotStarted as exc:
         if want_stdin:
             _discard_input(conn)
@@ -95,16 +96,11 @@ def op_exec(conn: Conn, req: dict[str, Any]) -> dict[str, Any] | None:
         conn.event("started", pid=proc.pid)
         timed_out = _pump(conn, proc, want_stdin, started + timeout if timeout else 0.0)
     except BaseException:
-        _kill_group(proc.pid, signal.SIGKILL)
+        _kill_group(proc.pid, SIGKILL)
         proc.wait()
         raise
     finally:
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        proc.close_pipes()
     duration = round((time.monotonic() - started) * 1000, 3)
     assert proc.returncode is not None
     return {**exit_fields(proc.returncode), "timed_out": timed_out, "duration_ms": duration}
@@ -124,7 +120,7 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _pump(conn: Conn, proc: subprocess.Popen[bytes], want_stdin: bool, deadline: float) -> bool:
+def _pump(conn: Conn, proc: spawn.Child, want_stdin: bool, deadline: float) -> bool:
     """Move bytes until the command exits and its output is drained; return timed_out."""
     pump = _Pump(conn, proc, want_stdin)
     try:
@@ -136,13 +132,11 @@ def _pump(conn: Conn, proc: subprocess.Popen[bytes], want_stdin: bool, deadline:
 class _Pump:
     """The poll loop of one ``exec``: output out, stdin in, controls, exit and deadline."""
 
-    def __init__(self, conn: Conn, proc: subprocess.Popen[bytes], want_stdin: bool) -> None:
-        assert proc.stdout is not None
-        assert proc.stderr is not None
+    def __init__(self, conn: Conn, proc: spawn.Child, want_stdin: bool) -> None:
         self.conn = conn
         self.proc = proc
         self.poller = select.poll()
-        self.outputs = {proc.stdout.fileno(): KIND_OUT, proc.stderr.fileno(): KIND_ERR}
+        self.outputs = {proc.stdout: KIND_OUT, proc.stderr: KIND_ERR}
         for fd in self.outputs:
             self.poller.register(fd, select.POLLIN)
         self.pidfd = os.pidfd_open(proc.pid)
@@ -152,8 +146,8 @@ class _Pump:
         self.stdin_fd = -1
         self.stdin_registered = False
         self.stdin_eof = not want_stdin
-        if want_stdin and proc.stdin is not None:
-            self.stdin_fd = proc.stdin.fileno()
+        if want_stdin and proc.stdin >= 0:
+            self.stdin_fd = proc.stdin
             os.set_blocking(self.stdin_fd, False)
         self.pending = bytearray()
         self.buf = memoryview(bytearray(CHUNK))
@@ -167,7 +161,7 @@ class _Pump:
                 return timed_out
             if deadline and not timed_out and now >= deadline:
                 timed_out = True
-                _kill_group(self.proc.pid, signal.SIGKILL)
+                _kill_group(self.proc.pid, SIGKILL)
             if self.exited_at:
                 wait: float | None = self.exited_at + DRAIN_AFTER_EXIT_S - now
             else:
@@ -251,8 +245,8 @@ class _Pump:
             self.stdin_registered = False
         self.pending.clear()
         self.stdin_fd = -1
-        assert self.proc.stdin is not None
         try:
-            self.proc.stdin.close()
+            os.close(self.proc.stdin)
         except OSError:
             pass
+        self.proc.stdin = -1
