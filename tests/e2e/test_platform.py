@@ -232,3 +232,39 @@ def test_killing_a_sandbox_mid_stream_ends_the_stream_with_an_error(api: Client)
     t.join(timeout=30)
     assert not t.is_alive()
     assert isinstance(got[-1], errors.DsecError), got
+
+
+def test_huge_and_aborted_uploads_leave_nothing(sbx: Sandbox, platform: RunningPlatform) -> None:
+    import socket as socketlib
+    from urllib.parse import urlsplit
+
+    url = urlsplit(platform.api_url)
+    head = (
+        f"PUT /v1/sandboxes/{sbx.id}/files?path=/root/huge HTTP/1.1\r\n"
+        f"Host: {url.netloc}\r\nAuthorization: Bearer {platform.admin_key}\r\n"
+        f"Content-Length: {10**13}\r\n\r\n"
+    )
+    with socketlib.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(head.encode())
+        reply = s.recv(4096).decode(errors="replace")
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+
+    def body():
+        yield b"x" * (1 << 20)
+        raise RuntimeError("client gave up")
+
+    with (
+        httpx.Client(
+            base_url=platform.api_url, headers={"Authorization": f"Bearer {platform.admin_key}"}
+        ) as h,
+        pytest.raises(RuntimeError),
+    ):
+        h.put(f"/v1/sandboxes/{sbx.id}/files", params={"path": "/root/partial"}, content=body())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = sbx.exec("ls -A /root").stdout.split()
+        if not [n for n in left if "partial" in n or n.startswith(".dsec")]:
+            break
+        time.sleep(0.2)
+    assert [n for n in left if "partial" in n] == []
+    assert not sbx.files.exists("/root/huge")

@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 
 from dsec.cli.main import cli
 from dsec.cli.output import CliState
-from dsec.sdk.fake_api import FAKE_KEY, FakeApi
+from dsec.testing.fake_api import FAKE_KEY, FakeApi
 
 
 @pytest.fixture

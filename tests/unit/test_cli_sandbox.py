@@ -13,8 +13,8 @@ from click.testing import CliRunner, Result
 
 from dsec.cli.main import cli
 from dsec.cli.output import CliState
-from dsec.sdk.fake_api import FAKE_KEY, FakeApi
-from dsec.sdk.fake_runtime import FakeRuntimeServer
+from dsec.testing.fake_api import FAKE_KEY, FakeApi
+from dsec.testing.fake_runtime import FakeRuntimeServer
 
 MISSING = "sbx-e0a1-zzzzzzzzzzzzzzzzzzzz"
 

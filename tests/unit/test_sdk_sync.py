@@ -14,8 +14,8 @@ import pytest
 from dsec.core import errors
 from dsec.sdk import Client, CommandTimeout, Sandbox
 from dsec.sdk.config import ClientConfig
-from dsec.sdk.fake_api import FAKE_KEY, FakeApi
-from dsec.sdk.fake_runtime import FakeRuntimeServer
+from dsec.testing.fake_api import FAKE_KEY, FakeApi
+from dsec.testing.fake_runtime import FakeRuntimeServer
 
 
 @pytest.fixture

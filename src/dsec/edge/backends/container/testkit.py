@@ -27,7 +27,6 @@ from dsec.paths import Paths
 
 # Stays pid 1 under its own name (``/bin/sh /.dsec/init``) so tests can recognise it.
 FAKE_INIT = "#!/bin/sh\n# fake aether init for tests\nwhile :; do sleep 100000; done\n"
-DEFAULT_BASE_TAR = Path("/tmp/imgtest/base.tar")
 
 
 def make_fake_agent_bundle(path: Path, init_script: str = FAKE_INIT) -> Path:
@@ -40,9 +39,15 @@ def make_fake_agent_bundle(path: Path, init_script: str = FAKE_INIT) -> Path:
     return path
 
 
-def base_tar() -> Path:
-    """The prebuilt base tar tests import (``$DSEC_TEST_BASE_TAR`` or the default)."""
-    return Path(os.environ.get("DSEC_TEST_BASE_TAR") or DEFAULT_BASE_TAR)
+def base_tar() -> Path | None:
+    """A prebuilt base tar to import instead of the installed image (``$DSEC_TEST_BASE_TAR``)."""
+    value = os.environ.get("DSEC_TEST_BASE_TAR")
+    return Path(value) if value else None
+
+
+def installed_store() -> ImageStore:
+    """The image store ``dsec setup`` built (tests only read its layers)."""
+    return ImageStore(Paths.from_env().images)
 
 
 def skip_reason(tar: Path | None = None) -> str | None:
@@ -58,8 +63,10 @@ def skip_reason(tar: Path | None = None) -> str | None:
                 return "needs overlayfs"
     except OSError:
         return "cannot read /proc/filesystems"
-    if not tar.is_file():
-        return f"needs a base image tar at {tar} (set DSEC_TEST_BASE_TAR)"
+    if tar is not None and not tar.is_file():
+        return f"DSEC_TEST_BASE_TAR={tar} is not a file"
+    if tar is None and not installed_store().has(BASE_IMAGE):
+        return "the base image is not built (run scripts/install or `dsec setup`)"
     return None
 
 
@@ -110,12 +117,14 @@ _shared_stores: dict[Path, ImageStore] = {}
 
 
 def shared_base_store(tar: Path | None = None) -> ImageStore:
-    """An image store holding ``base`` from ``tar``, unpacked once per process.
+    """An image store holding ``base``: the installed one, or ``tar`` unpacked once per process.
 
     Unpacking takes seconds, so every test module of a pytest run shares one copy; it is
     removed when the process exits.
     """
     tar = tar or base_tar()
+    if tar is None:
+        return installed_store()
     store = _shared_stores.get(tar)
     if store is None:
         root = Path(tempfile.mkdtemp(prefix="dsec-ctest-images-"))

@@ -3,7 +3,8 @@
 :class:`FakeApi` answers like the apiserver (``docs/http-api.md``) from dicts, as an
 ``httpx.MockTransport`` handler (sync and async); ``fake_runtime.FakeRuntimeServer`` serves
 the runtime WebSocket of the same sandboxes. Nothing runs: commands go to a tiny interpreter,
-one ``;``-separated step at a time::
+one ``;``-separated step at a time (``tests/e2e`` runs the same SDK calls against the real
+platform, so the fake is checked against the real thing)::
 
     echo TEXT   stdout "TEXT\\n"          err TEXT   stderr "TEXT\\n"
     cat         stdout = stdin              exit N     stop with exit code N

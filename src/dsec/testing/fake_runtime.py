@@ -1,6 +1,6 @@
 """A loopback fake of the runtime WebSocket (``/v1/sandboxes/{id}/runtime``) for SDK tests.
 
-It serves the sandboxes of a :class:`~dsec.sdk.fake_api.FakeApi` on ``127.0.0.1:<port>``
+It serves the sandboxes of a :class:`~dsec.testing.fake_api.FakeApi` on ``127.0.0.1:<port>``
 with the same fake command interpreter, frame for frame as ``docs/http-api.md`` describes.
 """
 
@@ -15,7 +15,7 @@ from websockets.http11 import Response as WsResponse
 from websockets.sync.server import Server, ServerConnection, serve
 
 from dsec.agent.protocol import KIND_CLOSE, KIND_ERR, KIND_IN, KIND_JSON, KIND_OUT
-from dsec.sdk.fake_api import JSON, FakeApi, interpret
+from dsec.testing.fake_api import JSON, FakeApi, interpret
 
 
 def _frame(kind: int, payload: bytes = b"") -> bytes:
