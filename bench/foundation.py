@@ -183,7 +183,7 @@ def _cgroup_pids(sandbox_id: str) -> list[int]:
 
 def idle_memory(n: int, with_shell: bool) -> dict[str, Any]:
     client = Client()
-    sbxs = [Sandbox.create(memory_mb=64, timeout=600, client=client) for _ in range(n)]
+    sbxs = [Sandbox.create(memory_mb=64, cpu=0.25, timeout=600, client=client) for _ in range(n)]
     try:
         for s in sbxs:
             s.exec("true")

@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from dsec.agent.protocol import CHUNK, MAX_FRAME
 from dsec.core.errors import DsecError
-from dsec.sdk.config import ClientConfig
+from dsec.sdk.config import ClientConfig, tls_verify
 from dsec.sdk.models import ExecEvent, HttpResponse
 from dsec.sdk.runtime_calls import port_response
 from dsec.sdk.streams import CLOSE_MESSAGE, RuntimeStream, input_messages, runtime_url
@@ -98,6 +98,7 @@ class AsyncTransport:
             timeout=_timeout(DEFAULT_TIMEOUT_S),
             transport=http_transport,
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            verify=tls_verify(config.api_url),
         )
         self._timeouts: dict[float | None, httpx.Timeout] = {}
         self._urls: dict[str, httpx.URL] = {}

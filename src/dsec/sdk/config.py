@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,3 +140,20 @@ def resolve_config(
     return ClientConfig(
         api_url=url.rstrip("/"), api_key=key.strip(), url_source=url_source, key_source=key_source
     )
+
+
+_tls_context: ssl.SSLContext | None = None
+
+
+def tls_verify(api_url: str) -> ssl.SSLContext | bool:
+    """httpx's ``verify`` for ``api_url``: one shared, verifying context for https.
+
+    Building a context loads the CA bundle (~25 ms), which every client used to pay; a
+    plain http URL (the local default) needs none.
+    """
+    global _tls_context
+    if not api_url.lower().startswith("https:"):
+        return False
+    if _tls_context is None:
+        _tls_context = ssl.create_default_context()
+    return _tls_context

@@ -18,7 +18,7 @@ from websockets.sync.client import connect as ws_connect
 
 from dsec.agent.protocol import CHUNK, MAX_FRAME
 from dsec.core.errors import DeadlineExceeded, DsecError
-from dsec.sdk.config import ClientConfig
+from dsec.sdk.config import ClientConfig, tls_verify
 from dsec.sdk.models import ExecEvent, HttpResponse
 from dsec.sdk.runtime_calls import port_response
 from dsec.sdk.streams import CLOSE_MESSAGE, RuntimeStream, input_messages, runtime_url
@@ -115,6 +115,7 @@ class SyncTransport:
             timeout=_timeout(DEFAULT_TIMEOUT_S),
             transport=http_transport,
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            verify=tls_verify(config.api_url),
         )
         self._timeouts: dict[float | None, httpx.Timeout] = {}
         self._urls: dict[str, httpx.URL] = {}
