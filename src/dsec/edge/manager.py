@@ -87,6 +87,7 @@ class SandboxManager:
         self._clock = clock
         self._live: dict[str, SandboxRecord] = {}
         self._watch_fds: dict[str, int] = {}
+        self._creating: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         socket_root.mkdir(parents=True, exist_ok=True)
         state_root.mkdir(parents=True, exist_ok=True)
@@ -163,16 +164,27 @@ class SandboxManager:
         self._save(rec)
         paths = self.paths(sandbox_id)
         started_at = time.perf_counter()
+        done = self._creating[sandbox_id] = asyncio.Event()
         try:
-            started = await backend.create(sandbox_id, spec, paths)
-            backend_s = time.perf_counter() - started_at
-            await agent_client.call(
-                paths.agent_socket, {"op": "ping"}, timeout=AGENT_READY_TIMEOUT_S
-            )
-        except BaseException as exc:
-            await self._fail_create(rec, backend, paths, exc)
-            raise self._as_create_error(exc) from exc
-        rec = self._move(rec, Event.STARTED, started_at=self._clock(), pid=started.pid)
+            try:
+                started = await backend.create(sandbox_id, spec, paths)
+                backend_s = time.perf_counter() - started_at
+                await agent_client.call(
+                    paths.agent_socket, {"op": "ping"}, timeout=AGENT_READY_TIMEOUT_S
+                )
+            except BaseException as exc:
+                if self._stop_requested(sandbox_id):
+                    await self._finish_stop(self._live[sandbox_id], "killed while creating")
+                else:
+                    await self._fail_create(rec, backend, paths, exc)
+                raise self._as_create_error(exc) from exc
+            if self._stop_requested(sandbox_id):
+                await self._finish_stop(self._live[sandbox_id], "killed while creating")
+                raise InvalidState(f"sandbox {sandbox_id} was killed while it was being created")
+            rec = self._move(rec, Event.STARTED, started_at=self._clock(), pid=started.pid)
+        finally:
+            del self._creating[sandbox_id]
+            done.set()
         self._watch(rec)
         self._metrics.observe("sandbox_create", time.perf_counter() - started_at)
         self._metrics.inc("sandboxes_created", backend=spec.backend)
@@ -194,6 +206,13 @@ class SandboxManager:
         rec = self.get(sandbox_id, caller)
         if not rec.live:
             return rec
+        creating = self._creating.get(sandbox_id)
+        if creating is not None:
+            # The create in flight sees STOPPING and tears the sandbox down itself.
+            if rec.state is State.CREATING:
+                self._move(rec, Event.STOP)
+            await creating.wait()
+            return self._records.get(sandbox_id) or rec
         if rec.state is State.STOPPING:
             return await self._finish_stop(rec, reason)
         rec = self._move(rec, Event.STOP)
@@ -265,6 +284,10 @@ class SandboxManager:
         self._watch_fds.clear()
 
     # ---- internals -----------------------------------------------------------------
+
+    def _stop_requested(self, sandbox_id: str) -> bool:
+        rec = self._live.get(sandbox_id)
+        return rec is not None and rec.state is State.STOPPING
 
     def _save(self, rec: SandboxRecord) -> None:
         self._records.put(rec)
