@@ -269,3 +269,24 @@ def test_huge_and_aborted_uploads_leave_nothing(sbx: Sandbox, platform: RunningP
         time.sleep(0.2)
     assert [n for n in left if "partial" in n] == []
     assert not sbx.files.exists("/root/huge")
+
+
+def test_pause_freezes_and_resume_thaws(sbx: Sandbox, platform: RunningPlatform) -> None:
+    sbx.processes.start(
+        ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done"]
+    )
+    time.sleep(0.5)
+    assert sbx.pause().state == "paused"
+    with pytest.raises(errors.InvalidState, match="paused"):
+        sbx.exec("true")
+    frozen = sbx.client.get_sandbox(sbx.id)
+    assert frozen.state == "paused"
+    time.sleep(0.5)
+    assert sbx.resume().state == "running"
+    first = int(sbx.files.read_text("/tmp/n"))
+    time.sleep(0.5)
+    assert int(sbx.files.read_text("/tmp/n")) > first
+    res = _cli(platform, "sandbox", "pause", sbx.id, "--json")
+    assert json.loads(res.stdout)["state"] == "paused"
+    _cli(platform, "sandbox", "resume", sbx.id)
+    assert sbx.exec("echo back").stdout == "back\n"

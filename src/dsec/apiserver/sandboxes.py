@@ -160,6 +160,27 @@ async def kill(request: web.Request) -> web.Response:
     return ok(info_json(info))
 
 
+async def pause(request: web.Request) -> web.Response:
+    """Freeze every process of a running sandbox."""
+    c, p, sid = ctx(request), principal(request), sandbox_id(request)
+    p.require("member")
+    stub = await c.upstream.edge_for(sid)
+    ref = pb.SandboxRef(sandbox_id=sid)
+    info = await stub.PauseSandbox(ref, metadata=p.metadata(), timeout=60)
+    return ok(info_json(info))
+
+
+async def resume(request: web.Request) -> web.Response:
+    """Thaw a paused sandbox."""
+    c, p, sid = ctx(request), principal(request), sandbox_id(request)
+    p.require("member")
+    stub = await c.upstream.edge_for(sid)
+    info = await stub.ResumeSandbox(
+        pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=60
+    )
+    return ok(info_json(info))
+
+
 async def set_timeout(request: web.Request) -> web.Response:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("member")
@@ -195,5 +216,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "/v1/sandboxes/{sandbox_id}", get),
     ("DELETE", "/v1/sandboxes/{sandbox_id}", kill),
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout", set_timeout),
+    ("POST", "/v1/sandboxes/{sandbox_id}/pause", pause),
+    ("POST", "/v1/sandboxes/{sandbox_id}/resume", resume),
     ("GET", "/v1/edges", edges),
 ]

@@ -126,6 +126,30 @@ def kill(sandbox_ids: tuple[str, ...], as_json: bool) -> None:
         raise click.exceptions.Exit(worst)
 
 
+@sandbox_group.command("pause")
+@click.argument("sandbox_id")
+@json_option
+def pause(sandbox_id: str, as_json: bool) -> None:
+    """Freeze every process of a sandbox (memory is kept; `resume` thaws it)."""
+    details = state().client().sandbox(sandbox_id).pause()
+    if as_json:
+        print_json(details)
+    else:
+        click.echo(f"paused {sandbox_id}")
+
+
+@sandbox_group.command("resume")
+@click.argument("sandbox_id")
+@json_option
+def resume(sandbox_id: str, as_json: bool) -> None:
+    """Thaw a paused sandbox."""
+    details = state().client().sandbox(sandbox_id).resume()
+    if as_json:
+        print_json(details)
+    else:
+        click.echo(f"resumed {sandbox_id}")
+
+
 @sandbox_group.command("timeout")
 @click.argument("sandbox_id")
 @click.argument("seconds", type=click.IntRange(min=1))

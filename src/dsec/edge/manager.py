@@ -218,6 +218,23 @@ class SandboxManager:
         rec = self._move(rec, Event.STOP)
         return await self._finish_stop(rec, reason)
 
+    async def pause(self, sandbox_id: str, caller: Caller) -> SandboxRecord:
+        """Freeze every process of a running sandbox (its lifetime keeps counting)."""
+        rec = self.get(sandbox_id, caller)
+        if rec.state is State.PAUSED:
+            return rec
+        rec.moved(Event.PAUSE)  # raises InvalidState unless running
+        await self._backends[rec.spec.backend].pause(sandbox_id)
+        return self._move(rec, Event.PAUSE)
+
+    async def resume(self, sandbox_id: str, caller: Caller) -> SandboxRecord:
+        rec = self.get(sandbox_id, caller)
+        if rec.state is State.RUNNING:
+            return rec
+        rec.moved(Event.RESUME)  # raises InvalidState unless paused
+        await self._backends[rec.spec.backend].resume(sandbox_id)
+        return self._move(rec, Event.RESUME)
+
     async def set_timeout(self, sandbox_id: str, timeout_s: int, caller: Caller) -> SandboxRecord:
         rec = self.get(sandbox_id, caller)
         if not rec.live or rec.state is State.STOPPING:
@@ -259,7 +276,8 @@ class SandboxManager:
                 continue
             runtime, pid = await backend.state(rec.id)
             if runtime in (RuntimeState.RUNNING, RuntimeState.PAUSED) and pid > 0:
-                rec = replace(rec, pid=pid)
+                state = State.PAUSED if runtime is RuntimeState.PAUSED else State.RUNNING
+                rec = replace(rec, pid=pid, state=state)
                 self._live[rec.id] = rec
                 self._save(rec)
                 self._watch(rec)

@@ -135,6 +135,18 @@ class EdgeService(pb_grpc.EdgeServicer):
         rec = await self._m.kill(request.sandbox_id, caller_of(context))
         return info_to_pb(rec, self._m.edge_id)
 
+    async def PauseSandbox(
+        self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        rec = await self._m.pause(request.sandbox_id, caller_of(context))
+        return info_to_pb(rec, self._m.edge_id)
+
+    async def ResumeSandbox(
+        self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        rec = await self._m.resume(request.sandbox_id, caller_of(context))
+        return info_to_pb(rec, self._m.edge_id)
+
     async def SetTimeout(
         self, request: pb.SetTimeoutRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SandboxInfo:

@@ -200,6 +200,13 @@ class AsyncSandbox:
     async def kill(self) -> SandboxInfo:
         return await self._t.call(wire.kill_sandbox(self._id))
 
+    async def pause(self) -> SandboxInfo:
+        """Freeze every process in the sandbox; runtime calls fail until :meth:`resume`."""
+        return await self._t.call(wire.pause_sandbox(self._id))
+
+    async def resume(self) -> SandboxInfo:
+        return await self._t.call(wire.resume_sandbox(self._id))
+
     async def exec(
         self,
         cmd: rc.Command,

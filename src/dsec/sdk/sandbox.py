@@ -202,6 +202,13 @@ class Sandbox:
     def kill(self) -> SandboxInfo:
         return self._t.call(wire.kill_sandbox(self._id))
 
+    def pause(self) -> SandboxInfo:
+        """Freeze every process in the sandbox; runtime calls fail until :meth:`resume`."""
+        return self._t.call(wire.pause_sandbox(self._id))
+
+    def resume(self) -> SandboxInfo:
+        return self._t.call(wire.resume_sandbox(self._id))
+
     def exec(
         self,
         cmd: rc.Command,

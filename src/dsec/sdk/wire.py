@@ -207,6 +207,14 @@ def kill_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
     return Call(json_request("DELETE", sandbox_path(sandbox_id)), SandboxInfo.from_wire)
 
 
+def pause_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call(json_request("POST", sandbox_path(sandbox_id) + "/pause"), SandboxInfo.from_wire)
+
+
+def resume_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call(json_request("POST", sandbox_path(sandbox_id) + "/resume"), SandboxInfo.from_wire)
+
+
 def set_timeout(sandbox_id: str, seconds: int) -> Call[SandboxInfo]:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
         raise InvalidArgument(f"timeout must be a positive number of seconds, got {seconds!r}")
