@@ -290,3 +290,17 @@ def test_pause_freezes_and_resume_thaws(sbx: Sandbox, platform: RunningPlatform)
     assert json.loads(res.stdout)["state"] == "paused"
     _cli(platform, "sandbox", "resume", sbx.id)
     assert sbx.exec("echo back").stdout == "back\n"
+
+
+def test_sandboxes_get_a_generous_open_files_limit(sbx: Sandbox) -> None:
+    import resource
+
+    # 65536, unless the host does not let even root (the edge) go that high.
+    ceiling = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    can_raise = True
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, ceiling + 1))
+    except (ValueError, OSError):
+        can_raise = False
+    expected = 65536 if can_raise else min(65536, ceiling)
+    assert int(sbx.exec("ulimit -n").stdout) == expected

@@ -36,6 +36,25 @@ REAP_S = 1.0
 RECONCILE_S = 30.0
 
 
+def raise_nofile_limit(target: int = 1 << 20) -> int:
+    """Raise this process's open-files limit (sandboxes inherit at most it); return it."""
+    import resource
+
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            target = min(target, int(f.read()))
+    except (OSError, ValueError):
+        pass
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for limit in (target, hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            return limit
+        except (ValueError, OSError):
+            continue
+    return soft
+
+
 def node_capacity(args: argparse.Namespace) -> NodeCapacity:
     mem_kb = 0
     with open("/proc/meminfo") as f:
@@ -112,6 +131,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     from dsec.rpc.tls import ensure_edge_id
 
     paths = Paths.from_env(args.home)
+    nofile = raise_nofile_limit()
     edge_id = args.edge_id or ensure_edge_id(paths.home)
     metrics = Metrics("dsec_edge")
     cap = node_capacity(args)
@@ -158,6 +178,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         "edge listening",
         address=args.listen,
         edge_id=edge_id,
+        nofile=nofile,
         backends=sorted(backends),
         adopted=len(manager.live_records()),
     )
