@@ -304,3 +304,54 @@ def test_sandboxes_get_a_generous_open_files_limit(sbx: Sandbox) -> None:
         can_raise = False
     expected = 65536 if can_raise else min(65536, ceiling)
     assert int(sbx.exec("ulimit -n").stdout) == expected
+
+
+def test_audit_log_records_and_detects_tampering(platform: RunningPlatform, api: Client) -> None:
+    import sqlite3
+
+    key = api.create_key("auditor", "default", "viewer", "audit test")
+    s = Sandbox.create(memory_mb=64, timeout=60)
+    s.pause()
+    s.resume()
+    s.kill()
+    api.revoke_key(key.key_id)
+    with pytest.raises(errors.ImageNotFound):
+        Sandbox.create(image="no-such-image")
+    entries = api.audit(since="10m")
+    mine = [(e.action, e.result) for e in entries if e.target in (s.id, key.key_id)]
+    assert mine == [
+        ("key.create", "ok"),
+        ("sandbox.create", "ok"),
+        ("sandbox.pause", "ok"),
+        ("sandbox.resume", "ok"),
+        ("sandbox.kill", "ok"),
+        ("key.revoke", "ok"),
+    ]
+    assert any(e.action == "sandbox.create" and e.result == "image_not_found" for e in entries)
+    assert all(e.actor.startswith("admin") for e in entries if e.target == s.id)
+    only_kills = api.audit(action="sandbox.kill", since="10m")
+    assert only_kills
+    assert {e.action for e in only_kills} == {"sandbox.kill"}
+    out = _cli(platform, "audit", "--action", "sandbox.", "--since", "10m", "--json")
+    assert {e["action"] for e in json.loads(out.stdout)} <= {
+        "sandbox.create",
+        "sandbox.pause",
+        "sandbox.resume",
+        "sandbox.kill",
+        "sandbox.set_timeout",
+    }
+    assert api.verify_audit()["intact"] is True
+    assert _cli(platform, "audit", "verify").returncode == 0
+
+    # The table refuses edits; someone who drops the guard and edits a row is caught.
+    db = sqlite3.connect(platform.paths.home / "iam.db")
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        db.execute("UPDATE audit SET actor = 'mallory' WHERE seq = 2")
+    db.execute("DROP TRIGGER audit_no_update")
+    db.execute("UPDATE audit SET actor = 'mallory' WHERE seq = 2")
+    db.commit()
+    db.close()
+    verdict = api.verify_audit()
+    assert verdict["intact"] is False
+    assert verdict["broken_at"] == 2
+    assert _cli(platform, "audit", "verify", check=False).returncode == 1

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from dsec import __version__
-from dsec.apiserver import keys, openapi, runtime, sandboxes, ws
+from dsec.apiserver import audit, keys, openapi, runtime, sandboxes, ws
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.context import CTX, Ctx, ctx, ok
 from dsec.apiserver.upstream import Upstream
@@ -71,6 +71,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *sandboxes.ROUTES,
         *runtime.ROUTES,
         *keys.ROUTES,
+        *audit.ROUTES,
     ]
 
 
@@ -83,13 +84,15 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         if request.match_info.route.resource
         else "unmatched"
     )
-    rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+    rid = request.headers.get("X-Request-Id", "")[:64] or uuid.uuid4().hex[:16]
+    request["request_id"] = rid
     status_code = 500
     try:
         if not request.path.startswith(PUBLIC_PREFIXES):
             request["principal"] = await c.auth.principal(request)
         resp = await handler(request)
         status_code = resp.status
+        await audit.record(request, route, status_code, None, rid)
         return resp
     except web.HTTPNotFound:
         err: DsecError = NotFound(f"no route {request.method} {request.path}")
@@ -102,6 +105,7 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         )
     except DsecError as exc:
         status_code = exc.http_status
+        await audit.record(request, route, status_code, exc, rid)
         return web.json_response(
             {"error": exc.to_wire()}, status=status_code, headers={"X-Request-Id": rid}
         )

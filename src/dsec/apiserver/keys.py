@@ -12,6 +12,11 @@ from dsec.core.errors import InvalidArgument
 from dsec.rpc._gen import dsec_pb2 as pb
 
 
+def _md(request: web.Request) -> tuple[tuple[str, str], ...]:
+    """The caller and request id, so the iam's audit entry names who asked."""
+    return (*principal(request).metadata(), ("x-request-id", str(request.get("request_id", ""))))
+
+
 async def whoami(request: web.Request) -> web.Response:
     p = principal(request)
     return ok({"subject": p.subject, "project": p.project, "role": p.role, "key_id": p.key_id})
@@ -24,7 +29,10 @@ async def create_key(request: web.Request) -> web.Response:
     fields = {k: body.get(k, "") for k in ("subject", "project", "role", "name")}
     if not all(isinstance(v, str) for v in fields.values()):
         raise InvalidArgument("subject, project, role and name must be strings")
-    reply = await rpc("iam", c.upstream.iam.CreateKey(pb.CreateKeyRequest(**fields), timeout=10))
+    call = c.upstream.iam.CreateKey(
+        pb.CreateKeyRequest(**fields), metadata=_md(request), timeout=10
+    )
+    reply = await rpc("iam", call)
     return ok({"api_key": reply.api_key, "key_id": reply.key_id}, status=201)
 
 
@@ -56,7 +64,10 @@ async def revoke_key(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
     p.require("admin")
     await rpc(
-        "iam", c.upstream.iam.RevokeKey(pb.KeyRef(key_id=request.match_info["key_id"]), timeout=10)
+        "iam",
+        c.upstream.iam.RevokeKey(
+            pb.KeyRef(key_id=request.match_info["key_id"]), metadata=_md(request), timeout=10
+        ),
     )
     c.auth.forget()
     return ok({})

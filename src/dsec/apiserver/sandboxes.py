@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
+from dsec.apiserver import audit
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.upstream import EdgeEntry, rpc
 from dsec.core.errors import BackendUnavailable, DsecError, NodeFull, Unavailable
@@ -81,6 +82,7 @@ async def create(request: web.Request) -> web.Response:
     last: DsecError = NodeFull("every edge is full")
     for entry in _placement(await c.upstream.edges(), spec.backend)[:MAX_EDGE_TRIES]:
         sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
+        request[audit.TARGET] = sid
         admit = pb.AdmitRequest(
             project=p.project,
             sandbox_id=sid,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsec.core.audit import AuditEvent, verify
 from dsec.core.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -38,6 +39,7 @@ from dsec.core.errors import (
     Unavailable,
 )
 from dsec.core.ids import edge_of, is_sandbox_id, parse_api_key, validate_edge_id
+from dsec.iam import audit
 from dsec.iam.keys import new_api_key, secret_matches
 
 KEY_ROLES = frozenset({"admin", "member", "viewer"})
@@ -169,6 +171,7 @@ class IamDb:
             self._db.execute("PRAGMA synchronous = FULL")
             self._db.execute("PRAGMA foreign_keys = ON")
             self._db.executescript(_SCHEMA)
+            self._db.executescript(audit.SCHEMA)
         except sqlite3.Error as e:
             raise Unavailable(f"cannot open IAM database {path}: {e}") from e
 
@@ -221,11 +224,21 @@ class IamDb:
             )
             write_admin_key(key_id, token)
             db.execute("INSERT INTO meta VALUES ('bootstrapped', ?)", (repr(now),))
+            audit.append(
+                db,
+                AuditEvent(
+                    ts=now,
+                    actor="iam",
+                    action="iam.bootstrap",
+                    project=DEFAULT_PROJECT,
+                    target=key_id,
+                ),
+            )
             return True
 
     # -- projects --------------------------------------------------------------------------
 
-    def put_project(self, project: Project) -> Project:
+    def put_project(self, project: Project, *, actor: str = "iam", request_id: str = "") -> Project:
         """Create ``project`` or replace its quota (existing allocations are kept)."""
         if not _PROJECT_RE.match(project.name):
             raise InvalidArgument(
@@ -234,7 +247,14 @@ class IamDb:
         if project.max_sandboxes < 0 or project.max_cpu < 0 or project.max_memory_mb < 0:
             raise InvalidArgument("quota limits must be >= 0 (0 means no limit)")
         with self._write() as db:
-            self._upsert_project(db, project, self._clock())
+            now = self._clock()
+            self._upsert_project(db, project, now)
+            audit.append(db, AuditEvent(
+                ts=now, actor=actor, action="project.put", project=project.name,
+                target=project.name, request_id=request_id,
+                details=f"max_sandboxes={project.max_sandboxes} max_cpu={project.max_cpu:g} "
+                        f"max_memory_mb={project.max_memory_mb}",
+            ))  # fmt: skip
         return self.get_project(project.name)
 
     def _upsert_project(self, db: sqlite3.Connection, p: Project, now: float) -> None:
@@ -263,7 +283,16 @@ class IamDb:
 
     # -- keys ------------------------------------------------------------------------------
 
-    def create_key(self, subject: str, project: str, role: str, name: str) -> tuple[str, KeyRecord]:
+    def create_key(
+        self,
+        subject: str,
+        project: str,
+        role: str,
+        name: str,
+        *,
+        actor: str = "iam",
+        request_id: str = "",
+    ) -> tuple[str, KeyRecord]:
         """Create an API key; returns the full key (shown once) and its record.
 
         Raises:
@@ -276,7 +305,12 @@ class IamDb:
             raise InvalidArgument(f"role must be one of {sorted(KEY_ROLES)}, got {role!r}")
         self.get_project(project)
         with self._write() as db:
-            key_id, token = self._insert_key(db, subject, project, role, name, self._clock())
+            now = self._clock()
+            key_id, token = self._insert_key(db, subject, project, role, name, now)
+            audit.append(db, AuditEvent(
+                ts=now, actor=actor, action="key.create", project=project, target=key_id,
+                request_id=request_id, details=f"subject={subject} role={role}",
+            ))  # fmt: skip
         return token, self.get_key(key_id)
 
     def _insert_key(
@@ -303,15 +337,55 @@ class IamDb:
             rows = self._read(f"{_KEY_SELECT} ORDER BY created_at")
         return [_key(r) for r in rows]
 
-    def revoke_key(self, key_id: str) -> None:
+    def revoke_key(self, key_id: str, *, actor: str = "iam", request_id: str = "") -> None:
         """Revoke a key for good; revoking it again is a no-op. Raises NotFound."""
         with self._write() as db:
+            now = self._clock()
             cur = db.execute(
                 "UPDATE api_keys SET revoked_at = coalesce(revoked_at, ?) WHERE key_id = ?",
-                (self._clock(), key_id),
+                (now, key_id),
             )
             if cur.rowcount == 0:
                 raise NotFound(f"no API key {key_id!r}")
+            (project,) = db.execute(
+                "SELECT project FROM api_keys WHERE key_id = ?", (key_id,)
+            ).fetchone()
+            audit.append(
+                db,
+                AuditEvent(
+                    ts=now,
+                    actor=actor,
+                    action="key.revoke",
+                    project=project,
+                    target=key_id,
+                    request_id=request_id,
+                ),
+            )
+
+    # -- audit -----------------------------------------------------------------------------
+
+    def append_audit(self, event: AuditEvent) -> AuditEvent:
+        """Append an event (timestamped now if it has no time); returns the stored entry."""
+        with self._write() as db:
+            if not event.ts:
+                from dataclasses import replace
+
+                event = replace(event, ts=self._clock())
+            return audit.append(db, event)
+
+    def query_audit(self, q: audit.AuditQuery) -> list[AuditEvent]:
+        try:
+            return audit.query(self._db, q)
+        except sqlite3.Error as e:
+            raise Unavailable(f"IAM database read failed: {e}") from e
+
+    def verify_audit(self) -> tuple[int, int | None, str]:
+        """(number of entries, seq of the first broken entry or None, head hash)."""
+        try:
+            entries = audit.all_entries(self._db)
+        except sqlite3.Error as e:
+            raise Unavailable(f"IAM database read failed: {e}") from e
+        return len(entries), verify(entries), entries[-1].hash if entries else ""
 
     def authenticate(self, api_key: str) -> Principal:
         """Return who ``api_key`` speaks for.

@@ -21,6 +21,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 
 from dsec.core.errors import PermissionDenied, QuotaExceeded, Unauthenticated
+from dsec.iam.audit_rpcs import AuditRpcs, actor_of
 from dsec.iam.db import Admission, IamDb, KeyRecord, Project
 from dsec.obs import Metrics, log
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -35,11 +36,12 @@ ALLOWED_ROLES: dict[str, set[str]] = {
     "dsec.v1.Iam": {"apiserver", "admin"},
     "/dsec.v1.Iam/Release": {"apiserver", "admin", "edge"},
     "/dsec.v1.Iam/Reconcile": {"apiserver", "admin", "edge"},
+    "/dsec.v1.Iam/AppendAudit": {"apiserver", "admin", "edge"},
 }
 DEFAULT_RECONCILE_GRACE_S = 30.0
 
 
-class IamService(pb_grpc.IamServicer):
+class IamService(AuditRpcs, pb_grpc.IamServicer):
     """Serves the Iam RPCs from an :class:`IamDb` it owns (closed by :meth:`close`)."""
 
     def __init__(
@@ -104,9 +106,13 @@ class IamService(pb_grpc.IamServicer):
         return pb.Principal(subject=p.subject, project=p.project, role=p.role, key_id=p.key_id)
 
     async def CreateKey(self, request: pb.CreateKeyRequest, context: _Ctx) -> pb.CreateKeyReply:
+        actor, rid = actor_of(context)
         token, rec = await self.run(
-            self._db.create_key, request.subject, request.project, request.role, request.name
-        )
+            functools.partial(
+                self._db.create_key, request.subject, request.project, request.role,
+                request.name, actor=actor, request_id=rid,
+            )
+        )  # fmt: skip
         log(
             _log,
             "key created",
@@ -123,7 +129,10 @@ class IamService(pb_grpc.IamServicer):
         return pb.KeyList(keys=[_key_info(k) for k in keys])
 
     async def RevokeKey(self, request: pb.KeyRef, context: _Ctx) -> pb.Empty:
-        await self.run(self._db.revoke_key, request.key_id)
+        actor, rid = actor_of(context)
+        await self.run(
+            functools.partial(self._db.revoke_key, request.key_id, actor=actor, request_id=rid)
+        )
         log(_log, "key revoked", key_id=request.key_id, by=peer_identity(context).spiffe_id)
         return pb.Empty()
 
@@ -187,7 +196,10 @@ class IamService(pb_grpc.IamServicer):
         wanted = Project(
             request.name, request.max_sandboxes, request.max_cpu, request.max_memory_mb
         )
-        p = await self.run(self._db.put_project, wanted)
+        actor, rid = actor_of(context)
+        p = await self.run(
+            functools.partial(self._db.put_project, wanted, actor=actor, request_id=rid)
+        )
         log(
             _log,
             "project saved",

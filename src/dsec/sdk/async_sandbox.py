@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncGenerator, Mapping
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -20,6 +21,7 @@ from dsec.sdk.async_io import AsyncStdin, AsyncTransport
 from dsec.sdk.async_sandbox_runtime import AsyncFiles, AsyncProcesses, AsyncPtys, AsyncShell
 from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
+    AuditEntry,
     ExecEvent,
     ExecResult,
     HttpResponse,
@@ -81,6 +83,27 @@ class AsyncClient:
 
     async def revoke_key(self, key_id: str) -> None:
         await self.transport.call(wire.revoke_key(key_id))
+
+    async def audit(
+        self,
+        *,
+        since: str = "",
+        until: str = "",
+        project: str = "",
+        actor: str = "",
+        action: str = "",
+        limit: int = 1000,
+    ) -> builtins.list[AuditEntry]:
+        """Audit entries, oldest first (admin); times are epoch, ISO-8601 or ages (``1h``)."""
+        return await self.transport.call(
+            wire.query_audit(
+                since=since, until=until, project=project, actor=actor, action=action, limit=limit
+            )
+        )
+
+    async def verify_audit(self) -> dict[str, Any]:
+        """Check the audit log's hash chain: ``{entries, intact, broken_at, head_hash}``."""
+        return await self.transport.call(wire.verify_audit())
 
     async def list_edges(self) -> builtins.list[dict[str, object]]:
         return await self.transport.call(wire.list_edges())

@@ -322,6 +322,32 @@ class KeyInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One entry of the audit log (see ``dsec.core.audit`` for the hash chain)."""
+
+    seq: int
+    ts: float
+    actor: str
+    action: str
+    project: str
+    target: str
+    result: str
+    request_id: str
+    details: str
+    hash: str
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> AuditEntry:
+        return cls(
+            seq=int(obj["seq"]), ts=float(obj["ts"]), actor=str(obj.get("actor", "")),
+            action=str(obj.get("action", "")), project=str(obj.get("project", "")),
+            target=str(obj.get("target", "")), result=str(obj.get("result", "")),
+            request_id=str(obj.get("request_id", "")), details=str(obj.get("details", "")),
+            hash=str(obj.get("hash", "")),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class WriteResult:
     """Where a file was written and its size afterwards."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Generator, Iterable, Mapping
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -18,6 +19,7 @@ from dsec.sdk import runtime_calls as rc
 from dsec.sdk import streams, wire
 from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
+    AuditEntry,
     ExecEvent,
     ExecResult,
     HttpResponse,
@@ -83,6 +85,27 @@ class Client:
 
     def revoke_key(self, key_id: str) -> None:
         self.transport.call(wire.revoke_key(key_id))
+
+    def audit(
+        self,
+        *,
+        since: str = "",
+        until: str = "",
+        project: str = "",
+        actor: str = "",
+        action: str = "",
+        limit: int = 1000,
+    ) -> builtins.list[AuditEntry]:
+        """Audit entries, oldest first (admin); times are epoch, ISO-8601 or ages (``1h``)."""
+        return self.transport.call(
+            wire.query_audit(
+                since=since, until=until, project=project, actor=actor, action=action, limit=limit
+            )
+        )
+
+    def verify_audit(self) -> dict[str, Any]:
+        """Check the audit log's hash chain: ``{entries, intact, broken_at, head_hash}``."""
+        return self.transport.call(wire.verify_audit())
 
     def list_edges(self) -> builtins.list[dict[str, object]]:
         return self.transport.call(wire.list_edges())

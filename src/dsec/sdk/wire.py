@@ -29,7 +29,7 @@ from dsec.core.errors import (
     Unavailable,
     error_from_wire,
 )
-from dsec.sdk.models import JSON, Identity, KeyInfo, NewKey, SandboxInfo
+from dsec.sdk.models import JSON, AuditEntry, Identity, KeyInfo, NewKey, SandboxInfo
 
 T = TypeVar("T")
 
@@ -244,6 +244,29 @@ def _key_list(obj: JSON) -> list[KeyInfo]:
 
 def list_keys() -> Call[list[KeyInfo]]:
     return Call(json_request("GET", "/v1/keys"), _key_list)
+
+
+def query_audit(
+    *,
+    since: str = "",
+    until: str = "",
+    project: str = "",
+    actor: str = "",
+    action: str = "",
+    limit: int = 1000,
+) -> Call[list[AuditEntry]]:
+    """``since``/``until``: epoch seconds, ISO-8601, or an age such as ``10m``."""
+    params = tuple((k, str(v)) for k, v in (
+        ("since", since), ("until", until), ("project", project), ("actor", actor),
+        ("action", action), ("limit", limit)) if v)  # fmt: skip
+    return Call(
+        json_request("GET", "/v1/audit", params=params),
+        lambda body: [AuditEntry.from_wire(e) for e in body["entries"]],
+    )
+
+
+def verify_audit() -> Call[dict[str, Any]]:
+    return Call(json_request("GET", "/v1/audit/verify"), dict)
 
 
 def revoke_key(key_id: str) -> Call[None]:

@@ -804,6 +804,140 @@ class ProjectRef(_message.Message):
 Global___ProjectRef: _TypeAlias = ProjectRef  # noqa: Y015
 
 @_typing.final
+class AuditEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    TS_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    PROJECT_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    PREV_HASH_FIELD_NUMBER: _builtins.int
+    HASH_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    ts: _builtins.float
+    actor: _builtins.str
+    action: _builtins.str
+    project: _builtins.str
+    target: _builtins.str
+    result: _builtins.str
+    request_id: _builtins.str
+    details: _builtins.str
+    prev_hash: _builtins.str
+    hash: _builtins.str
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        ts: _builtins.float = ...,
+        actor: _builtins.str = ...,
+        action: _builtins.str = ...,
+        project: _builtins.str = ...,
+        target: _builtins.str = ...,
+        result: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        details: _builtins.str = ...,
+        prev_hash: _builtins.str = ...,
+        hash: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "details", b"details", "hash", b"hash", "prev_hash", b"prev_hash", "project", b"project", "request_id", b"request_id", "result", b"result", "seq", b"seq", "target", b"target", "ts", b"ts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditEntry: _TypeAlias = AuditEntry  # noqa: Y015
+
+@_typing.final
+class AuditQuery(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SINCE_FIELD_NUMBER: _builtins.int
+    UNTIL_FIELD_NUMBER: _builtins.int
+    PROJECT_FIELD_NUMBER: _builtins.int
+    ACTOR_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    AFTER_SEQ_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    since: _builtins.float
+    until: _builtins.float
+    """0: no upper bound"""
+    project: _builtins.str
+    actor: _builtins.str
+    action: _builtins.str
+    """exact, or a prefix ending in "." """
+    after_seq: _builtins.int
+    limit: _builtins.int
+    def __init__(
+        self,
+        *,
+        since: _builtins.float = ...,
+        until: _builtins.float = ...,
+        project: _builtins.str = ...,
+        actor: _builtins.str = ...,
+        action: _builtins.str = ...,
+        after_seq: _builtins.int = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "actor", b"actor", "after_seq", b"after_seq", "limit", b"limit", "project", b"project", "since", b"since", "until", b"until"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditQuery: _TypeAlias = AuditQuery  # noqa: Y015
+
+@_typing.final
+class AuditList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuditEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___AuditEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditList: _TypeAlias = AuditList  # noqa: Y015
+
+@_typing.final
+class AuditVerdict(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    BROKEN_AT_FIELD_NUMBER: _builtins.int
+    HEAD_HASH_FIELD_NUMBER: _builtins.int
+    entries: _builtins.int
+    broken_at: _builtins.int
+    """0: the whole chain holds"""
+    head_hash: _builtins.str
+    def __init__(
+        self,
+        *,
+        entries: _builtins.int = ...,
+        broken_at: _builtins.int = ...,
+        head_hash: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["broken_at", b"broken_at", "entries", b"entries", "head_hash", b"head_hash"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditVerdict: _TypeAlias = AuditVerdict  # noqa: Y015
+
+@_typing.final
 class EdgeView(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -534,6 +534,21 @@ class IamStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Usage.FromString,
                 _registered_method=True)
+        self.AppendAudit = channel.unary_unary(
+                '/dsec.v1.Iam/AppendAudit',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditEntry.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                _registered_method=True)
+        self.QueryAudit = channel.unary_unary(
+                '/dsec.v1.Iam/QueryAudit',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditQuery.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditList.FromString,
+                _registered_method=True)
+        self.VerifyAudit = channel.unary_unary(
+                '/dsec.v1.Iam/VerifyAudit',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditVerdict.FromString,
+                _registered_method=True)
         self.PutProject = channel.unary_unary(
                 '/dsec.v1.Iam/PutProject',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Project.SerializeToString,
@@ -597,6 +612,24 @@ class IamServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppendAudit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueryAudit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyAudit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutProject(self, request, context):
         """create, or replace its quota
         """
@@ -652,6 +685,21 @@ def add_IamServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Usage.SerializeToString,
+            ),
+            'AppendAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendAudit,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditEntry.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'QueryAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryAudit,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditQuery.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditList.SerializeToString,
+            ),
+            'VerifyAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyAudit,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditVerdict.SerializeToString,
             ),
             'PutProject': grpc.unary_unary_rpc_method_handler(
                     servicer.PutProject,
@@ -880,6 +928,87 @@ class Iam:
             '/dsec.v1.Iam/GetUsage',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Usage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/AppendAudit',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditEntry.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/QueryAudit',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditQuery.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/VerifyAudit',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditVerdict.FromString,
             options,
             channel_credentials,
             insecure,

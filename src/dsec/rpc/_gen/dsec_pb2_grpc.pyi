@@ -149,6 +149,9 @@ class IamStub:
     Release: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReleaseRequest, _dsec_pb2.Empty]
     Reconcile: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]
     GetUsage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]
+    AppendAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]
+    QueryAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditQuery, _dsec_pb2.AuditList]
+    VerifyAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.AuditVerdict]
     PutProject: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Project, _dsec_pb2.Project]
     """create, or replace its quota"""
     ListProjects: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]
@@ -164,6 +167,9 @@ class IamAsyncStub(IamStub):
     Release: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReleaseRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     Reconcile: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     GetUsage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]  # type: ignore[assignment]
+    AppendAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]  # type: ignore[assignment]
+    QueryAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditQuery, _dsec_pb2.AuditList]  # type: ignore[assignment]
+    VerifyAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.AuditVerdict]  # type: ignore[assignment]
     PutProject: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Project, _dsec_pb2.Project]  # type: ignore[assignment]
     """create, or replace its quota"""
     ListProjects: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]  # type: ignore[assignment]
@@ -224,6 +230,27 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.ProjectRef,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.Usage, _abc.Awaitable[_dsec_pb2.Usage]]: ...
+
+    @_abc_1.abstractmethod
+    def AppendAudit(
+        self,
+        request: _dsec_pb2.AuditEntry,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def QueryAudit(
+        self,
+        request: _dsec_pb2.AuditQuery,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.AuditList, _abc.Awaitable[_dsec_pb2.AuditList]]: ...
+
+    @_abc_1.abstractmethod
+    def VerifyAudit(
+        self,
+        request: _dsec_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.AuditVerdict, _abc.Awaitable[_dsec_pb2.AuditVerdict]]: ...
 
     @_abc_1.abstractmethod
     def PutProject(
