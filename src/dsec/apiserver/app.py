@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from dsec import __version__
-from dsec.apiserver import audit, keys, openapi, runtime, sandboxes, ws
+from dsec.apiserver import audit, keys, openapi, runtime, sandboxes, tokens_routes, ws
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.context import CTX, Ctx, ctx, ok
 from dsec.apiserver.upstream import Upstream
@@ -72,6 +72,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *runtime.ROUTES,
         *keys.ROUTES,
         *audit.ROUTES,
+        *tokens_routes.ROUTES,
     ]
 
 
@@ -133,6 +134,15 @@ def make_app(upstream: Upstream, components: dict[str, str]) -> web.Application:
     )
     for method, path, handler in all_routes():
         app.router.add_route(method, path, handler)
+
+    async def on_startup(app: web.Application) -> None:
+        await app[CTX].auth.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await app[CTX].auth.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
     return app
 
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from dsec.daemon import bound_port, parse_hostport, serve_metrics
 from dsec.iam.db import IamDb
 from dsec.iam.service import ALLOWED_ROLES, DEFAULT_RECONCILE_GRACE_S, IamService
+from dsec.iam.signing import load_or_create
 from dsec.obs import Metrics, log
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.server import make_server, server_port
@@ -74,8 +75,9 @@ class IamApp:
         cfg.home.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(ensure_pki, cfg.pki_dir, [Identity.singleton("iam")])
         db = await asyncio.to_thread(IamDb, cfg.db_path)
+        signing = await asyncio.to_thread(load_or_create, cfg.pki_dir / "token-signing.key")
         self._service = IamService(
-            db, metrics=self.metrics, reconcile_grace_s=cfg.reconcile_grace_s
+            db, metrics=self.metrics, reconcile_grace_s=cfg.reconcile_grace_s, signing=signing
         )
         if await self._service.run(db.bootstrap, self._write_admin_key):
             log(_log, "bootstrapped: created project 'default' and an admin key")

@@ -19,10 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dsec.core.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from dsec.iam.audit_rpcs import AuditRpcs, actor_of
 from dsec.iam.db import Admission, IamDb, KeyRecord, Project
+from dsec.iam.signing import key_id as signing_key_id
+from dsec.iam.token_rpcs import TokenRpcs
 from dsec.obs import Metrics, log
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
@@ -41,7 +44,7 @@ ALLOWED_ROLES: dict[str, set[str]] = {
 DEFAULT_RECONCILE_GRACE_S = 30.0
 
 
-class IamService(AuditRpcs, pb_grpc.IamServicer):
+class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
     """Serves the Iam RPCs from an :class:`IamDb` it owns (closed by :meth:`close`)."""
 
     def __init__(
@@ -50,8 +53,13 @@ class IamService(AuditRpcs, pb_grpc.IamServicer):
         *,
         metrics: Metrics | None = None,
         reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S,
+        signing: tuple[str, Ed25519PrivateKey] | None = None,
     ) -> None:
         self._db = db
+        if signing is None:  # tests: an ephemeral key
+            key = Ed25519PrivateKey.generate()
+            signing = (signing_key_id(key.public_key()), key)
+        self._signing = signing
         self._metrics = metrics or Metrics("dsec_iam")
         self._grace = reconcile_grace_s
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iam-db")

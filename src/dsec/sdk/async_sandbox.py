@@ -21,6 +21,7 @@ from dsec.sdk.async_io import AsyncStdin, AsyncTransport
 from dsec.sdk.async_sandbox_runtime import AsyncFiles, AsyncProcesses, AsyncPtys, AsyncShell
 from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
+    AccessToken,
     AuditEntry,
     ExecEvent,
     ExecResult,
@@ -100,6 +101,14 @@ class AsyncClient:
                 since=since, until=until, project=project, actor=actor, action=action, limit=limit
             )
         )
+
+    async def create_token(self, ttl_s: int = 600) -> AccessToken:
+        """Exchange this client's API key for a short-lived access token."""
+        return await self.transport.call(wire.create_token(ttl_s))
+
+    async def revoke(self, kind: str, value: str) -> None:
+        """Revoke a ``token`` (by id), a ``key`` (by id) or a ``subject`` (all of it)."""
+        await self.transport.call(wire.revoke(kind, value))
 
     async def verify_audit(self) -> dict[str, Any]:
         """Check the audit log's hash chain: ``{entries, intact, broken_at, head_hash}``."""

@@ -322,6 +322,19 @@ class KeyInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class AccessToken:
+    """A short-lived access token; use it wherever an API key goes (``api_key=``)."""
+
+    token: str
+    token_id: str
+    expires_at: float
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> AccessToken:
+        return cls(str(obj["token"]), str(obj["token_id"]), float(obj["expires_at"]))
+
+
+@dataclass(frozen=True, slots=True)
 class AuditEntry:
     """One entry of the audit log (see ``dsec.core.audit`` for the hash chain)."""
 

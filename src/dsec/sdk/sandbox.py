@@ -19,6 +19,7 @@ from dsec.sdk import runtime_calls as rc
 from dsec.sdk import streams, wire
 from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
+    AccessToken,
     AuditEntry,
     ExecEvent,
     ExecResult,
@@ -102,6 +103,14 @@ class Client:
                 since=since, until=until, project=project, actor=actor, action=action, limit=limit
             )
         )
+
+    def create_token(self, ttl_s: int = 600) -> AccessToken:
+        """Exchange this client's API key for a short-lived access token."""
+        return self.transport.call(wire.create_token(ttl_s))
+
+    def revoke(self, kind: str, value: str) -> None:
+        """Revoke a ``token`` (by id), a ``key`` (by id) or a ``subject`` (all of it)."""
+        self.transport.call(wire.revoke(kind, value))
 
     def verify_audit(self) -> dict[str, Any]:
         """Check the audit log's hash chain: ``{entries, intact, broken_at, head_hash}``."""

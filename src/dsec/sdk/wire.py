@@ -29,7 +29,7 @@ from dsec.core.errors import (
     Unavailable,
     error_from_wire,
 )
-from dsec.sdk.models import JSON, AuditEntry, Identity, KeyInfo, NewKey, SandboxInfo
+from dsec.sdk.models import JSON, AccessToken, AuditEntry, Identity, KeyInfo, NewKey, SandboxInfo
 
 T = TypeVar("T")
 
@@ -263,6 +263,17 @@ def query_audit(
         json_request("GET", "/v1/audit", params=params),
         lambda body: [AuditEntry.from_wire(e) for e in body["entries"]],
     )
+
+
+def create_token(ttl_s: int) -> Call[AccessToken]:
+    return Call(json_request("POST", "/v1/tokens", {"ttl_s": ttl_s}), AccessToken.from_wire)
+
+
+def revoke(kind: str, value: str) -> Call[None]:
+    if kind not in ("token", "key", "subject"):
+        raise InvalidArgument(f"kind must be token, key or subject, got {kind!r}")
+    return Call(json_request("POST", "/v1/revocations", {"kind": kind, "value": value}),
+                ignore_body)  # fmt: skip
 
 
 def verify_audit() -> Call[dict[str, Any]]:

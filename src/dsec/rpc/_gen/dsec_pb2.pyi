@@ -938,6 +938,187 @@ class AuditVerdict(_message.Message):
 Global___AuditVerdict: _TypeAlias = AuditVerdict  # noqa: Y015
 
 @_typing.final
+class IssueTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    API_KEY_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    api_key: _builtins.str
+    ttl_s: _builtins.int
+    """0: the default (600 s); at most 3600"""
+    def __init__(
+        self,
+        *,
+        api_key: _builtins.str = ...,
+        ttl_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_key", b"api_key", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___IssueTokenRequest: _TypeAlias = IssueTokenRequest  # noqa: Y015
+
+@_typing.final
+class TokenReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    token_id: _builtins.str
+    expires_at: _builtins.float
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        token_id: _builtins.str = ...,
+        expires_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "token", b"token", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenReply: _TypeAlias = TokenReply  # noqa: Y015
+
+@_typing.final
+class TokenKey(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KID_FIELD_NUMBER: _builtins.int
+    PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    kid: _builtins.str
+    public_key: _builtins.bytes
+    """raw Ed25519"""
+    def __init__(
+        self,
+        *,
+        kid: _builtins.str = ...,
+        public_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kid", b"kid", "public_key", b"public_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenKey: _TypeAlias = TokenKey  # noqa: Y015
+
+@_typing.final
+class TokenKeyList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenKey]: ...
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[Global___TokenKey] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenKeyList: _TypeAlias = TokenKeyList  # noqa: Y015
+
+@_typing.final
+class RevokeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """token | key | subject"""
+    value: _builtins.str
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeRequest: _TypeAlias = RevokeRequest  # noqa: Y015
+
+@_typing.final
+class RevocationsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_SEQ_FIELD_NUMBER: _builtins.int
+    after_seq: _builtins.int
+    def __init__(
+        self,
+        *,
+        after_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_seq", b"after_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevocationsRequest: _TypeAlias = RevocationsRequest  # noqa: Y015
+
+@_typing.final
+class Revocation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    kind: _builtins.str
+    value: _builtins.str
+    at: _builtins.float
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        value: _builtins.str = ...,
+        at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "kind", b"kind", "seq", b"seq", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Revocation: _TypeAlias = Revocation  # noqa: Y015
+
+@_typing.final
+class RevocationList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___Revocation]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___Revocation] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevocationList: _TypeAlias = RevocationList  # noqa: Y015
+
+@_typing.final
 class EdgeView(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -549,6 +549,26 @@ class IamStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditVerdict.FromString,
                 _registered_method=True)
+        self.IssueToken = channel.unary_unary(
+                '/dsec.v1.Iam/IssueToken',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.IssueTokenRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.TokenReply.FromString,
+                _registered_method=True)
+        self.TokenKeys = channel.unary_unary(
+                '/dsec.v1.Iam/TokenKeys',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.TokenKeyList.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/dsec.v1.Iam/Revoke',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Revocations = channel.unary_unary(
+                '/dsec.v1.Iam/Revocations',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevocationsRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevocationList.FromString,
+                _registered_method=True)
         self.PutProject = channel.unary_unary(
                 '/dsec.v1.Iam/PutProject',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Project.SerializeToString,
@@ -630,6 +650,30 @@ class IamServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TokenKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revocations(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutProject(self, request, context):
         """create, or replace its quota
         """
@@ -700,6 +744,26 @@ def add_IamServicer_to_server(servicer, server):
                     servicer.VerifyAudit,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditVerdict.SerializeToString,
+            ),
+            'IssueToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueToken,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.IssueTokenRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.TokenReply.SerializeToString,
+            ),
+            'TokenKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenKeys,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.TokenKeyList.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevokeRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'Revocations': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revocations,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevocationsRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevocationList.SerializeToString,
             ),
             'PutProject': grpc.unary_unary_rpc_method_handler(
                     servicer.PutProject,
@@ -1009,6 +1073,114 @@ class Iam:
             '/dsec.v1.Iam/VerifyAudit',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditVerdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/IssueToken',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.IssueTokenRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.TokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/TokenKeys',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.TokenKeyList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/Revoke',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevokeRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revocations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/Revocations',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevocationsRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.RevocationList.FromString,
             options,
             channel_credentials,
             insecure,

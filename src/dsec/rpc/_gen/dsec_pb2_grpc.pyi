@@ -152,6 +152,10 @@ class IamStub:
     AppendAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]
     QueryAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditQuery, _dsec_pb2.AuditList]
     VerifyAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.AuditVerdict]
+    IssueToken: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.IssueTokenRequest, _dsec_pb2.TokenReply]
+    TokenKeys: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.TokenKeyList]
+    Revoke: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.RevokeRequest, _dsec_pb2.Empty]
+    Revocations: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.RevocationsRequest, _dsec_pb2.RevocationList]
     PutProject: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Project, _dsec_pb2.Project]
     """create, or replace its quota"""
     ListProjects: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]
@@ -170,6 +174,10 @@ class IamAsyncStub(IamStub):
     AppendAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]  # type: ignore[assignment]
     QueryAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditQuery, _dsec_pb2.AuditList]  # type: ignore[assignment]
     VerifyAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.AuditVerdict]  # type: ignore[assignment]
+    IssueToken: _aio.UnaryUnaryMultiCallable[_dsec_pb2.IssueTokenRequest, _dsec_pb2.TokenReply]  # type: ignore[assignment]
+    TokenKeys: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.TokenKeyList]  # type: ignore[assignment]
+    Revoke: _aio.UnaryUnaryMultiCallable[_dsec_pb2.RevokeRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
+    Revocations: _aio.UnaryUnaryMultiCallable[_dsec_pb2.RevocationsRequest, _dsec_pb2.RevocationList]  # type: ignore[assignment]
     PutProject: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Project, _dsec_pb2.Project]  # type: ignore[assignment]
     """create, or replace its quota"""
     ListProjects: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]  # type: ignore[assignment]
@@ -251,6 +259,34 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.Empty,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.AuditVerdict, _abc.Awaitable[_dsec_pb2.AuditVerdict]]: ...
+
+    @_abc_1.abstractmethod
+    def IssueToken(
+        self,
+        request: _dsec_pb2.IssueTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.TokenReply, _abc.Awaitable[_dsec_pb2.TokenReply]]: ...
+
+    @_abc_1.abstractmethod
+    def TokenKeys(
+        self,
+        request: _dsec_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.TokenKeyList, _abc.Awaitable[_dsec_pb2.TokenKeyList]]: ...
+
+    @_abc_1.abstractmethod
+    def Revoke(
+        self,
+        request: _dsec_pb2.RevokeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def Revocations(
+        self,
+        request: _dsec_pb2.RevocationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.RevocationList, _abc.Awaitable[_dsec_pb2.RevocationList]]: ...
 
     @_abc_1.abstractmethod
     def PutProject(
