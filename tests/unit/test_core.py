@@ -139,3 +139,19 @@ def test_node_admission() -> None:
         admission.admit(
             cap, admission.NodeLoad(sandboxes=0, cpu=0, memory_mb=0), spec.SandboxSpec(cpu=4)
         )
+
+
+def test_project_paths() -> None:
+    from dsec.core import projects
+
+    assert projects.validate("org/team-1/exp_2") == "org/team-1/exp_2"
+    for bad in ("", "Org", "org//x", "/org", "org/", "a/" * 20 + "b", "x" * 64, "org/../x"):
+        with pytest.raises(errors.InvalidArgument):
+            projects.validate(bad)
+    assert projects.ancestors("a/b/c") == ["a", "a/b", "a/b/c"]
+    assert projects.parent("a/b/c") == "a/b"
+    assert projects.parent("a") == ""
+    assert projects.contains("a", "a/b")
+    assert projects.contains("a/b", "a/b")
+    assert not projects.contains("a", "ab/c")
+    assert not projects.contains("a/b", "a")

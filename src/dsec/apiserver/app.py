@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from dsec import __version__
-from dsec.apiserver import audit, keys, openapi, runtime, sandboxes, tokens_routes, ws
+from dsec.apiserver import audit, keys, openapi, projects, runtime, sandboxes, tokens_routes, ws
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.context import CTX, Ctx, ctx, ok
 from dsec.apiserver.upstream import Upstream
@@ -73,6 +73,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *keys.ROUTES,
         *audit.ROUTES,
         *tokens_routes.ROUTES,
+        *projects.ROUTES,
     ]
 
 

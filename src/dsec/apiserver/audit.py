@@ -43,7 +43,8 @@ async def record(request: web.Request, route: str, status: int, error: DsecError
         return
     target = request.match_info.get("sandbox_id") or str(request.get(TARGET, ""))
     entry = pb.AuditEntry(
-        actor=f"{p.subject} (key {p.key_id})", action=action, project=p.project, target=target,
+        actor=f"{p.subject} (key {p.key_id})", action=action, target=target,
+        project=str(request.get("audit_project") or p.project),
         result="ok" if error is None and status < 400 else (error.code if error else str(status)),
         request_id=request_id, details=error.message if error else "",
     )  # fmt: skip

@@ -12,7 +12,15 @@ from google.protobuf.json_format import MessageToDict
 from dsec.apiserver import audit
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.upstream import EdgeEntry, rpc
-from dsec.core.errors import BackendUnavailable, DsecError, NodeFull, Unavailable
+from dsec.core import projects
+from dsec.core.errors import (
+    BackendUnavailable,
+    DsecError,
+    InvalidArgument,
+    NodeFull,
+    PermissionDenied,
+    Unavailable,
+)
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -68,6 +76,13 @@ async def create(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
     p.require("member")
     body = await json_body(request)
+    project = body.pop("project", None) or p.project
+    if not isinstance(project, str):
+        raise InvalidArgument("'project' must be a project path")
+    projects.validate(project)
+    if not (p.admin or projects.contains(p.project, project)):
+        raise PermissionDenied(f"project {project!r} is outside your project {p.project!r}")
+    request["audit_project"] = project
     spec = SandboxSpec.from_dict(body)
     req_spec = pb.SandboxSpec(
         backend=spec.backend,
@@ -84,7 +99,7 @@ async def create(request: web.Request) -> web.Response:
         sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
         request[audit.TARGET] = sid
         admit = pb.AdmitRequest(
-            project=p.project,
+            project=project,
             sandbox_id=sid,
             cpu=spec.cpu,
             memory_mb=spec.memory_mb,
@@ -96,7 +111,7 @@ async def create(request: web.Request) -> web.Response:
                 f"edge {entry.edge_id}",
                 c.upstream.edge_stub(entry).CreateSandbox(
                     pb.CreateSandboxRequest(
-                        spec=req_spec, project=p.project, owner=p.subject, sandbox_id=sid
+                        spec=req_spec, project=project, owner=p.subject, sandbox_id=sid
                     ),
                     metadata=p.metadata(),
                     timeout=120,
@@ -127,7 +142,8 @@ async def list_(request: web.Request) -> web.Response:
     p.require("viewer")
     include = request.query.get("all", "").lower() in ("1", "true", "yes")
     edges = [e for e in await c.upstream.edges() if e.healthy]
-    req = pb.ListSandboxesRequest(project="" if p.admin else p.project, include_terminated=include)
+    project = request.query.get("project", "" if p.admin else p.project)
+    req = pb.ListSandboxesRequest(project=project, include_terminated=include)
     replies = await asyncio.gather(
         *(
             rpc(

@@ -17,6 +17,7 @@ from dsec import __version__
 from dsec.cli.audit import audit_group
 from dsec.cli.keys import keys_group, whoami
 from dsec.cli.output import EXIT_INTERRUPTED, CliState, report
+from dsec.cli.projects import project_group, quota_group
 from dsec.cli.sandbox import sandbox_group
 from dsec.cli.tokens import token_group, user_group
 from dsec.core.errors import DsecError
@@ -61,6 +62,8 @@ cli.add_command(whoami)
 cli.add_command(audit_group)
 cli.add_command(token_group)
 cli.add_command(user_group)
+cli.add_command(project_group)
+cli.add_command(quota_group)
 
 
 def _register_platform_commands(group: click.Group) -> None:

@@ -46,6 +46,7 @@ sandbox_group.add_command(files_cmd.files_group)
 @click.option("--timeout", type=int, default=300, show_default=True, help="Lifetime in seconds.")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Environment (repeatable).")
 @click.option("--meta", "meta", multiple=True, metavar="K=V", help="Metadata (repeatable).")
+@click.option("--project", default=None, help="Project path (default: the key's project).")
 @json_option
 def create(
     image: str,
@@ -56,6 +57,7 @@ def create(
     timeout: int,
     env: tuple[str, ...],
     meta: tuple[str, ...],
+    project: str | None,
     as_json: bool,
 ) -> None:
     """Create a sandbox and print its id."""
@@ -71,6 +73,7 @@ def create(
             timeout=timeout,
             env=env_map,
             metadata=meta_map,
+            project=project,
             client=client,
         )
     if as_json:

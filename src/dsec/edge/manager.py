@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dsec.core import admission
+from dsec.core import admission, projects
 from dsec.core.errors import (
     BackendUnavailable,
     DsecError,
@@ -56,8 +56,12 @@ class Caller:
     subject: str
     admin: bool
 
+    def covers(self, project: str) -> bool:
+        """Whether this caller acts on ``project`` (its own project and everything beneath)."""
+        return self.admin or projects.contains(self.project, project)
+
     def check(self, rec: SandboxRecord) -> None:
-        if not self.admin and rec.project != self.project:
+        if not self.covers(rec.project):
             # Do not reveal that the sandbox exists in another project.
             raise SandboxNotFound(f"no sandbox {rec.id}")
 
@@ -111,9 +115,8 @@ class SandboxManager:
         self, caller: Caller, *, project: str = "", include_terminated: bool = False
     ) -> list[SandboxRecord]:
         recs = self._records.all() if include_terminated else list(self._live.values())
-        if not caller.admin:
-            project = caller.project
-        return [r for r in recs if not project or r.project == project]
+        recs = [r for r in recs if caller.covers(r.project)]
+        return [r for r in recs if not project or projects.contains(project, r.project)]
 
     def live_records(self) -> list[SandboxRecord]:
         return list(self._live.values())
@@ -138,7 +141,7 @@ class SandboxManager:
     async def create(
         self, sandbox_id: str, spec: SandboxSpec, *, project: str, owner: str, caller: Caller
     ) -> SandboxRecord:
-        if not caller.admin and project != caller.project:
+        if not caller.covers(project):
             raise PermissionDenied(f"cannot create sandboxes in project {project!r}")
         if edge_of(sandbox_id) != self.edge_id:
             raise SandboxNotFound(f"sandbox id {sandbox_id} does not belong to edge {self.edge_id}")

@@ -20,7 +20,6 @@ Theory of operation:
 from __future__ import annotations
 
 import contextlib
-import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsec.core import projects
 from dsec.core.audit import AuditEvent, verify
 from dsec.core.errors import (
     AlreadyExists,
     InvalidArgument,
+    InvalidState,
     NotFound,
     PermissionDenied,
     QuotaExceeded,
@@ -44,7 +45,6 @@ from dsec.iam.keys import new_api_key, secret_matches
 
 KEY_ROLES = frozenset({"admin", "member", "viewer"})
 DEFAULT_PROJECT = "default"
-_PROJECT_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _MAX_TEXT = 200
 
 _REVOCATIONS = """
@@ -251,14 +251,14 @@ class IamDb:
 
     def put_project(self, project: Project, *, actor: str = "iam", request_id: str = "") -> Project:
         """Create ``project`` or replace its quota (existing allocations are kept)."""
-        if not _PROJECT_RE.match(project.name):
-            raise InvalidArgument(
-                f"project name must match {_PROJECT_RE.pattern}: {project.name!r}"
-            )
+        projects.validate(project.name)
         if project.max_sandboxes < 0 or project.max_cpu < 0 or project.max_memory_mb < 0:
             raise InvalidArgument("quota limits must be >= 0 (0 means no limit)")
         with self._write() as db:
             now = self._clock()
+            up = projects.parent(project.name)
+            if up and not db.execute("SELECT 1 FROM projects WHERE name = ?", (up,)).fetchone():
+                raise NotFound(f"no parent project {up!r}: create it first")
             self._upsert_project(db, project, now)
             audit.append(db, AuditEvent(
                 ts=now, actor=actor, action="project.put", project=project.name,
@@ -514,12 +514,15 @@ class IamDb:
         if a.cpu < 0 or a.memory_mb < 0:
             raise InvalidArgument("cpu and memory_mb must be >= 0")
         milli = _milli(a.cpu)
-        row = db.execute(
-            "SELECT max_sandboxes, max_cpu_milli, max_memory_mb FROM projects WHERE name = ?",
-            (a.project,),
-        ).fetchone()
-        if row is None:
-            raise NotFound(f"no project {a.project!r}")
+        chain = []
+        for level in projects.ancestors(a.project):
+            row = db.execute(
+                "SELECT max_sandboxes, max_cpu_milli, max_memory_mb FROM projects WHERE name = ?",
+                (level,),
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"no project {level!r}")
+            chain.append((level, row))
         have = db.execute(
             "SELECT project FROM allocations WHERE sandbox_id = ?", (a.sandbox_id,)
         ).fetchone()
@@ -527,12 +530,10 @@ class IamDb:
             if have[0] != a.project:
                 raise AlreadyExists(f"sandbox {a.sandbox_id} is allocated to another project")
             return False
-        count, used_milli, used_mem = db.execute(
-            "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
-            "FROM allocations WHERE project = ?",
-            (a.project,),
-        ).fetchone()
-        _check_quota(a.project, row, (count, used_milli, used_mem), milli, a.memory_mb)
+        for level, row in chain:  # a quota bounds everything beneath its project
+            if row == (0, 0, 0):
+                continue
+            _check_quota(level, row, _subtree_usage(db, level), milli, a.memory_mb)
         db.execute(
             "INSERT INTO allocations VALUES (?, ?, ?, ?, ?, ?)",
             (a.sandbox_id, a.project, owner, milli, a.memory_mb, self._clock()),
@@ -581,13 +582,56 @@ class IamDb:
     def usage(self, project: str) -> Usage:
         """Current usage of ``project``, summed from its allocations. Raises NotFound."""
         p = self.get_project(project)
-        rows = self._read(
-            "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
-            "FROM allocations WHERE project = ?",
-            (project,),
-        )
-        count, milli, mem = rows[0]
-        return Usage(p, int(count), int(milli) / 1000, int(mem))
+        try:
+            count, milli, mem = _subtree_usage(self._db, project)
+        except sqlite3.Error as e:
+            raise Unavailable(f"IAM database read failed: {e}") from e
+        return Usage(p, count, milli / 1000, mem)
+
+    def delete_project(self, name: str, *, actor: str = "iam", request_id: str = "") -> None:
+        """Delete an empty leaf project and revoke its keys.
+
+        Raises:
+            NotFound: no such project.
+            InvalidState: it has sub-projects or live sandboxes.
+        """
+        with self._write() as db:
+            if not db.execute("SELECT 1 FROM projects WHERE name = ?", (name,)).fetchone():
+                raise NotFound(f"no project {name!r}")
+            children = db.execute(
+                "SELECT count(*) FROM projects WHERE substr(name, 1, ?) = ?",
+                (len(name) + 1, name + "/"),
+            ).fetchone()[0]
+            if children:
+                raise InvalidState(
+                    f"project {name!r} has {children} sub-projects; delete them first"
+                )
+            live = _subtree_usage(db, name)[0]
+            if live:
+                raise InvalidState(
+                    f"project {name!r} still has {live} live sandboxes; kill them first"
+                )
+            now = self._clock()
+            for (k,) in db.execute(
+                "SELECT key_id FROM api_keys WHERE project = ? AND revoked_at IS NULL", (name,)
+            ).fetchall():
+                db.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ?", (now, k))
+                db.execute(
+                    "INSERT INTO revocations (kind, value, at) VALUES ('key', ?, ?)", (k, now)
+                )
+            db.execute("DELETE FROM api_keys WHERE project = ?", (name,))  # all revoked above
+            db.execute("DELETE FROM projects WHERE name = ?", (name,))
+            audit.append(
+                db,
+                AuditEvent(
+                    ts=now,
+                    actor=actor,
+                    action="project.delete",
+                    project=name,
+                    target=name,
+                    request_id=request_id,
+                ),
+            )
 
     def allocations(self, *, edge_id: str = "") -> list[Allocation]:
         if edge_id:
@@ -601,6 +645,16 @@ _KEY_SELECT = "SELECT key_id, subject, project, role, name, created_at, revoked_
 _ALLOC_SELECT = (
     "SELECT sandbox_id, project, edge_id, cpu_milli, memory_mb, created_at FROM allocations"
 )
+
+
+def _subtree_usage(db: sqlite3.Connection, project: str) -> tuple[int, int, int]:
+    """(sandboxes, cpu millicores, memory MiB) allocated in ``project`` and beneath it."""
+    row = db.execute(
+        "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
+        "FROM allocations WHERE project = ? OR substr(project, 1, ?) = ?",
+        (project, len(project) + 1, project + "/"),
+    ).fetchone()
+    return int(row[0]), int(row[1]), int(row[2])
 
 
 def _check_quota(

@@ -222,6 +222,14 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
         projects = await self.run(self._db.list_projects)
         return pb.ProjectList(projects=[_project_msg(p) for p in projects])
 
+    async def DeleteProject(self, request: pb.ProjectRef, context: _Ctx) -> pb.Empty:
+        actor, rid = actor_of(context)
+        await self.run(
+            functools.partial(self._db.delete_project, request.project, actor=actor,
+                              request_id=rid)
+        )  # fmt: skip
+        return pb.Empty()
+
 
 def _key_info(k: KeyRecord) -> pb.KeyInfo:
     return pb.KeyInfo(

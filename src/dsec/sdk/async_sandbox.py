@@ -102,6 +102,24 @@ class AsyncClient:
             )
         )
 
+    async def put_project(
+        self, name: str, *, max_sandboxes: int = 0, max_cpu: float = 0, max_memory_mb: int = 0
+    ) -> dict[str, Any]:
+        """Create project ``name`` (a path, its parent must exist) or set its quota (0: none)."""
+        return await self.transport.call(
+            wire.put_project(name, max_sandboxes, max_cpu, max_memory_mb)
+        )
+
+    async def list_projects(self) -> builtins.list[dict[str, Any]]:
+        return await self.transport.call(wire.list_projects())
+
+    async def delete_project(self, name: str) -> None:
+        await self.transport.call(wire.delete_project(name))
+
+    async def usage(self, project: str = "") -> dict[str, Any]:
+        """What ``project`` (default: the key's) and everything beneath it use."""
+        return await self.transport.call(wire.usage(project))
+
     async def create_token(self, ttl_s: int = 600) -> AccessToken:
         """Exchange this client's API key for a short-lived access token."""
         return await self.transport.call(wire.create_token(ttl_s))
@@ -154,6 +172,7 @@ class AsyncSandbox:
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
         *,
+        project: str | None = None,
         api_key: str | None = None,
         api_url: str | None = None,
         client: AsyncClient | None = None,
@@ -168,6 +187,7 @@ class AsyncSandbox:
             timeout_s=timeout,
             env=env,
             metadata=metadata,
+            project=project,
         )
         owned = client is None
         c = client or AsyncClient(api_url, api_key)

@@ -104,6 +104,22 @@ class Client:
             )
         )
 
+    def put_project(
+        self, name: str, *, max_sandboxes: int = 0, max_cpu: float = 0, max_memory_mb: int = 0
+    ) -> dict[str, Any]:
+        """Create project ``name`` (a path, its parent must exist) or set its quota (0: none)."""
+        return self.transport.call(wire.put_project(name, max_sandboxes, max_cpu, max_memory_mb))
+
+    def list_projects(self) -> builtins.list[dict[str, Any]]:
+        return self.transport.call(wire.list_projects())
+
+    def delete_project(self, name: str) -> None:
+        self.transport.call(wire.delete_project(name))
+
+    def usage(self, project: str = "") -> dict[str, Any]:
+        """What ``project`` (default: the key's) and everything beneath it use."""
+        return self.transport.call(wire.usage(project))
+
     def create_token(self, ttl_s: int = 600) -> AccessToken:
         """Exchange this client's API key for a short-lived access token."""
         return self.transport.call(wire.create_token(ttl_s))
@@ -156,6 +172,7 @@ class Sandbox:
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
         *,
+        project: str | None = None,
         api_key: str | None = None,
         api_url: str | None = None,
         client: Client | None = None,
@@ -170,6 +187,7 @@ class Sandbox:
             timeout_s=timeout,
             env=env,
             metadata=metadata,
+            project=project,
         )
         owned = client is None
         c = client or Client(api_url, api_key)

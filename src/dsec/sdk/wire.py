@@ -174,6 +174,7 @@ def create_sandbox(
     timeout_s: int | None,
     env: Mapping[str, str] | None,
     metadata: Mapping[str, str] | None,
+    project: str | None = None,
 ) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes``: omitted (None) fields take the server's defaults."""
     body = compact(
@@ -185,6 +186,7 @@ def create_sandbox(
         timeout_s=timeout_s,
         env=dict(env) if env is not None else None,
         metadata=dict(metadata) if metadata is not None else None,
+        project=project,
     )
     req = json_request("POST", "/v1/sandboxes", body, timeout=CREATE_TIMEOUT_S)
     return Call(req, SandboxInfo.from_wire)
@@ -263,6 +265,28 @@ def query_audit(
         json_request("GET", "/v1/audit", params=params),
         lambda body: [AuditEntry.from_wire(e) for e in body["entries"]],
     )
+
+
+def put_project(name: str, max_sandboxes: int, max_cpu: float,
+                max_memory_mb: int) -> Call[dict[str, Any]]:  # fmt: skip
+    body = {"name": name, "max_sandboxes": max_sandboxes, "max_cpu": max_cpu,
+            "max_memory_mb": max_memory_mb}  # fmt: skip
+    return Call(json_request("POST", "/v1/projects", body), dict)
+
+
+def list_projects() -> Call[list[dict[str, Any]]]:
+    return Call(json_request("GET", "/v1/projects"), lambda b: list(b["projects"]))
+
+
+def delete_project(name: str) -> Call[None]:
+    if not name or name.startswith("/") or ".." in name:
+        raise InvalidArgument(f"invalid project {name!r}")
+    return Call(json_request("DELETE", f"/v1/projects/{name}"), ignore_body)
+
+
+def usage(project: str = "") -> Call[dict[str, Any]]:
+    params = (("project", project),) if project else ()
+    return Call(json_request("GET", "/v1/usage", params=params), dict)
 
 
 def create_token(ttl_s: int) -> Call[AccessToken]:

@@ -159,6 +159,8 @@ class IamStub:
     PutProject: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Project, _dsec_pb2.Project]
     """create, or replace its quota"""
     ListProjects: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]
+    DeleteProject: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Empty]
+    """an empty leaf; its keys are revoked"""
 
 @_typing.type_check_only
 class IamAsyncStub(IamStub):
@@ -181,6 +183,8 @@ class IamAsyncStub(IamStub):
     PutProject: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Project, _dsec_pb2.Project]  # type: ignore[assignment]
     """create, or replace its quota"""
     ListProjects: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]  # type: ignore[assignment]
+    DeleteProject: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Empty]  # type: ignore[assignment]
+    """an empty leaf; its keys are revoked"""
 
 class IamServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -302,6 +306,14 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.Empty,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.ProjectList, _abc.Awaitable[_dsec_pb2.ProjectList]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteProject(
+        self,
+        request: _dsec_pb2.ProjectRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]:
+        """an empty leaf; its keys are revoked"""
 
 def add_IamServicer_to_server(servicer: IamServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
