@@ -39,7 +39,7 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -229,9 +229,7 @@ def etcd_cluster(root: Path, *, size: int = 1, tls: bool = False) -> Iterator[Et
     root.mkdir(parents=True, exist_ok=True)
     pki = make_test_pki(root / "pki") if tls else None
     scheme = "https" if tls else "http"
-    members = [
-        Member(f"m{i}", _free_port(), _free_port(), root / f"m{i}.data") for i in range(size)
-    ]
+    members = [Member(f"m{i}", free_port(), free_port(), root / f"m{i}.data") for i in range(size)]
     initial = ",".join(f"{m.name}={scheme}://127.0.0.1:{m.peer_port}" for m in members)
     cluster = EtcdCluster(root, members, pki)
     for m in members:
