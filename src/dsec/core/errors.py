@@ -8,23 +8,28 @@ the fault, carries a stable wire ``code`` and the HTTP status the public API ans
     DsecError                       500 error (abstract base)
     ├── ClientError                 the caller is at fault (4xx)
     │   ├── InvalidArgument         400 invalid_argument
-    │   │   └── PathOutsideSandbox  400 path_outside_sandbox
+    │   │   ├── PathOutsideSandbox  400 path_outside_sandbox
+    │   │   └── TxnTooLarge         400 txn_too_large
     │   ├── Unauthenticated         401 unauthenticated
     │   ├── PermissionDenied        403 permission_denied
     │   ├── NotFound                404 not_found
     │   │   ├── SandboxNotFound     404 sandbox_not_found
     │   │   ├── ImageNotFound       404 image_not_found
-    │   │   └── ProcessNotFound     404 process_not_found
+    │   │   ├── ProcessNotFound     404 process_not_found
+    │   │   └── LeaseNotFound       404 lease_not_found
     │   ├── InvalidState            409 invalid_state
     │   ├── AlreadyExists           409 already_exists
+    │   ├── Compacted               410 compacted
     │   ├── PayloadTooLarge         413 payload_too_large
+    │   │   └── ValueTooLarge       413 value_too_large
     │   ├── QuotaExceeded           429 quota_exceeded
     │   └── BackendUnavailable      422 backend_unavailable
     └── ServerError                 the platform or a peer is at fault (5xx)
         ├── Internal                500 internal
         ├── SandboxFailed           500 sandbox_failed
         ├── Unavailable             503 unavailable
-        │   └── NodeFull            503 node_full
+        │   ├── NodeFull            503 node_full
+        │   └── StoreUnavailable    503 store_unavailable
         └── DeadlineExceeded        504 deadline_exceeded
 """
 
@@ -65,6 +70,12 @@ class PathOutsideSandbox(InvalidArgument):
     code = "path_outside_sandbox"
 
 
+class TxnTooLarge(InvalidArgument):
+    """A store transaction has more compares or ops than the store accepts (128 per list)."""
+
+    code = "txn_too_large"
+
+
 class Unauthenticated(ClientError):
     code = "unauthenticated"
     http_status = 401
@@ -82,6 +93,12 @@ class NotFound(ClientError):
 
 class SandboxNotFound(NotFound):
     code = "sandbox_not_found"
+
+
+class LeaseNotFound(NotFound):
+    """The store lease does not exist (never granted, revoked or expired)."""
+
+    code = "lease_not_found"
 
 
 class ImageNotFound(NotFound):
@@ -107,6 +124,23 @@ class AlreadyExists(ClientError):
 class PayloadTooLarge(ClientError):
     code = "payload_too_large"
     http_status = 413
+
+
+class Compacted(ClientError):
+    """The requested store revision is older than the compaction point: list, then watch."""
+
+    code = "compacted"
+    http_status = 410
+
+    def __init__(self, message: str, compact_revision: int = 0) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+class ValueTooLarge(PayloadTooLarge):
+    """A store value is larger than 1 MiB."""
+
+    code = "value_too_large"
 
 
 class QuotaExceeded(ClientError):
@@ -149,6 +183,12 @@ class NodeFull(Unavailable):
     """An edge refused admission because it has no room; another edge may have."""
 
     code = "node_full"
+
+
+class StoreUnavailable(Unavailable):
+    """The state store cannot be reached or has no leader; a write may or may not have applied."""
+
+    code = "store_unavailable"
 
 
 class DeadlineExceeded(ServerError):

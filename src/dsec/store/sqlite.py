@@ -1,0 +1,375 @@
+"""The embedded state store: one SQLite file in WAL mode, owned by one thread.
+
+Every statement runs on a single worker thread with its own connection, writes inside
+``BEGIN IMMEDIATE``; so transactions are serial and the revision counter needs no locking.
+The ``changes`` table is the history behind ``range(revision=...)`` and ``watch``; compaction
+drops what no revision at or after the compaction point can see. Watchers in this process are
+fed after each commit; a lease reaper task deletes the keys of expired leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import sqlite3
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from dsec.core.errors import (
+    Compacted,
+    DsecError,
+    Internal,
+    InvalidArgument,
+    LeaseNotFound,
+    StoreUnavailable,
+)
+
+from .api import (
+    Compare,
+    Delete,
+    Event,
+    EventType,
+    KeyValue,
+    Put,
+    RangeResult,
+    StoreHelpers,
+    TxnOp,
+    TxnResult,
+    WatchBatch,
+    check_txn,
+    prefix_end,
+)
+from .hub import WatchHub, group
+
+T = TypeVar("T")
+REAP_INTERVAL_S = 0.1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (
+  key BLOB PRIMARY KEY, value BLOB NOT NULL, create_rev INTEGER NOT NULL,
+  mod_rev INTEGER NOT NULL, version INTEGER NOT NULL, lease INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS kv_lease ON kv (lease) WHERE lease != 0;
+CREATE TABLE IF NOT EXISTS changes (
+  rev INTEGER NOT NULL, key BLOB NOT NULL, deleted INTEGER NOT NULL, value BLOB NOT NULL,
+  create_rev INTEGER NOT NULL, version INTEGER NOT NULL, lease INTEGER NOT NULL,
+  PRIMARY KEY (rev, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS changes_key ON changes (key, rev);
+CREATE TABLE IF NOT EXISTS leases (id INTEGER PRIMARY KEY, ttl INTEGER NOT NULL,
+  expires_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('rev', 1), ('compact_rev', 0);
+"""
+
+_KV_COLS = "key, value, create_rev, mod_rev, version, lease"
+
+
+def _kv(row: tuple[Any, ...]) -> KeyValue:
+    return KeyValue(bytes(row[0]), bytes(row[1]), row[2], row[3], row[4], row[5])
+
+
+def _where_range(col: str, start: bytes, prefix: bool) -> tuple[str, list[bytes]]:
+    if not prefix:
+        return f"{col} = ?", [start]
+    end = prefix_end(start)
+    if not end:
+        return f"{col} >= ?", [start]
+    return f"{col} >= ? AND {col} < ?", [start, end]
+
+
+class SqliteStore(StoreHelpers):
+    """Open with :meth:`open`; close with :meth:`aclose`."""
+
+    def __init__(self, path: Path, synchronous: str) -> None:
+        self._path = path
+        self._synchronous = synchronous
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store")
+        self._db: sqlite3.Connection | None = None
+        self._hub = WatchHub()
+        self._loop = asyncio.get_running_loop()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @classmethod
+    async def open(cls, path: Path, *, synchronous: str = "FULL") -> SqliteStore:
+        if synchronous not in ("FULL", "NORMAL"):
+            raise InvalidArgument("synchronous must be FULL or NORMAL")
+        store = cls(path, synchronous)
+        await store._run(store._connect)
+        store._reaper = asyncio.create_task(store._reap())
+        return store
+
+    def _connect(self) -> None:
+        db = sqlite3.connect(self._path, isolation_level=None, timeout=5.0)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={self._synchronous}")
+        db.executescript(SCHEMA)
+        self._db = db
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._closed:
+            raise StoreUnavailable("the store is closed")
+        try:
+            return await self._loop.run_in_executor(self._pool, fn, *args)
+        except DsecError:
+            raise
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(f"sqlite store {self._path}: {exc}") from exc
+        except sqlite3.Error as exc:
+            raise Internal(f"sqlite store {self._path}: {exc}") from exc
+
+    # all of the below runs on the store thread
+
+    def _meta(self, name: str) -> int:
+        assert self._db is not None
+        row = self._db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+        return int(row[0])
+
+    def _write(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        db = self._db
+        assert db is not None
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            out = body(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return out
+
+    def _get(self, key: bytes) -> KeyValue | None:
+        assert self._db is not None
+        row = self._db.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchone()
+        return _kv(row) if row else None
+
+    def _range(self, prefix: bytes, revision: int, limit: int) -> RangeResult:
+        assert self._db is not None
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            now = self._meta("rev")
+            where, args = _where_range("key", prefix, True)
+            if revision and revision != now:
+                if revision < (compact := self._meta("compact_rev")):
+                    raise Compacted(f"revision {revision} is compacted", compact)
+                if revision > now:
+                    raise InvalidArgument(f"revision {revision} is in the future (now {now})")
+                sql = (
+                    f"SELECT c.key, c.value, c.create_rev, c.rev, c.version, c.lease "
+                    f"FROM changes c WHERE {where.replace('key', 'c.key')} AND c.deleted = 0 "
+                    f"AND c.rev = (SELECT MAX(rev) FROM changes d WHERE d.key = c.key "
+                    f"AND d.rev <= ?) ORDER BY c.key"
+                )
+                rows = db.execute(sql, [*args, revision]).fetchall()
+            else:
+                rows = db.execute(
+                    f"SELECT {_KV_COLS} FROM kv WHERE {where} ORDER BY key", args
+                ).fetchall()
+        finally:
+            db.execute("COMMIT")
+        more = limit > 0 and len(rows) > limit
+        kvs = tuple(_kv(r) for r in (rows[:limit] if more else rows))
+        return RangeResult(kvs, revision or now, more, len(rows))
+
+    def _covered(self, db: sqlite3.Connection, c: Compare) -> list[KeyValue]:
+        where, args = _where_range("key", c.key, c.prefix)
+        return [_kv(r) for r in db.execute(f"SELECT {_KV_COLS} FROM kv WHERE {where}", args)]
+
+    def _apply(self, db: sqlite3.Connection, ops: Sequence[TxnOp]) -> tuple[int, list[int]]:
+        """Apply ``ops`` at the next revision; returns the store revision after and deletions."""
+        rev = self._meta("rev") + 1
+        changed: list[tuple[int, Event]] = []
+        deleted: list[int] = []
+        for op in ops:
+            if isinstance(op, Put):
+                if (
+                    op.lease
+                    and not db.execute("SELECT 1 FROM leases WHERE id = ?", (op.lease,)).fetchone()
+                ):
+                    raise LeaseNotFound(f"lease {op.lease:x} not found")
+                old = self._get(op.key)
+                kv = KeyValue(
+                    op.key,
+                    op.value,
+                    old.create_revision if old else rev,
+                    rev,
+                    (old.version if old else 0) + 1,
+                    op.lease,
+                )
+                db.execute(
+                    f"INSERT OR REPLACE INTO kv ({_KV_COLS}) VALUES (?, ?, ?, ?, ?, ?)",
+                    (kv.key, kv.value, kv.create_revision, rev, kv.version, kv.lease),
+                )
+                changed.append((rev, Event(EventType.PUT, kv)))
+            else:
+                where, args = _where_range("key", op.key, op.prefix)
+                gone = [bytes(r[0]) for r in db.execute(f"SELECT key FROM kv WHERE {where}", args)]
+                db.execute(f"DELETE FROM kv WHERE {where}", args)
+                changed.extend(
+                    (rev, Event(EventType.DELETE, KeyValue(k, b"", 0, rev, 0))) for k in gone
+                )
+                deleted.append(len(gone))
+        if not changed:
+            return rev - 1, deleted
+        changed.sort(key=lambda p: p[1].kv.key)
+        db.executemany(
+            "INSERT INTO changes VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
+                (rev, e.kv.key, int(e.type is EventType.DELETE), e.kv.value,
+                 e.kv.create_revision, e.kv.version, e.kv.lease)
+                for _, e in changed
+            ],
+        )  # fmt: skip
+        db.execute("UPDATE meta SET value = ? WHERE name = 'rev'", (rev,))
+        batch = WatchBatch(rev, tuple(e for _, e in changed))
+        self._loop.call_soon_threadsafe(self._hub.publish, batch)
+        return rev, deleted
+
+    def _txn(
+        self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp]
+    ) -> TxnResult:
+        def body(db: sqlite3.Connection) -> TxnResult:
+            ok = all(c.holds(self._covered(db, c)) for c in compare)
+            rev, deleted = self._apply(db, success if ok else failure)
+            return TxnResult(ok, rev, tuple(deleted))
+
+        return self._write(body)
+
+    def _grant(self, ttl: int) -> int:
+        lease = secrets.randbits(62) + 1
+        self._write(
+            lambda db: db.execute(
+                "INSERT INTO leases VALUES (?, ?, ?)", (lease, ttl, time.time() + ttl)
+            )
+        )
+        return lease
+
+    def _keepalive(self, lease: int) -> int:
+        def body(db: sqlite3.Connection) -> int:
+            row = db.execute("SELECT ttl FROM leases WHERE id = ?", (lease,)).fetchone()
+            if row is None:
+                raise LeaseNotFound(f"lease {lease:x} not found")
+            db.execute(
+                "UPDATE leases SET expires_at = ? WHERE id = ?", (time.time() + row[0], lease)
+            )
+            return int(row[0])
+
+        return self._write(body)
+
+    def _revoke(self, lease: int, *, missing_ok: bool = False) -> None:
+        def body(db: sqlite3.Connection) -> None:
+            if db.execute("DELETE FROM leases WHERE id = ?", (lease,)).rowcount == 0:
+                if missing_ok:
+                    return
+                raise LeaseNotFound(f"lease {lease:x} not found")
+            keys = [bytes(r[0]) for r in db.execute("SELECT key FROM kv WHERE lease = ?", (lease,))]
+            self._apply(db, [Delete(k) for k in keys])
+
+        self._write(body)
+
+    def _expired(self) -> list[int]:
+        assert self._db is not None
+        rows = self._db.execute("SELECT id FROM leases WHERE expires_at <= ?", (time.time(),))
+        return [int(r[0]) for r in rows]
+
+    def _compact(self, revision: int) -> None:
+        def body(db: sqlite3.Connection) -> None:
+            now, compact = self._meta("rev"), self._meta("compact_rev")
+            if revision <= compact:
+                raise Compacted(f"revision {revision} is already compacted", compact)
+            if revision > now:
+                raise InvalidArgument(f"revision {revision} is in the future (now {now})")
+            db.execute(
+                "DELETE FROM changes WHERE rev < ? AND (deleted = 1 OR rev < (SELECT MAX(rev) "
+                "FROM changes d WHERE d.key = changes.key AND d.rev <= ?))",
+                (revision, revision),
+            )
+            db.execute("UPDATE meta SET value = ? WHERE name = 'compact_rev'", (revision,))
+
+        self._write(body)
+
+    def _history(self, prefix: bytes, start: int) -> tuple[int, list[WatchBatch]]:
+        assert self._db is not None
+        now = self._meta("rev")
+        if start <= 0:
+            return now, []
+        if start < (compact := self._meta("compact_rev")):
+            raise Compacted(f"watch from {start}: history is compacted", compact)
+        where, args = _where_range("key", prefix, True)
+        rows = self._db.execute(
+            f"SELECT rev, key, deleted, value, create_rev, version, lease FROM changes "
+            f"WHERE rev >= ? AND {where} ORDER BY rev, key",
+            [start, *args],
+        ).fetchall()
+        pairs: list[tuple[int, Event]] = []
+        for rev, key, dele, value, create, version, lease in rows:
+            if dele:
+                ev = Event(EventType.DELETE, KeyValue(bytes(key), b"", 0, rev, 0))
+            else:
+                ev = Event(
+                    EventType.PUT, KeyValue(bytes(key), bytes(value), create, rev, version, lease)
+                )
+            pairs.append((rev, ev))
+        return now, group(pairs)
+
+    # the async interface
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        return await self._run(self._get, key)
+
+    async def range(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult:
+        return await self._run(self._range, prefix, revision, limit)
+
+    async def txn(
+        self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()
+    ) -> TxnResult:
+        check_txn(compare, success, failure)
+        return await self._run(self._txn, compare, success, failure)
+
+    async def lease_grant(self, ttl_s: int) -> int:
+        if ttl_s <= 0:
+            raise InvalidArgument("a lease needs a positive TTL")
+        return await self._run(self._grant, ttl_s)
+
+    async def lease_keepalive(self, lease: int) -> int:
+        return await self._run(self._keepalive, lease)
+
+    async def lease_revoke(self, lease: int) -> None:
+        await self._run(self._revoke, lease)
+
+    async def compact(self, revision: int) -> None:
+        await self._run(self._compact, revision)
+
+    async def _history_async(self, prefix: bytes, start: int) -> tuple[int, list[WatchBatch]]:
+        return await self._run(self._history, prefix, start)
+
+    def watch(self, prefix: bytes, *, start_revision: int) -> AsyncGenerator[WatchBatch, None]:
+        return self._hub.stream(prefix, start_revision, self._history_async)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            try:
+                for lease in await self._run(self._expired):
+                    await self._run(lambda lease=lease: self._revoke(lease, missing_ok=True))
+            except StoreUnavailable:
+                continue
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        self._hub.close()
+        db, self._db = self._db, None
+        if db is not None:
+            await self._loop.run_in_executor(self._pool, db.close)
+        self._closed = True
+        self._pool.shutdown(wait=True)
