@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import re
+import urllib.parse
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -160,6 +162,19 @@ async def _body_chunks(request: web.Request) -> AsyncIterator[bytes]:
             yield tail
 
 
+_FILENAME_RE = re.compile(r"""(?:^|;)\s*filename\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;]*))""", re.I)
+
+
+def _part_filename(part: BodyPartReader) -> str:
+    """The part's filename as sent: a destination path (aiohttp's parser strips the '/')."""
+    m = _FILENAME_RE.search(part.headers.get("Content-Disposition", ""))
+    if m is None:
+        return ""
+    if m.group(1) is not None:
+        return re.sub(r"\\(.)", r"\1", m.group(1))
+    return urllib.parse.unquote(m.group(2).strip())
+
+
 def _written(path: str) -> dict[str, Any]:
     return {"name": os.path.basename(path.rstrip("/")) or path, "type": "file", "path": path}
 
@@ -173,7 +188,7 @@ async def files_post(request: web.Request, sandbox_id: str) -> web.Response:
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
                 raise InvalidArgument("nested multipart bodies are not supported")
-            path = query_path or part.filename or ""
+            path = query_path or _part_filename(part)
             if not path:
                 raise InvalidArgument("each file part needs a filename (its destination path)")
             res = await client.transport.call(rc.write_file(sandbox_id, path), _part_chunks(part))

@@ -26,6 +26,8 @@ from dsec.sdk.async_io import AsyncRuntimeSocket
 from dsec.sdk.async_sandbox import AsyncClient
 from dsec.sdk.models import ExecEvent, ProcessInfo
 
+# A command started without stdin reads /dev/null, as under envd (its pipe is never open).
+NO_STDIN = ["/bin/sh", "-c", 'exec "$@" </dev/null', "sh"]
 SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 TICK_S = 1.0
 
@@ -109,7 +111,6 @@ async def follow(
     pid: int,
     *,
     pty: bool,
-    close_stdin: bool,
     killer: asyncio.Task[None] | None = None,
 ) -> None:
     """Relay the process's output and exit to ``stream`` (detach if the client goes)."""
@@ -119,8 +120,6 @@ async def follow(
     pump = asyncio.ensure_future(_pump(sock, queue))
     last_sent = time.monotonic()
     try:
-        if close_stdin:
-            await sock.close_input()
         while True:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -172,11 +171,13 @@ async def start(c: Call, msg: dict[str, Any], stream: ServerStream) -> None:
         s = pty.get("size") or {}
         size = (int(s.get("cols") or 80), int(s.get("rows") or 24))
     tag = msg.get("tag") if isinstance(msg.get("tag"), str) else None
-    stdin = msg.get("stdin", True) is not False
+    argv = [proc["cmd"], *args]
+    if msg.get("stdin", True) is False and size is None:
+        argv = [*NO_STDIN, *argv]
     info: ProcessInfo = await c.client.transport.call(
         rc.start_process(
             c.sandbox_id,
-            [proc["cmd"], *args],
+            argv,
             env={str(k): str(v) for k, v in envs.items()} or None,
             cwd=proc.get("cwd") or None,
             user=c.user,
@@ -189,14 +190,7 @@ async def start(c: Call, msg: dict[str, Any], stream: ServerStream) -> None:
         killer = asyncio.ensure_future(_kill_at(c, info.pid, c.timeout_s))
         c.background(killer)
     await stream.send({"event": {"start": {"pid": info.pid}}})
-    await follow(
-        c,
-        stream,
-        info.pid,
-        pty=size is not None,
-        close_stdin=not stdin and size is None,
-        killer=killer,
-    )
+    await follow(c, stream, info.pid, pty=size is not None, killer=killer)
 
 
 async def connect(c: Call, msg: dict[str, Any], stream: ServerStream) -> None:
@@ -206,11 +200,13 @@ async def connect(c: Call, msg: dict[str, Any], stream: ServerStream) -> None:
     if found is None:
         raise ProcessNotFound(f"process {pid} not found")
     await stream.send({"event": {"start": {"pid": pid}}})
-    await follow(c, stream, pid, pty=found.pty, close_stdin=False)
+    await follow(c, stream, pid, pty=found.pty)
 
 
 def _config(p: ProcessInfo) -> dict[str, Any]:
     argv = p.cmd if isinstance(p.cmd, list) else ["/bin/sh", "-c", p.cmd]
+    if argv[: len(NO_STDIN)] == NO_STDIN:
+        argv = argv[len(NO_STDIN) :]
     return {"cmd": argv[0] if argv else "", "args": argv[1:], "envs": {}}
 
 
