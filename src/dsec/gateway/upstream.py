@@ -14,6 +14,7 @@ import contextlib
 import re
 from collections import OrderedDict
 
+import httpx
 from aiohttp import web
 
 from dsec.core.errors import InvalidArgument, Unauthenticated
@@ -29,9 +30,16 @@ _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9][a-z0-9-]{0,62})\.")
 class Clients:
     """One :class:`AsyncClient` per API key, least recently used evicted past a bound."""
 
-    def __init__(self, api_url: str, max_clients: int = MAX_CLIENTS) -> None:
+    def __init__(
+        self,
+        api_url: str,
+        max_clients: int = MAX_CLIENTS,
+        *,
+        http_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.api_url = api_url.rstrip("/")
         self._max = max_clients
+        self._transport = http_transport  # tests: an in-memory apiserver
         self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -40,7 +48,8 @@ class Clients:
         if client is not None:
             self._clients.move_to_end(api_key)
             return client
-        client = AsyncClient(config=ClientConfig(api_url=self.api_url, api_key=api_key))
+        config = ClientConfig(api_url=self.api_url, api_key=api_key)
+        client = AsyncClient(config=config, http_transport=self._transport)
         self._clients[api_key] = client
         while len(self._clients) > self._max:
             _, old = self._clients.popitem(last=False)
