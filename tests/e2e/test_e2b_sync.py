@@ -214,3 +214,53 @@ def test_pty_create_input_resize_kill(sbx: Sandbox) -> None:
     assert sbx.pty.kill(other.pid) is True
     with pytest.raises(CommandExitException):
         other.wait()
+
+
+def test_wrong_access_token_and_disconnect_mid_stream(e2b_env: str, sbx: Sandbox) -> None:
+    import struct
+
+    import httpx
+
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "E2b-Sandbox-Port": "49983",
+        "X-Access-Token": "not-a-key",
+        "Content-Type": "application/json",
+    }
+    with httpx.Client(base_url=e2b_env, timeout=30) as h:
+        r = h.post("/process.Process/List", headers=headers, json={})
+        assert (r.status_code, r.json()["code"]) == (401, "unauthenticated")
+
+        # start a command, read its start event, then hang up: it keeps running (as on
+        # E2B) until its Connect-Timeout-Ms deadline, when the gateway kills it
+        start = {
+            "process": {"cmd": "/bin/bash", "args": ["-c", "sleep 60 # e2b-disconnect"]},
+            "stdin": False,
+        }
+        body = json_envelope(start)
+        stream_headers = {
+            **headers,
+            "X-Access-Token": sbx._envd_access_token or "",
+            "Content-Type": "application/connect+json",
+            "Connect-Timeout-Ms": "3000",
+        }
+        with h.stream("POST", "/process.Process/Start", headers=stream_headers, content=body) as r:
+            head = r.iter_bytes(5).__next__()
+            assert struct.unpack(">BI", head[:5])[0] == 0
+
+    def running() -> bool:
+        return any("e2b-disconnect" in " ".join(p.args) for p in sbx.commands.list())
+
+    assert running()
+    deadline = time.monotonic() + 15
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running()
+
+
+def json_envelope(obj: dict[str, object]) -> bytes:
+    import json
+    import struct
+
+    data = json.dumps(obj).encode()
+    return struct.pack(">BI", 0, len(data)) + data

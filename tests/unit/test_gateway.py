@@ -154,6 +154,12 @@ async def test_envd_rejects_bad_frames_tokens_and_methods(gateway: tuple[str, Fa
         )
         assert r.status_code == 502
         assert "was not found" in r.json()["message"]
+        # routing by Host (<port>-<sandbox id>.<domain>) when the headers are absent
+        host = {"Host": f"49983-{sid}.sbx.test", "X-Access-Token": FAKE_KEY}
+        assert (await h.get("/health", headers=host)).status_code == 204
+        r = await h.get("/health", headers={**host, "Host": f"8080-{sid}.sbx.test"})
+        assert r.status_code == 502
+        assert "port is not open" in r.json()["message"]
         # internal envd routes are not served
         r = await h.post("/init", headers=base, json={})
         assert r.status_code == 404
