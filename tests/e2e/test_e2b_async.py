@@ -98,3 +98,29 @@ async def test_async_background_stdin_files_pty(e2b_env: str) -> None:
 async def test_async_bad_key(e2b_env: str) -> None:
     with pytest.raises(AuthenticationException):
         await AsyncSandbox.create(api_key="not-a-key")
+
+
+async def test_async_watch_dir_reports_create_write_remove(e2b_env: str) -> None:
+    from e2b import FilesystemEvent, FilesystemEventType
+
+    sbx = await AsyncSandbox.create(timeout=120)
+    try:
+        await sbx.files.make_dir("/tmp/w")
+        seen: list[FilesystemEvent] = []
+        handle = await sbx.files.watch_dir("/tmp/w", on_event=seen.append)
+        await sbx.files.write("/tmp/w/f.txt", "1")
+        await asyncio.sleep(0.6)
+        await sbx.files.write("/tmp/w/f.txt", "22")
+        await asyncio.sleep(0.6)
+        await sbx.files.remove("/tmp/w/f.txt")
+        for _ in range(50):
+            if any(e.type == FilesystemEventType.REMOVE for e in seen):
+                break
+            await asyncio.sleep(0.1)
+        await handle.stop()  # type: ignore[no-untyped-call]
+        kinds = [(e.name, e.type) for e in seen]
+        assert ("f.txt", FilesystemEventType.CREATE) in kinds
+        assert ("f.txt", FilesystemEventType.WRITE) in kinds
+        assert ("f.txt", FilesystemEventType.REMOVE) in kinds
+    finally:
+        await sbx.kill()

@@ -76,7 +76,7 @@ async def rpc(
     if service == "process.Process":
         unary, server, client = process.UNARY, process.SERVER_STREAM, process.CLIENT_STREAM
     else:
-        unary, server, client = filesystem.UNARY, {}, {}
+        unary, server, client = filesystem.UNARY, filesystem.SERVER_STREAM, {}
     streaming = method in server or method in client
     stream = ServerStream(request)
     try:
