@@ -264,3 +264,18 @@ def json_envelope(obj: dict[str, object]) -> bytes:
 
     data = json.dumps(obj).encode()
     return struct.pack(">BI", 0, len(data)) + data
+
+
+def test_large_streamed_and_gzip_uploads(sbx: Sandbox) -> None:
+    import hashlib
+    import io
+
+    big = bytes(range(256)) * (32 * 1024)  # 8 MiB
+    sbx.files.write("/tmp/big.bin", io.BytesIO(big))  # file-like: streamed octet-stream
+    digest = sbx.commands.run("sha256sum /tmp/big.bin").stdout.split()[0]
+    assert digest == hashlib.sha256(big).hexdigest()
+    assert bytes(sbx.files.read("/tmp/big.bin", format="bytes")) == big
+    sbx.files.write("/tmp/z.txt", "zipped " * 1000, gzip=True)
+    assert sbx.files.read("/tmp/z.txt") == "zipped " * 1000
+    sbx.files.write("/tmp/o.txt", b"octets", use_octet_stream=True)
+    assert sbx.files.read("/tmp/o.txt") == "octets"

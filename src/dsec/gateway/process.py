@@ -15,6 +15,7 @@ import binascii
 import contextlib
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ class Call:
     user: str | None
     timeout_s: float | None
     keepalive_s: float
-    background: Any  # Gateway.background
+    background: Callable[[Awaitable[Any]], None]  # Gateway.background: run detached
 
 
 def b64(data: bytes) -> str:
