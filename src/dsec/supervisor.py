@@ -1,4 +1,4 @@
-"""Runs the single-node platform: iam, watcher, edge and apiserver as child processes.
+"""Runs the single-node platform: iam, watcher, edge, apiserver and gateway as children.
 
 ``dsec up`` runs this in the foreground (or detached with ``--detach``). Children are
 started in dependency order, each waited for until healthy, restarted with backoff if they
@@ -24,7 +24,8 @@ from pathlib import Path
 
 from dsec.paths import Paths
 
-COMPONENTS = ("iam", "watcher", "edge", "apiserver")
+COMPONENTS = ("iam", "watcher", "edge", "apiserver", "gateway")
+PORTS = 8  # addresses from the port base: see Layout.from_port_base
 HEALTH_TIMEOUT_S = 60.0
 
 
@@ -39,13 +40,14 @@ class Layout:
     iam_metrics: str
     watcher_metrics: str
     edge_metrics: str
+    gateway: str = ""  # the E2B-compatible gateway (absent from older layouts)
     edge_id: str = ""
     pids: dict[str, int] = field(default_factory=dict)
     supervisor_pid: int = 0
 
     @classmethod
     def from_port_base(cls, base: int, host: str = "127.0.0.1") -> Layout:
-        a = [f"{host}:{base + i}" for i in range(7)]
+        a = [f"{host}:{base + i}" for i in range(PORTS)]
         return cls(
             apiserver=a[0],
             iam=a[1],
@@ -54,6 +56,7 @@ class Layout:
             iam_metrics=a[4],
             watcher_metrics=a[5],
             edge_metrics=a[6],
+            gateway=a[7],
         )
 
     def health_url(self, component: str) -> str:
@@ -62,6 +65,7 @@ class Layout:
             "iam": self.iam_metrics,
             "watcher": self.watcher_metrics,
             "edge": self.edge_metrics,
+            "gateway": self.gateway,
         }[component]
         return f"http://{addr}/healthz"
 
@@ -129,6 +133,9 @@ class Supervisor:
                 lay.edge_id,
             ]
             return argv if self.keep_sandboxes else [*argv, "--stop-sandboxes-on-exit"]
+        if component == "gateway":
+            api = f"http://{lay.apiserver}"
+            return [*common, "--listen", lay.gateway, "--api-url", api]
         return [*common, "--listen", lay.apiserver, "--iam", lay.iam, "--watcher", lay.watcher]
 
     def spawn(self, component: str) -> None:

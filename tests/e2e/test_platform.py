@@ -36,7 +36,7 @@ def test_status_json_lists_every_component_healthy(platform: RunningPlatform) ->
     out = _cli(platform, "status", "--json")
     st = json.loads(out.stdout)
     assert st["healthy"] is True
-    assert set(st["components"]) == {"iam", "watcher", "edge", "apiserver"}
+    assert set(st["components"]) == {"iam", "watcher", "edge", "apiserver", "gateway"}
     for comp in st["components"].values():
         assert comp["healthy"]
         assert comp["address"].startswith("127.0.0.1:")

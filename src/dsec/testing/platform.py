@@ -1,4 +1,4 @@
-"""Start the real platform (iam, watcher, edge, apiserver) in a throwaway home.
+"""Start the real platform (iam, watcher, edge, apiserver, gateway) in a throwaway home.
 
 Used by the end-to-end tests and the benchmarks. Shared artefacts (the agent bundle, the
 images) come from ``DSEC_DATA`` (what ``dsec setup`` built); everything else - PKI,
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.paths import Paths
-from dsec.supervisor import Layout, healthy, layout_path
+from dsec.supervisor import PORTS, Layout, healthy, layout_path
 
 
 def requirements_missing() -> str | None:
@@ -39,7 +39,7 @@ def requirements_missing() -> str | None:
     return None
 
 
-def free_port_base(count: int = 7) -> int:
+def free_port_base(count: int = PORTS) -> int:
     for _ in range(200):
         base = 20000 + int.from_bytes(os.urandom(2), "big") % 30000
         socks = []

@@ -1,0 +1,3 @@
+from dsec.gateway.app import main
+
+main()

@@ -1,0 +1,233 @@
+"""The sandbox-bound side of the gateway: envd's RPC services and its plain HTTP routes.
+
+Requests reach here when they name a sandbox (``E2b-Sandbox-Id`` or the Host). A sandbox
+that does not exist (or has ended) is answered like E2B's proxy does, ``502`` with "The
+sandbox was not found", which the SDK turns into ``SandboxNotRunningException``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from dsec.agent.protocol import CHUNK
+from dsec.core.errors import DsecError, InvalidArgument, SandboxNotFound, Unauthenticated
+from dsec.gateway import filesystem, process
+from dsec.gateway.connect import (
+    STREAM_TYPE,
+    ConnectError,
+    ServerStream,
+    connect_error,
+    read_envelopes,
+    read_request,
+    timeout_s,
+    unary_error,
+    unary_ok,
+)
+from dsec.gateway.control import LIVE_STATES, gw
+from dsec.gateway.upstream import ENVD_PORT, access_token
+from dsec.sdk import runtime_calls as rc
+
+NOT_FOUND_MESSAGE = "The sandbox was not found"
+PORT_CLOSED_MESSAGE = "The sandbox is running but port is not open"
+
+
+def sandbox_gone(sandbox_id: str) -> web.Response:
+    body = {"sandboxId": sandbox_id, "message": NOT_FOUND_MESSAGE, "code": 502}
+    return web.json_response(body, status=502)
+
+
+def _user(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if not auth.lower().startswith("basic "):
+        return None
+    try:
+        user = base64.b64decode(auth[6:].strip(), validate=True).decode().partition(":")[0]
+    except (binascii.Error, ValueError):
+        raise InvalidArgument("malformed Authorization header") from None
+    return user or None
+
+
+def _call(request: web.Request, sandbox_id: str) -> process.Call:
+    g = gw(request)
+    raw = request.headers.get("Keepalive-Ping-Interval", "")
+    return process.Call(
+        sandbox_id=sandbox_id,
+        client=g.clients.get(access_token(request)),
+        user=_user(request),
+        timeout_s=timeout_s(request),
+        keepalive_s=float(raw) if raw.isdigit() else 0.0,
+        background=g.background,
+    )
+
+
+async def rpc(
+    request: web.Request, sandbox_id: str, service: str, method: str
+) -> web.StreamResponse:
+    """One Connect call of ``process.Process`` or ``filesystem.Filesystem``."""
+    if service == "process.Process":
+        unary, server, client = process.UNARY, process.SERVER_STREAM, process.CLIENT_STREAM
+    else:
+        unary, server, client = filesystem.UNARY, filesystem.SERVER_STREAM, {}
+    streaming = method in server or method in client
+    stream = ServerStream(request)
+    try:
+        if method not in unary and not streaming:
+            raise ConnectError("unimplemented", f"{service}/{method} is not supported")
+        if streaming and request.content_type != STREAM_TYPE:
+            raise ConnectError("invalid_argument", f"{method} needs {STREAM_TYPE}")
+        c = _call(request, sandbox_id)
+        if method in client:
+            await client[method](c, read_envelopes(request.content), stream)
+            return await stream.end()
+        msg = await read_request(request)
+        if method in server:
+            await server[method](c, msg, stream)
+            return await stream.end()
+        return unary_ok(await unary[method](c, msg))
+    except SandboxNotFound:
+        if stream.started:
+            return await stream.end(ConnectError("unavailable", NOT_FOUND_MESSAGE))
+        return sandbox_gone(sandbox_id)
+    except (DsecError, ConnectError) as exc:
+        err = connect_error(exc)
+        if streaming or stream.started:
+            return await stream.end(err)
+        return unary_error(err)
+    except ConnectionError:
+        return stream.response_or_empty()
+
+
+def http_error(exc: DsecError) -> web.Response:
+    status = 507 if exc.code == "payload_too_large" else exc.http_status
+    return web.json_response({"code": status, "message": exc.message}, status=status)
+
+
+async def files_get(request: web.Request, sandbox_id: str) -> web.StreamResponse:
+    client = gw(request).clients.get(_file_token(request))
+    req = rc.read_file(sandbox_id, request.query.get("path", ""))
+    resp: web.StreamResponse | None = None
+    async with client.transport.download(req) as chunks:
+        async for chunk in chunks:
+            if resp is None:
+                resp = await _download_response(request)
+            await resp.write(chunk)
+    if resp is None:
+        resp = await _download_response(request)
+    await resp.write_eof()
+    return resp
+
+
+async def _download_response(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    await resp.prepare(request)
+    return resp
+
+
+def _file_token(request: web.Request) -> str:
+    if "signature" in request.query and "X-Access-Token" not in request.headers:
+        raise Unauthenticated("signed file URLs are not supported by the OpenDsec gateway")
+    return access_token(request)
+
+
+async def _part_chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
+    while chunk := await part.read_chunk(CHUNK):
+        yield chunk
+
+
+async def _body_chunks(request: web.Request) -> AsyncIterator[bytes]:
+    """The upload body; aiohttp already undoes ``Content-Encoding: gzip`` as it reads."""
+    async for chunk in request.content.iter_chunked(CHUNK):
+        yield chunk
+
+
+_FILENAME_RE = re.compile(r"""(?:^|;)\s*filename\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;]*))""", re.I)
+
+
+def _part_filename(part: BodyPartReader) -> str:
+    """The part's filename as sent: a destination path (aiohttp's parser strips the '/')."""
+    m = _FILENAME_RE.search(part.headers.get("Content-Disposition", ""))
+    if m is None:
+        return ""
+    if m.group(1) is not None:
+        return re.sub(r"\\(.)", r"\1", m.group(1))
+    return urllib.parse.unquote(m.group(2).strip())
+
+
+def _written(path: str) -> dict[str, Any]:
+    return {"name": os.path.basename(path.rstrip("/")) or path, "type": "file", "path": path}
+
+
+async def files_post(request: web.Request, sandbox_id: str) -> web.Response:
+    client = gw(request).clients.get(_file_token(request))
+    query_path = request.query.get("path", "")
+    written: list[dict[str, Any]] = []
+    if request.content_type.startswith("multipart/"):
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise InvalidArgument("nested multipart bodies are not supported")
+            path = query_path or _part_filename(part)
+            if not path:
+                raise InvalidArgument("each file part needs a filename (its destination path)")
+            res = await client.transport.call(rc.write_file(sandbox_id, path), _part_chunks(part))
+            written.append(_written(res.path))
+    else:
+        if not query_path:
+            raise InvalidArgument("'path' is required")
+        res = await client.transport.call(
+            rc.write_file(sandbox_id, query_path), _body_chunks(request)
+        )
+        written.append(_written(res.path))
+    if not written:
+        raise InvalidArgument("the upload carried no file")
+    return web.json_response(written)
+
+
+async def health(request: web.Request, sandbox_id: str) -> web.Response:
+    if "X-Access-Token" in request.headers:
+        info = await gw(request).clients.get(access_token(request)).get_sandbox(sandbox_id)
+        if info.state not in LIVE_STATES:
+            return sandbox_gone(sandbox_id)
+    return web.Response(status=204)
+
+
+async def envs(request: web.Request, sandbox_id: str) -> web.Response:
+    info = await gw(request).clients.get(access_token(request)).get_sandbox(sandbox_id)
+    return web.json_response(dict(info.spec.env) if info.spec else {})
+
+
+HTTP_ROUTES = {
+    ("GET", "/files"): files_get,
+    ("POST", "/files"): files_post,
+    ("GET", "/health"): health,
+    ("GET", "/envs"): envs,
+}
+
+
+async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
+    """Serve one sandbox-bound request."""
+    if port != ENVD_PORT:
+        body = {"sandboxId": sandbox_id, "message": PORT_CLOSED_MESSAGE, "port": port, "code": 502}
+        return web.json_response(body, status=502)
+    path = request.path
+    for service in ("process.Process", "filesystem.Filesystem"):
+        prefix = f"/{service}/"
+        if path.startswith(prefix) and request.method == "POST":
+            return await rpc(request, sandbox_id, service, path[len(prefix) :])
+    handler = HTTP_ROUTES.get((request.method, path))
+    if handler is None:
+        return web.json_response({"code": 404, "message": f"no route {path}"}, status=404)
+    try:
+        return await handler(request, sandbox_id)
+    except SandboxNotFound:
+        return sandbox_gone(sandbox_id)
+    except DsecError as exc:
+        return http_error(exc)

@@ -1,0 +1,281 @@
+"""The unmodified E2B SDK (sync client) against OpenDsec through the gateway.
+
+Written as E2B user code: only the three E2B variables point it at the platform
+(``E2B_API_URL`` and ``E2B_SANDBOX_URL`` = the gateway, ``E2B_API_KEY`` = an OpenDsec key).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from dsec.testing.platform import RunningPlatform
+from tests.e2e.leakcheck import leaks
+
+e2b = pytest.importorskip("e2b", reason="the e2b SDK is a dev dependency (pip install -e .[dev])")
+
+from e2b import (  # noqa: E402
+    AuthenticationException,
+    CommandExitException,
+    FileType,
+    NotFoundException,
+    PtySize,
+    Sandbox,
+    SandboxQuery,
+    TimeoutException,
+)
+
+pytestmark = pytest.mark.platform
+
+
+@pytest.fixture(scope="module")
+def e2b_env(platform: RunningPlatform) -> Iterator[str]:
+    gateway = f"http://{platform.layout.gateway}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("E2B_API_URL", gateway)
+        mp.setenv("E2B_SANDBOX_URL", gateway)
+        mp.setenv("E2B_API_KEY", platform.admin_key)
+        yield gateway
+
+
+@pytest.fixture(scope="module")
+def sbx(e2b_env: str) -> Iterator[Sandbox]:
+    s = Sandbox.create(timeout=300, envs={"FROM_CREATE": "c1"})
+    yield s
+    s.kill()
+
+
+def test_lifecycle_create_info_timeout_list_connect_kill(
+    e2b_env: str, platform: RunningPlatform
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    s = Sandbox.create(timeout=60, metadata={"suite": tag})
+    try:
+        info = s.get_info()
+        assert info.sandbox_id == s.sandbox_id
+        assert info.template_id == "base"
+        assert info.metadata == {"suite": tag}
+        assert info.state.value == "running"
+        before = info.end_at
+        s.set_timeout(600)
+        assert s.get_info().end_at > before
+        assert s.is_running()
+
+        found = Sandbox.list(query=SandboxQuery(metadata={"suite": tag})).next_items()
+        assert [i.sandbox_id for i in found] == [s.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"})).next_items() == []
+
+        again = Sandbox.connect(s.sandbox_id)
+        assert again.commands.run("echo connected").stdout == "connected\n"
+    finally:
+        assert s.kill() is True
+    assert Sandbox.kill(s.sandbox_id) is False
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(s.sandbox_id)
+    assert not s.is_running()
+    deadline = time.monotonic() + 10
+    while (left := leaks(platform, s.sandbox_id)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
+
+
+def test_list_pages_through_every_sandbox(e2b_env: str) -> None:
+    tag = uuid.uuid4().hex[:8]
+    made = [Sandbox.create(timeout=60, metadata={"page": tag}) for _ in range(3)]
+    try:
+        pager = Sandbox.list(query=SandboxQuery(metadata={"page": tag}), limit=2)
+        first = pager.next_items()
+        assert len(first) == 2
+        assert pager.has_next
+        rest = pager.next_items()
+        assert len(rest) == 1
+        assert not pager.has_next
+        assert {i.sandbox_id for i in first + rest} == {m.sandbox_id for m in made}
+    finally:
+        for m in made:
+            m.kill()
+
+
+def test_unknown_sandbox_and_bad_key(e2b_env: str) -> None:
+    with pytest.raises(NotFoundException):
+        Sandbox.connect("sbx-none-aaaaaaaaaaaaaaaaaaaa")
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info("sbx-none-aaaaaaaaaaaaaaaaaaaa")
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="not-a-key")
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key="not-a-key").next_items()
+
+
+def test_run_output_exit_code_env_cwd_user(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo out; echo err >&2")
+    assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 0)
+    with pytest.raises(CommandExitException) as ei:
+        sbx.commands.run("echo partial; exit 3")
+    assert ei.value.exit_code == 3
+    assert ei.value.stdout == "partial\n"
+    assert sbx.commands.run("echo $FROM_CREATE $MINE", envs={"MINE": "m"}).stdout == "c1 m\n"
+    assert sbx.commands.run("echo ${MINE:-unset}").stdout == "unset\n"  # per-call envs don't leak
+    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+    seen: list[str] = []
+    sbx.commands.run("echo a; echo b", on_stdout=seen.append)
+    assert "".join(seen) == "a\nb\n"
+
+
+def test_timeout_raises_and_kills_the_command(sbx: Sandbox) -> None:
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30; echo never", timeout=1)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if not any("sleep 30" in " ".join(p.args) for p in sbx.commands.list()):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the timed-out command is still running")
+
+
+def test_background_list_kill_and_connect(sbx: Sandbox) -> None:
+    h = sbx.commands.run("sleep 60", background=True)
+    assert h.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(h.pid) is True
+    with pytest.raises(CommandExitException):
+        h.wait()
+    assert h.pid not in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(h.pid) is False
+
+    slow = sbx.commands.run("for i in 1 2 3; do echo $i; sleep 0.2; done", background=True)
+    slow.disconnect()
+    again = sbx.commands.connect(slow.pid)
+    assert again.wait().stdout == "1\n2\n3\n"
+
+
+def test_stdin_send_stream_and_close(sbx: Sandbox) -> None:
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(h.pid, "hello ")
+    sbx.commands.stream_input(h.pid, iter(["stream", "ed\n"]))
+    sbx.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "hello streamed\n"
+    # without stdin=True the command reads end-of-file at once
+    assert sbx.commands.run("cat; echo done", timeout=10).stdout == "done\n"
+
+
+def test_files_read_write_list_info_dirs(sbx: Sandbox) -> None:
+    base = f"/tmp/e2b-{uuid.uuid4().hex[:6]}"
+    info = sbx.files.write(f"{base}/a.txt", "hello")
+    assert info.path == f"{base}/a.txt"
+    assert sbx.files.read(f"{base}/a.txt") == "hello"
+    blob = bytes(range(256)) * 1000
+    sbx.files.write(f"{base}/b.bin", blob)
+    assert bytes(sbx.files.read(f"{base}/b.bin", format="bytes")) == blob
+    sbx.files.write_files(
+        [{"path": f"{base}/m1", "data": "1"}, {"path": f"{base}/m2", "data": b"2"}]
+    )
+    assert sbx.files.read(f"{base}/m2") == "2"
+
+    assert sbx.files.exists(f"{base}/a.txt")
+    assert not sbx.files.exists(f"{base}/nope")
+    st = sbx.files.get_info(f"{base}/b.bin")
+    assert (st.type, st.size, st.name) == (FileType.FILE, len(blob), "b.bin")
+    assert sbx.files.make_dir(f"{base}/d/e") is True
+    assert sbx.files.make_dir(f"{base}/d/e") is False
+    assert sbx.files.get_info(f"{base}/d").type == FileType.DIR
+    names = sorted(e.name for e in sbx.files.list(base))
+    assert names == ["a.txt", "b.bin", "d", "m1", "m2"]
+    deep = {e.path for e in sbx.files.list(base, depth=2)}
+    assert f"{base}/d/e" in deep
+
+    moved = sbx.files.rename(f"{base}/a.txt", f"{base}/d/a2.txt")
+    assert moved.path == f"{base}/d/a2.txt"
+    assert sbx.files.read(f"{base}/d/a2.txt") == "hello"
+    sbx.files.remove(f"{base}/d")
+    assert not sbx.files.exists(f"{base}/d")
+    with pytest.raises(NotFoundException):
+        sbx.files.read(f"{base}/missing")
+    # what commands see is what files wrote
+    assert sbx.commands.run(f"cat {base}/m1").stdout == "1"
+
+
+def test_pty_create_input_resize_kill(sbx: Sandbox) -> None:
+    out: list[bytes] = []
+    term = sbx.pty.create(PtySize(rows=24, cols=80))
+    sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+    sbx.pty.send_stdin(term.pid, b"stty size; echo mark-$((6*7))\n")
+    sbx.pty.send_stdin(term.pid, b"exit\n")
+    term.wait(on_pty=out.append)
+    text = b"".join(out).decode(errors="replace")
+    assert "30 100" in text
+    assert "mark-42" in text
+
+    other = sbx.pty.create(PtySize(rows=24, cols=80))
+    assert sbx.pty.kill(other.pid) is True
+    with pytest.raises(CommandExitException):
+        other.wait()
+
+
+def test_wrong_access_token_and_disconnect_mid_stream(e2b_env: str, sbx: Sandbox) -> None:
+    import struct
+
+    import httpx
+
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "E2b-Sandbox-Port": "49983",
+        "X-Access-Token": "not-a-key",
+        "Content-Type": "application/json",
+    }
+    with httpx.Client(base_url=e2b_env, timeout=30) as h:
+        r = h.post("/process.Process/List", headers=headers, json={})
+        assert (r.status_code, r.json()["code"]) == (401, "unauthenticated")
+
+        # start a command, read its start event, then hang up: it keeps running (as on
+        # E2B) until its Connect-Timeout-Ms deadline, when the gateway kills it
+        start = {
+            "process": {"cmd": "/bin/bash", "args": ["-c", "sleep 60 # e2b-disconnect"]},
+            "stdin": False,
+        }
+        body = json_envelope(start)
+        stream_headers = {
+            **headers,
+            "X-Access-Token": sbx._envd_access_token or "",
+            "Content-Type": "application/connect+json",
+            "Connect-Timeout-Ms": "3000",
+        }
+        with h.stream("POST", "/process.Process/Start", headers=stream_headers, content=body) as r:
+            head = r.iter_bytes(5).__next__()
+            assert struct.unpack(">BI", head[:5])[0] == 0
+
+    def running() -> bool:
+        return any("e2b-disconnect" in " ".join(p.args) for p in sbx.commands.list())
+
+    assert running()
+    deadline = time.monotonic() + 15
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running()
+
+
+def json_envelope(obj: dict[str, object]) -> bytes:
+    import json
+    import struct
+
+    data = json.dumps(obj).encode()
+    return struct.pack(">BI", 0, len(data)) + data
+
+
+def test_large_streamed_and_gzip_uploads(sbx: Sandbox) -> None:
+    import hashlib
+    import io
+
+    big = bytes(range(256)) * (32 * 1024)  # 8 MiB
+    sbx.files.write("/tmp/big.bin", io.BytesIO(big))  # file-like: streamed octet-stream
+    digest = sbx.commands.run("sha256sum /tmp/big.bin").stdout.split()[0]
+    assert digest == hashlib.sha256(big).hexdigest()
+    assert bytes(sbx.files.read("/tmp/big.bin", format="bytes")) == big
+    sbx.files.write("/tmp/z.txt", "zipped " * 1000, gzip=True)
+    assert sbx.files.read("/tmp/z.txt") == "zipped " * 1000
+    sbx.files.write("/tmp/o.txt", b"octets", use_octet_stream=True)
+    assert sbx.files.read("/tmp/o.txt") == "octets"

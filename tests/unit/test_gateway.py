@@ -1,0 +1,170 @@
+"""The E2B gateway without a platform: Connect framing, translations, and the control plane
+driven by the real async ``e2b`` SDK against an in-memory apiserver (``FakeApi``)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import urllib.parse
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestServer
+
+from dsec.gateway.app import make_app
+from dsec.gateway.connect import FLAG_END, ConnectError, envelope
+from dsec.gateway.control import Gateway, _metadata_filter, _page_token
+from dsec.gateway.filesystem import entry_json
+from dsec.gateway.upstream import Clients
+from dsec.sdk.models import FileEntry
+from dsec.testing.fake_api import FAKE_KEY, FakeApi
+
+e2b = pytest.importorskip("e2b", reason="the e2b SDK is a dev dependency (pip install -e .[dev])")
+
+
+def test_envelope_layout() -> None:
+    env = envelope({"a": 1}, FLAG_END)
+    flags, length = struct.unpack(">BI", env[:5])
+    assert (flags, length, env[5:]) == (FLAG_END, len(b'{"a":1}'), b'{"a":1}')
+
+
+def test_metadata_filter_decodes_the_sdks_double_encoding() -> None:
+    meta = {"k y": "v&1", "plain": "x/y"}
+    quoted = {urllib.parse.quote(k): urllib.parse.quote(v) for k, v in meta.items()}
+    sent = urllib.parse.urlencode(quoted)  # what the SDK passes as the query value
+    assert _metadata_filter(sent) == meta
+
+
+def test_page_tokens_round_trip_and_reject_garbage() -> None:
+    assert _page_token("") == 0
+    assert _page_token(base64.urlsafe_b64encode(b"40").decode()) == 40
+    with pytest.raises(Exception, match="nextToken"):
+        _page_token("%%%")
+
+
+def test_entry_json_is_envd_shaped() -> None:
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    d = entry_json(FileEntry("d", "/tmp/d", "dir", 4096, 0o755, when, 0, 0))
+    assert d["type"] == "FILE_TYPE_DIRECTORY"
+    assert d["permissions"] == "drwxr-xr-x"
+    assert d["mode"] == (1 << 31) | 0o755
+    assert (d["size"], d["owner"], d["modifiedTime"]) == ("4096", "root", "2026-01-02T03:04:05Z")
+    f = entry_json(FileEntry("f", "/f", "file", 3, 0o600, None, 1000, 1000))
+    assert (f["type"], f["permissions"], f["owner"]) == ("FILE_TYPE_FILE", "-rw-------", "1000")
+
+
+@pytest_asyncio.fixture
+async def gateway(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, FakeApi]]:
+    fake = FakeApi()
+    gw = Gateway(
+        Clients("http://fake-api", http_transport=httpx.MockTransport(fake.async_handler)),
+        domain="sbx.test",
+    )
+    server = TestServer(make_app(gw), host="127.0.0.1")
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    monkeypatch.setenv("E2B_API_URL", url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", url)
+    monkeypatch.setenv("E2B_API_KEY", FAKE_KEY)
+    try:
+        yield url, fake
+    finally:
+        await server.close()
+        await gw.aclose()
+
+
+@pytest.mark.asyncio
+async def test_control_plane_through_the_e2b_sdk(gateway: tuple[str, FakeApi]) -> None:
+    from e2b import AsyncSandbox, NotFoundException, SandboxQuery
+
+    _, fake = gateway
+    sbx = await AsyncSandbox.create(timeout=77, metadata={"m": "1"}, envs={"E": "v"})
+    spec = fake.sandboxes[sbx.sandbox_id].info["spec"]
+    assert (spec["image"], spec["timeout_s"], spec["env"], spec["metadata"]) == (
+        "base",
+        77,
+        {"E": "v"},
+        {"m": "1"},
+    )
+    info = await sbx.get_info()
+    assert (info.template_id, info.metadata, info.sandbox_domain) == (
+        "base",
+        {"m": "1"},
+        "sbx.test",
+    )
+    found = await AsyncSandbox.list(query=SandboxQuery(metadata={"m": "1"})).next_items()
+    assert [i.sandbox_id for i in found] == [sbx.sandbox_id]
+    await sbx.set_timeout(500)
+    assert fake.sandboxes[sbx.sandbox_id].info["expires_at"] == 1_700_000_500.0
+    assert await sbx.kill() is True
+    assert await AsyncSandbox.kill(sbx.sandbox_id) is False
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.connect(sbx.sandbox_id)
+
+
+@pytest.mark.asyncio
+async def test_errors_are_json_with_e2b_status_codes(gateway: tuple[str, FakeApi]) -> None:
+    url, fake = gateway
+    sid = fake.add_sandbox()
+    async with httpx.AsyncClient(base_url=url) as h:
+        r = await h.get(f"/sandboxes/{sid}", headers={"X-API-Key": "wrong"})
+        assert r.status_code == 401
+        assert r.json()["code"] == 401
+        r = await h.post("/v2/sandboxes", json={"timeout": -1}, headers={"X-API-Key": FAKE_KEY})
+        assert r.status_code == 400
+        assert r.headers["Should-Retry"] == "false"
+        r = await h.post(f"/sandboxes/{sid}/pause", headers={"X-API-Key": FAKE_KEY})
+        assert r.status_code == 501
+
+
+@pytest.mark.asyncio
+async def test_envd_rejects_bad_frames_tokens_and_methods(gateway: tuple[str, FakeApi]) -> None:
+    url, fake = gateway
+    sid = fake.add_sandbox()
+    base = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983", "X-Access-Token": FAKE_KEY}
+    stream = {**base, "Content-Type": "application/connect+json"}
+    async with httpx.AsyncClient(base_url=url) as h:
+        # a truncated envelope: the stream ends with a Connect error, not a hang or a 500
+        r = await h.post("/process.Process/Start", headers=stream, content=b"\x00\x00\x00\x01")
+        assert r.status_code == 200
+        flags, length = struct.unpack(">BI", r.content[:5])
+        assert flags == FLAG_END
+        assert b"invalid_argument" in r.content[5 : 5 + length]
+        # an envelope that is not JSON
+        bad = struct.pack(">BI", 0, 3) + b"{{{"
+        r = await h.post("/process.Process/Start", headers=stream, content=bad)
+        assert b"invalid_argument" in r.content
+        # unary with a wrong access token -> unauthenticated (401)
+        r = await h.post(
+            "/filesystem.Filesystem/Stat",
+            headers={**base, "X-Access-Token": "nope", "Content-Type": "application/json"},
+            json={"path": "/"},
+        )
+        assert (r.status_code, r.json()["code"]) == (401, "unauthenticated")
+        r = await h.post("/filesystem.Filesystem/Frobnicate", headers=base, json={})
+        assert (r.status_code, r.json()["code"]) == (501, "unimplemented")
+        # an unknown sandbox answers like E2B's proxy
+        r = await h.post(
+            "/filesystem.Filesystem/Stat",
+            headers={**base, "E2b-Sandbox-Id": "sbx-none-aaaaaaaaaaaaaaaaaaaa"},
+            json={"path": "/"},
+        )
+        assert r.status_code == 502
+        assert "was not found" in r.json()["message"]
+        # routing by Host (<port>-<sandbox id>.<domain>) when the headers are absent
+        host = {"Host": f"49983-{sid}.sbx.test", "X-Access-Token": FAKE_KEY}
+        assert (await h.get("/health", headers=host)).status_code == 204
+        r = await h.get("/health", headers={**host, "Host": f"8080-{sid}.sbx.test"})
+        assert r.status_code == 502
+        assert "port is not open" in r.json()["message"]
+        # internal envd routes are not served
+        r = await h.post("/init", headers=base, json={})
+        assert r.status_code == 404
+
+
+def test_connect_error_type() -> None:
+    err = ConnectError("not_found", "x")
+    assert err.to_json() == {"code": "not_found", "message": "x"}
