@@ -1,0 +1,291 @@
+"""A real OCI registry on loopback for tests (Debian's ``docker-registry``), and image builders.
+
+:func:`local_registry` writes its own config (never the package's, which binds every
+interface) binding ``127.0.0.1:<free port>``, optionally with an htpasswd file made with
+PyPI ``bcrypt``, starts ``docker-registry serve`` and stops it by PID afterwards.
+:func:`push_image` uploads layers (tar bytes), a config and a manifest (OCI or Docker v2,
+optionally inside a multi-platform index) with the product's own registry client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import shutil
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dsec.edge.images.credentials import RegistrySettings
+from dsec.edge.images.reference import parse_reference
+from dsec.edge.images.registry import (
+    DOCKER_LIST,
+    DOCKER_MANIFEST,
+    OCI_INDEX,
+    OCI_MANIFEST,
+    RegistryClient,
+    sha256_digest,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRegistry:
+    """A running registry: where it is and how to log in (if it wants a login)."""
+
+    host: str  # 127.0.0.1:<port>
+    storage: Path
+    username: str = ""
+    password: str = ""
+
+    @property
+    def settings(self) -> RegistrySettings:
+        return RegistrySettings(username=self.username, password=self.password, insecure=True)
+
+    def blob_file(self, digest: str) -> Path:
+        """The registry's on-disk file for a blob (filesystem storage driver layout)."""
+        hexd = digest.removeprefix("sha256:")
+        return self.storage / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+
+def skip_reason() -> str | None:
+    """Why a local registry cannot run here, or None."""
+    if shutil.which("docker-registry") is None:
+        return "needs docker-registry (apt-get install docker-registry)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def local_registry(*, username: str = "", password: str = "") -> Iterator[LocalRegistry]:
+    """Run ``docker-registry`` on 127.0.0.1 (htpasswd auth when a username is given)."""
+    root = Path(tempfile.mkdtemp(prefix="dsec-registry-"))
+    port = _free_port()
+    storage = root / "data"
+    storage.mkdir()
+    lines = [
+        "version: 0.1",
+        "log: {level: error}",
+        f"storage: {{filesystem: {{rootdirectory: {storage}}}, delete: {{enabled: true}}}}",
+        f"http: {{addr: 127.0.0.1:{port}}}",
+    ]
+    if username:
+        import bcrypt
+
+        hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=5)).decode()
+        (root / "htpasswd").write_text(f"{username}:{hashed}\n")
+        lines.append(f"auth: {{htpasswd: {{realm: dsec-test, path: {root / 'htpasswd'}}}}}")
+    (root / "config.yml").write_text("\n".join(lines) + "\n")
+    log = (root / "registry.log").open("wb")
+    proc = subprocess.Popen(
+        ["docker-registry", "serve", str(root / "config.yml")],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1.0)
+                break
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        "docker-registry did not start: "
+                        + (root / "registry.log").read_text(errors="replace")[-2000:]
+                    ) from None
+                time.sleep(0.05)
+        yield LocalRegistry(f"127.0.0.1:{port}", storage, username, password)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# --- building test images ---------------------------------------------------------------
+
+
+@dataclass
+class TarBuilder:
+    """Builds a layer tar in memory from explicit members (including malicious ones)."""
+
+    members: list[tuple[tarfile.TarInfo, bytes | None]] = field(default_factory=list)
+
+    def file(self, name: str, data: bytes = b"", mode: int = 0o644, **kw: Any) -> TarBuilder:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = len(data), mode
+        for k, v in kw.items():
+            setattr(info, k, v)
+        self.members.append((info, data))
+        return self
+
+    def dir(self, name: str, mode: int = 0o755) -> TarBuilder:
+        info = tarfile.TarInfo(name)
+        info.type, info.mode = tarfile.DIRTYPE, mode
+        self.members.append((info, None))
+        return self
+
+    def link(self, name: str, target: str, *, hard: bool = False) -> TarBuilder:
+        info = tarfile.TarInfo(name)
+        info.type = tarfile.LNKTYPE if hard else tarfile.SYMTYPE
+        info.linkname = target
+        info.mode = 0o777
+        self.members.append((info, None))
+        return self
+
+    def special(self, name: str, kind: bytes) -> TarBuilder:
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        info.devmajor, info.devminor = 1, 3
+        self.members.append((info, None))
+        return self
+
+    def build(self) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            for info, data in self.members:
+                tf.addfile(info, io.BytesIO(data) if data is not None else None)
+        return buf.getvalue()
+
+
+@dataclass(frozen=True, slots=True)
+class PushedImage:
+    """What :func:`push_image` stored: the top digest and each manifest and blob."""
+
+    digest: str  # the tag's target: the index if any, else the manifest
+    manifests: dict[str, str]  # platform -> manifest digest
+    layer_digests: tuple[str, ...]
+    config_digest: str
+
+
+def _image_config(diff_ids: Sequence[str], arch: str, config: dict[str, Any]) -> bytes:
+    body = {
+        "architecture": arch,
+        "os": "linux",
+        "config": config,
+        "rootfs": {"type": "layers", "diff_ids": list(diff_ids)},
+    }
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def push_image(
+    registry: LocalRegistry,
+    name: str,
+    layers: Sequence[bytes],
+    *,
+    config: dict[str, Any] | None = None,
+    docker: bool = False,
+    compress: bool = True,
+    platforms: Sequence[str] = (),
+) -> PushedImage:
+    """Push an image built from uncompressed layer tars to ``registry`` as ``name``.
+
+    Args:
+        name: ``repo:tag`` (the registry host is prepended).
+        docker: Docker v2 schema 2 media types instead of OCI.
+        compress: gzip the layers (else OCI uncompressed tar layers; OCI only).
+        platforms: e.g. ``("linux/amd64", "linux/arm64")`` to push an index; each platform
+            gets the same layers plus a one-file layer naming it.
+    """
+    ref = parse_reference(f"{registry.host}/{name}")
+    client = RegistryClient(ref, registry.settings, insecure=True, push=True)
+    with client:
+        manifests: dict[str, str] = {}
+        result: tuple[str, tuple[str, ...], str] = ("", (), "")
+        entries = []
+        for plat in platforms or ("linux/amd64",):
+            arch = plat.split("/")[1]
+            plat_layers = list(layers)
+            if platforms:
+                plat_layers.append(TarBuilder().file("platform", plat.encode()).build())
+            mtype, body, digests, cfg_digest = _push_one(
+                client, plat_layers, arch, config or {}, docker=docker, compress=compress
+            )
+            digest = sha256_digest(body)
+            if platforms:
+                client.put_manifest(digest, mtype, body)
+                os_, arch_ = plat.split("/")[:2]
+                entries.append(
+                    {
+                        "mediaType": mtype,
+                        "digest": digest,
+                        "size": len(body),
+                        "platform": {"os": os_, "architecture": arch_},
+                    }
+                )
+            else:
+                client.put_manifest(ref.tag, mtype, body)
+            manifests[plat] = digest
+            result = (digest, digests, cfg_digest)
+        if platforms:
+            index_type = DOCKER_LIST if docker else OCI_INDEX
+            index = json.dumps(
+                {"schemaVersion": 2, "mediaType": index_type, "manifests": entries}
+            ).encode()
+            top = client.put_manifest(ref.tag, index_type, index)
+        else:
+            top = result[0]
+    return PushedImage(top, manifests, result[1], result[2])
+
+
+def _push_one(
+    client: RegistryClient,
+    layers: Sequence[bytes],
+    arch: str,
+    config: dict[str, Any],
+    *,
+    docker: bool,
+    compress: bool,
+) -> tuple[str, bytes, tuple[str, ...], str]:
+    diff_ids = ["sha256:" + hashlib.sha256(t).hexdigest() for t in layers]
+    descs = []
+    digests = []
+    for tar in layers:
+        blob = gzip.compress(tar, compresslevel=1, mtime=0) if compress else tar
+        digest = sha256_digest(blob)
+        client.upload_blob(digest, blob)
+        if docker:
+            mtype = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+        else:
+            mtype = "application/vnd.oci.image.layer.v1.tar" + ("+gzip" if compress else "")
+        descs.append({"mediaType": mtype, "digest": digest, "size": len(blob)})
+        digests.append(digest)
+    cfg = _image_config(diff_ids, arch, config)
+    cfg_digest = sha256_digest(cfg)
+    client.upload_blob(cfg_digest, cfg)
+    mtype = DOCKER_MANIFEST if docker else OCI_MANIFEST
+    cfg_type = (
+        "application/vnd.docker.container.image.v1+json"
+        if docker
+        else "application/vnd.oci.image.config.v1+json"
+    )
+    body = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": mtype,
+            "config": {"mediaType": cfg_type, "digest": cfg_digest, "size": len(cfg)},
+            "layers": descs,
+        }
+    ).encode()
+    return mtype, body, tuple(digests), cfg_digest
