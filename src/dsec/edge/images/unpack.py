@@ -104,8 +104,8 @@ def _remove(path: str) -> None:
 
 def _ensure_parent(name: str) -> None:
     parent = posixpath.dirname(name)
-    if parent:
-        os.makedirs("/" + parent, exist_ok=True)
+    if parent:  # through symlinks (even dangling ones): inside the chroot they stay inside
+        os.makedirs(os.path.realpath("/" + parent), exist_ok=True)
 
 
 def _apply_xattrs(member: tarfile.TarInfo, path: str) -> None:
@@ -132,7 +132,7 @@ def extract_stream(tar: tarfile.TarFile, max_entries: int) -> None:
         if not name:
             continue
         if base == OPAQUE_MARKER:
-            os.makedirs("/" + parent, exist_ok=True)
+            _ensure_parent(name)
             os.setxattr("/" + parent, OPAQUE_XATTR, b"y", follow_symlinks=False)
             continue
         if base.startswith(WHITEOUT_PREFIX):
