@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +13,7 @@ from dsec.edge.images.base import BASE_IMAGE
 from dsec.edge.images.pull import Puller, PullOptions
 from dsec.edge.images.store import ImageStore
 from dsec.testing import registry as testreg
-from dsec.testing.registry import TarBuilder, local_registry, push_image
+from dsec.testing.registry import TarBuilder, base_slice_tar, local_registry, push_image
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
 
@@ -29,52 +27,9 @@ def cenv() -> Iterator[ContainerTestEnv]:
         yield env
 
 
-# A small slice of the base image: a shell, a few tools and the C library (the whole base
-# layer is 230 MB, which takes tens of seconds to push and unpack on a busy disk).
-_SLICE = (
-    "bin",
-    "lib",
-    "lib64",
-    "sbin",
-    "usr",
-    "usr/bin",
-    "usr/lib",
-    "usr/lib64",
-    "usr/sbin",
-    "usr/lib/x86_64-linux-gnu",
-    "etc",
-    "proc",
-    "sys",
-    "dev",
-    "tmp",
-    "root",
-    "usr/bin/sh",
-    "usr/bin/dash",
-    "usr/bin/tr",
-    "usr/bin/readlink",
-    "usr/bin/cat",
-    "usr/bin/sleep",
-    "usr/lib/x86_64-linux-gnu/libc.so.6",
-    "usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
-    "usr/lib64/ld-linux-x86-64.so.2",
-)
-
-
-def _base_tar(store: ImageStore) -> bytes:
-    """A slice of the installed base image's layer as a tar, to build test images on."""
-    layer = store.resolve(BASE_IMAGE).layer_dirs[-1]
-    present = [p for p in _SLICE if os.path.lexists(layer / p)]
-    proc = subprocess.run(
-        ["tar", "-C", str(layer), "--numeric-owner", "--no-recursion", "-cf", "-", *present],
-        capture_output=True,
-        check=True,
-    )
-    return proc.stdout
-
-
 @pytest.mark.asyncio
 async def test_sandbox_from_pulled_image_has_its_env_and_workdir(cenv: ContainerTestEnv) -> None:
-    base = _base_tar(cenv.store)
+    base = base_slice_tar(cenv.store.resolve(BASE_IMAGE).layer_dirs[-1])
     app = TarBuilder().dir("work").file("work/hello.txt", b"from the image\n").build()
     store = ImageStore(cenv.root / "pulled")
     with local_registry() as reg:

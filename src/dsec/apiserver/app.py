@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from dsec import __version__
-from dsec.apiserver import keys, openapi, runtime, sandboxes, ws
+from dsec.apiserver import images, keys, openapi, runtime, sandboxes, ws
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.context import CTX, Ctx, ctx, ok
 from dsec.apiserver.upstream import Upstream
@@ -71,6 +71,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *sandboxes.ROUTES,
         *runtime.ROUTES,
         *keys.ROUTES,
+        *images.ROUTES,
     ]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from dsec import __version__
+from dsec.cli.images import image_group, registry_group
 from dsec.cli.keys import keys_group, whoami
 from dsec.cli.output import EXIT_INTERRUPTED, CliState, report
 from dsec.cli.sandbox import sandbox_group
@@ -56,6 +57,8 @@ def cli(ctx: click.Context, api_url: str | None, api_key: str | None) -> None:
 cli.add_command(sandbox_group)
 cli.add_command(keys_group)
 cli.add_command(whoami)
+cli.add_command(image_group)
+cli.add_command(registry_group)
 
 
 def _register_platform_commands(group: click.Group) -> None:

@@ -22,10 +22,12 @@ from dsec.core.errors import (
     InvalidArgument,
     InvalidState,
     SandboxFailed,
+    Unavailable,
 )
 from dsec.core.lifecycle import State
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
+from dsec.edge.images.service import EdgeImages
 from dsec.edge.manager import Caller, SandboxManager
 from dsec.edge.records import SandboxRecord
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -96,9 +98,40 @@ def _parse_request(raw: bytes) -> dict[str, Any]:
 
 
 class EdgeService(pb_grpc.EdgeServicer):
-    def __init__(self, manager: SandboxManager, status: Any) -> None:
+    def __init__(
+        self, manager: SandboxManager, status: Any, images: EdgeImages | None = None
+    ) -> None:
         self._m = manager
         self._status = status  # callable returning pb.EdgeStatus
+        self._images = images
+
+    def _image_service(self) -> EdgeImages:
+        if self._images is None:
+            raise Unavailable("this edge has no image store")
+        return self._images
+
+    async def PullImage(
+        self, request: pb.PullImageRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.PullImageEvent]:
+        async for event in self._image_service().pull(request):
+            yield event
+
+    async def ListImages(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ImageList:
+        return self._image_service().list()
+
+    async def RemoveImage(
+        self, request: pb.ImageRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.Empty:
+        self._image_service().remove(request.name)
+        return pb.Empty()
+
+    async def GcImages(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GcImagesReply:
+        res = await self._image_service().gc()
+        return pb.GcImagesReply(layers=res.layers, blobs=res.blobs, bytes_freed=res.bytes_freed)
 
     async def CreateSandbox(
         self, request: pb.CreateSandboxRequest, context: grpc.aio.ServicerContext[Any, Any]

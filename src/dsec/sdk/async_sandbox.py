@@ -10,12 +10,13 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncGenerator, Mapping
 from types import TracebackType
+from typing import Any
 
 import httpx
 
 from dsec.core.errors import NotFound
+from dsec.sdk import images, streams, wire
 from dsec.sdk import runtime_calls as rc
-from dsec.sdk import streams, wire
 from dsec.sdk.async_io import AsyncStdin, AsyncTransport
 from dsec.sdk.async_sandbox_runtime import AsyncFiles, AsyncProcesses, AsyncPtys, AsyncShell
 from dsec.sdk.config import ClientConfig, resolve_config
@@ -84,6 +85,44 @@ class AsyncClient:
 
     async def list_edges(self) -> builtins.list[dict[str, object]]:
         return await self.transport.call(wire.list_edges())
+
+    async def pull_image(
+        self,
+        reference: str,
+        *,
+        platform: str = "",
+        insecure: bool = False,
+        username: str = "",
+        password: str = "",
+        edge_id: str = "",
+        progress: images.PullProgress | None = None,
+    ) -> builtins.list[dict[str, Any]]:
+        """Pull an image onto every edge (or ``edge_id``); ``progress`` gets layer reports."""
+        req = images.pull_request(
+            reference,
+            platform=platform,
+            insecure=insecure,
+            username=username,
+            password=password,
+            edge_id=edge_id,
+        )
+        reader = images.PullReader(progress)
+        async with self.transport.download(req) as chunks:
+            async for chunk in chunks:
+                reader.feed(chunk)
+        return reader.result()
+
+    async def list_images(self) -> builtins.list[dict[str, Any]]:
+        """Images on every edge (one entry per edge and image)."""
+        return await self.transport.call(images.list_images())
+
+    async def remove_image(self, name: str) -> dict[str, Any]:
+        """Forget an image on every edge (admin); its layers go at the next gc."""
+        return await self.transport.call(images.remove_image(name))
+
+    async def gc_images(self) -> dict[str, Any]:
+        """Remove unreferenced layers and blobs on every edge (admin)."""
+        return await self.transport.call(images.gc_images())
 
     async def aclose(self) -> None:
         """Close the pooled HTTP connections."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 import builtins
 from collections.abc import Generator, Iterable, Mapping
 from types import TracebackType
+from typing import Any
 
 import httpx
 
 from dsec.core.errors import NotFound
+from dsec.sdk import images, streams, wire
 from dsec.sdk import runtime_calls as rc
-from dsec.sdk import streams, wire
 from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
     ExecEvent,
@@ -86,6 +87,47 @@ class Client:
 
     def list_edges(self) -> builtins.list[dict[str, object]]:
         return self.transport.call(wire.list_edges())
+
+    def pull_image(
+        self,
+        reference: str,
+        *,
+        platform: str = "",
+        insecure: bool = False,
+        username: str = "",
+        password: str = "",
+        edge_id: str = "",
+        progress: images.PullProgress | None = None,
+    ) -> builtins.list[dict[str, Any]]:
+        """Pull an image onto every edge (or ``edge_id``); ``progress`` gets layer reports.
+
+        Returns one image description per edge.
+        """
+        req = images.pull_request(
+            reference,
+            platform=platform,
+            insecure=insecure,
+            username=username,
+            password=password,
+            edge_id=edge_id,
+        )
+        reader = images.PullReader(progress)
+        with self.transport.download(req) as chunks:
+            for chunk in chunks:
+                reader.feed(chunk)
+        return reader.result()
+
+    def list_images(self) -> builtins.list[dict[str, Any]]:
+        """Images on every edge (one entry per edge and image)."""
+        return self.transport.call(images.list_images())
+
+    def remove_image(self, name: str) -> dict[str, Any]:
+        """Forget an image on every edge (admin); its layers go at the next gc."""
+        return self.transport.call(images.remove_image(name))
+
+    def gc_images(self) -> dict[str, Any]:
+        """Remove unreferenced layers and blobs on every edge (admin)."""
+        return self.transport.call(images.gc_images())
 
     def close(self) -> None:
         """Close the pooled HTTP connections."""

@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -124,6 +125,36 @@ def local_registry(*, username: str = "", password: str = "") -> Iterator[LocalR
 
 
 # --- building test images ---------------------------------------------------------------
+
+# A small slice of the base image: a shell, a few tools, the C library and the user
+# database (the whole base layer is 230 MB: tens of seconds to push and unpack on a busy
+# disk). The agent bundle brings its own libraries, so this is enough for a sandbox.
+BASE_SLICE = (
+    *("bin", "lib", "lib64", "sbin", "usr", "usr/bin", "usr/lib", "usr/lib64", "usr/sbin"),
+    *("usr/lib/x86_64-linux-gnu", "etc", "proc", "sys", "dev", "tmp", "root", "run"),
+    *("etc/passwd", "etc/group", "usr/bin/sh", "usr/bin/dash", "usr/bin/bash", "usr/bin/tr"),
+    *("usr/bin/readlink", "usr/bin/cat", "usr/bin/sleep", "usr/bin/pwd", "usr/bin/ls"),
+    *("usr/bin/env", "usr/bin/echo"),
+    "usr/lib/x86_64-linux-gnu/libc.so.6",
+    "usr/lib/x86_64-linux-gnu/libtinfo.so.6",
+    "usr/lib/x86_64-linux-gnu/libtinfo.so.6.4",
+    "usr/lib/x86_64-linux-gnu/libselinux.so.1",
+    "usr/lib/x86_64-linux-gnu/libpcre2-8.so.0",
+    "usr/lib/x86_64-linux-gnu/libpcre2-8.so.0.11.2",
+    "usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+    "usr/lib64/ld-linux-x86-64.so.2",
+)
+
+
+def base_slice_tar(layer: Path) -> bytes:
+    """The :data:`BASE_SLICE` of an unpacked base layer as an uncompressed tar."""
+    present = [p for p in BASE_SLICE if os.path.lexists(layer / p)]
+    proc = subprocess.run(
+        ["tar", "-C", str(layer), "--numeric-owner", "--no-recursion", "-cf", "-", *present],
+        capture_output=True,
+        check=True,
+    )
+    return proc.stdout
 
 
 @dataclass
