@@ -1,0 +1,115 @@
+"""Pack an overlay upper dir into a layer: the packed image shows exactly the packed view."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from dsec.edge.backends.container import overlay
+from dsec.edge.images.pack import pack_image
+from dsec.edge.images.store import Image, ImageConfig, ImageStore
+from dsec.testing.registry import TarBuilder
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (overlay mounts, trusted xattrs)"),
+]
+LAYER_TYPE = "application/vnd.oci.image.layer.v1.tar"
+
+
+@contextmanager
+def mounted(image: Image, state: Path) -> Iterator[tuple[Path, Path]]:
+    dirs = overlay.RootfsDirs.in_state_dir(state)
+    dirs.make()
+    overlay.mount_rootfs(dirs, image.layer_dirs)
+    try:
+        yield dirs.rootfs, dirs.upper
+    finally:
+        overlay.unmount_rootfs(dirs.rootfs)
+
+
+def view(root: Path) -> dict[str, tuple[object, ...]]:
+    """Type, mode, owner, content hash / link target and user xattrs of every entry."""
+    out: dict[str, tuple[object, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode):
+                extra: object = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+            elif stat.S_ISLNK(st.st_mode):
+                extra = os.readlink(p)
+            else:
+                extra = None
+            xattrs = (
+                {}
+                if stat.S_ISLNK(st.st_mode)
+                else {k: os.getxattr(p, k) for k in os.listxattr(p) if k.startswith("user.")}
+            )
+            out[os.path.relpath(p, root)] = (
+                stat.S_IFMT(st.st_mode),
+                stat.S_IMODE(st.st_mode),
+                st.st_uid,
+                st.st_gid,
+                extra,
+                tuple(sorted(xattrs.items())),
+            )
+    return out
+
+
+def test_pack_round_trip(tmp_path: Path) -> None:
+    store = ImageStore(tmp_path / "images")
+    lower = (
+        TarBuilder()
+        .dir("etc")
+        .file("etc/keep", b"keep")
+        .file("etc/remove-me", b"x")
+        .dir("opt")
+        .dir("opt/app")
+        .file("opt/app/old1", b"1")
+        .file("opt/app/old2", b"2")
+        .file("usr/bin/tool", b"#!/bin/sh\n", mode=0o755)
+        .build()
+    )
+    blob = tmp_path / "lower.tar"
+    blob.write_bytes(lower)
+    diff_id = store.import_layer_blob(blob, LAYER_TYPE, hashlib.sha256(lower).hexdigest())
+    base = store.write_ref("test/base:1", [diff_id], ImageConfig(env=("A=1",), workdir="/opt"))
+
+    with mounted(base, tmp_path / "s1") as (root, upper):
+        (root / "etc/remove-me").unlink()
+        (root / "etc/keep").write_text("changed")
+        for p in (root / "opt/app").iterdir():
+            p.unlink()
+        (root / "opt/app").rmdir()
+        (root / "opt/app").mkdir()
+        (root / "opt/app/new").write_text("new")
+        (root / "usr/bin/tool").chmod(0o4750)
+        os.chown(root / "etc/keep", 1000, 1001)
+        (root / "data").mkdir()
+        (root / "data/big").write_bytes(os.urandom(100_000))
+        os.link(root / "data/big", root / "data/big-link")
+        (root / "data/sym").symlink_to("/etc/keep")
+        os.setxattr(root / "data/big", "user.note", b"hi")
+        expected = view(root)
+        packed = pack_image(store, upper, base, "test/packed:1")
+
+    assert packed.diff_ids[:-1] == base.diff_ids
+    assert packed.config == base.config
+    top = packed.layer_dirs[0]
+    assert stat.S_ISCHR((top / "etc/remove-me").lstat().st_mode)
+    assert os.getxattr(top / "opt/app", "trusted.overlay.opaque") == b"y"
+    assert not any(
+        k.startswith("trusted.overlay.") and k != "trusted.overlay.opaque"
+        for d in (top, top / "etc", top / "opt/app")
+        for k in os.listxattr(d)
+    )
+    assert (top / "data/big").stat().st_ino == (top / "data/big-link").stat().st_ino
+    with mounted(store.resolve("test/packed:1"), tmp_path / "s2") as (root, _):
+        assert view(root) == expected
