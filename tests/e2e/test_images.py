@@ -137,3 +137,36 @@ def test_cli_login_pull_and_auth_error(
     )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)[0]["name"] == ref
+
+
+def test_pack_then_sandbox_from_the_packed_image(
+    setup: tuple[RunningPlatform, LocalRegistry, LocalRegistry, Path],
+) -> None:
+    platform, reg, _, shared = setup
+    _image(reg, shared, "e2e/packbase:v1")
+    ref = f"{reg.host}/e2e/packbase:v1"
+    with Client(api_url=platform.api_url, api_key=platform.admin_key) as client:
+        client.pull_image(ref, insecure=True)
+        first = Sandbox.create(image=ref, client=client, timeout=120)
+        try:
+            made = first.exec(
+                "mkdir -p /srv && echo packed > /srv/state && rm /work/hello.txt "
+                "&& mkdir -p /work/sub && echo x > /work/sub/y"
+            )
+            assert made.exit_code == 0, made.stderr
+            packed = first.pack("local/packed:1")
+        finally:
+            first.kill()
+            first.close()
+        assert packed["name"] == "local/packed:1"
+        assert len(packed["layers"]) == 3
+        assert packed["workdir"] == "/work"
+        second = Sandbox.create(image="local/packed:1", client=client, timeout=120)
+        try:
+            res = second.exec("cat /srv/state; ls /work; echo $GREETING")
+            assert res.stdout == "packed\nsub\nhello\n"
+        finally:
+            second.kill()
+            second.close()
+        with pytest.raises(InvalidArgument):
+            Sandbox.create(image="local/packed:1", client=client, timeout=60).pack("Bad Name")

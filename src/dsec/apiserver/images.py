@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from dsec.apiserver.context import ctx, json_body, ok, principal, query
+from dsec.apiserver.context import ctx, json_body, ok, principal, query, sandbox_id
 from dsec.apiserver.upstream import EdgeEntry, rpc
 from dsec.core.errors import DsecError, InvalidArgument, Unavailable
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -195,7 +195,29 @@ async def gc_images(request: web.Request) -> web.Response:
     return ok({"edges": out})
 
 
+async def pack(request: web.Request) -> web.Response:
+    """Pack a running sandbox's changes into a new image on its edge."""
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    sid = sandbox_id(request)
+    body = await json_body(request)
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("'name' (the new image's name) is required")
+    stub = await c.upstream.edge_for(sid)
+    info = await rpc(
+        f"edge of {sid}",
+        stub.PackSandbox(
+            pb.PackSandboxRequest(sandbox_id=sid, name=name),
+            metadata=p.metadata(),
+            timeout=PULL_TIMEOUT_S,
+        ),
+    )
+    return ok(image_json(info), status=201)
+
+
 ROUTES: list[tuple[str, str, Any]] = [
+    ("POST", "/v1/sandboxes/{sandbox_id}/pack", pack),
     ("POST", "/v1/images/pull", pull),
     ("GET", "/v1/images", list_images),
     ("DELETE", "/v1/images", remove_image),

@@ -16,6 +16,7 @@ import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
 
 from dsec.cli.output import json_option, print_json, simple_table, state, stderr, stdout
+from dsec.cli.sandbox import sandbox_group
 from dsec.edge.images.credentials import (
     RegistryCredentials,
     RegistrySettings,
@@ -156,3 +157,16 @@ def logout(registry: str) -> None:
     """Forget REGISTRY's credentials and settings."""
     known = RegistryCredentials(settings_file()).remove(registry)
     click.echo(f"{'removed' if known else 'no entry for'} {registry}")
+
+
+@sandbox_group.command("pack")
+@click.argument("sandbox_id", metavar="ID")
+@click.argument("name")
+@json_option
+def pack(sandbox_id: str, name: str, as_json: bool) -> None:
+    """Record sandbox ID's changes as a new image NAME on top of its image."""
+    image = state().client().sandbox(sandbox_id).pack(name)
+    if as_json:
+        print_json(image)
+    else:
+        click.echo(f"{image['edge_id']}: {image['name']} ({len(image['layers'])} layers)")

@@ -27,7 +27,7 @@ from dsec.core.errors import (
 from dsec.core.lifecycle import State
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
-from dsec.edge.images.service import EdgeImages
+from dsec.edge.images.service import EdgeImages, image_to_pb
 from dsec.edge.manager import Caller, SandboxManager
 from dsec.edge.records import SandboxRecord
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -126,6 +126,22 @@ class EdgeService(pb_grpc.EdgeServicer):
     ) -> pb.Empty:
         self._image_service().remove(request.name)
         return pb.Empty()
+
+    async def PackSandbox(
+        self, request: pb.PackSandboxRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ImageInfo:
+        images = self._image_service()
+        rec = self._m.get(request.sandbox_id, caller_of(context))
+        if rec.state is not State.RUNNING:
+            raise InvalidState(f"sandbox {rec.id} is {rec.state.value}; only running ones pack")
+        backend = self._m.backend(rec.spec.backend)
+        upper = self._m.paths(rec.id).state_dir / "upper"
+        await backend.pause(rec.id)  # a still upper dir while it is read
+        try:
+            image = await images.pack(upper, rec.spec.image, request.name)
+        finally:
+            await backend.resume(rec.id)
+        return image_to_pb(image, self._m.edge_id)
 
     async def GcImages(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]

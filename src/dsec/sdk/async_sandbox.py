@@ -239,6 +239,10 @@ class AsyncSandbox:
     async def kill(self) -> SandboxInfo:
         return await self._t.call(wire.kill_sandbox(self._id))
 
+    async def pack(self, name: str) -> dict[str, Any]:
+        """Record this sandbox's changes as a new image ``name`` on top of its image."""
+        return await self._t.call(images.pack_sandbox(self._id, name))
+
     async def exec(
         self,
         cmd: rc.Command,

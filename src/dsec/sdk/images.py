@@ -103,3 +103,14 @@ def remove_image(name: str) -> Call[JSON]:
 
 def gc_images() -> Call[JSON]:
     return Call(json_request("POST", "/v1/images/gc", {}, timeout=600), dict)
+
+
+def pack_sandbox(sandbox_id: str, name: str) -> Call[JSON]:
+    if not name:
+        raise InvalidArgument("a name for the packed image is required")
+    return Call(
+        json_request(
+            "POST", f"/v1/sandboxes/{sandbox_id}/pack", {"name": name}, timeout=PULL_TIMEOUT_S
+        ),
+        dict,
+    )

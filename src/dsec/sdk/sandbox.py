@@ -244,6 +244,14 @@ class Sandbox:
     def kill(self) -> SandboxInfo:
         return self._t.call(wire.kill_sandbox(self._id))
 
+    def pack(self, name: str) -> dict[str, Any]:
+        """Record this sandbox's changes as a new image ``name`` on top of its image.
+
+        The sandbox is frozen while its changes are read; a sandbox created from ``name``
+        sees exactly this state. Returns the new image's description.
+        """
+        return self._t.call(images.pack_sandbox(self._id, name))
+
     def exec(
         self,
         cmd: rc.Command,

@@ -134,7 +134,7 @@ BASE_SLICE = (
     *("usr/lib/x86_64-linux-gnu", "etc", "proc", "sys", "dev", "tmp", "root", "run"),
     *("etc/passwd", "etc/group", "usr/bin/sh", "usr/bin/dash", "usr/bin/bash", "usr/bin/tr"),
     *("usr/bin/readlink", "usr/bin/cat", "usr/bin/sleep", "usr/bin/pwd", "usr/bin/ls"),
-    *("usr/bin/env", "usr/bin/echo"),
+    *("usr/bin/env", "usr/bin/echo", "usr/bin/mkdir", "usr/bin/rm"),
     "usr/lib/x86_64-linux-gnu/libc.so.6",
     "usr/lib/x86_64-linux-gnu/libtinfo.so.6",
     "usr/lib/x86_64-linux-gnu/libtinfo.so.6.4",

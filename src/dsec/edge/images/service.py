@@ -87,6 +87,16 @@ class EdgeImages:
                     await asyncio.shield(task)  # the thread cannot be cancelled: let it end
         yield pb.PullImageEvent(image=image_to_pb(image, self.edge_id))
 
+    async def pack(self, upper: Path, base: str, name: str) -> Image:
+        """Record ``upper`` (a frozen sandbox's overlay upper dir) as image ``name``."""
+        from dsec.edge.images.pack import pack_image
+        from dsec.edge.images.store import validate_name
+
+        validate_name(name)
+        base_image = self.store.resolve(base)
+        async with self._gc_lock:
+            return await asyncio.to_thread(pack_image, self.store, upper, base_image, name)
+
     def list(self) -> pb.ImageList:
         return pb.ImageList(images=[image_to_pb(i, self.edge_id) for i in self.store.list()])
 

@@ -1,6 +1,6 @@
 """Unpack an untrusted layer tar into a layer dir, in overlay format, confined by chroot.
 
-A forked child ``chroot``s into the (empty) target directory and extracts the tar stream
+A child process ``chroot``s into the (empty) target directory and extracts the tar stream
 there, so no path, symlink or hard link in the tar can reach outside it: ``tarfile``
 filters alone do not check hard-link targets (a ``LNKTYPE`` member pointing at
 ``/etc/passwd`` links the host's file). Inside the child:
@@ -11,7 +11,8 @@ filters alone do not check hard-link targets (a ``LNKTYPE`` member pointing at
 - owners (numeric), modes (setuid too), mtimes and ``SCHILY.xattr.*`` xattrs are kept
   (``trusted.overlay.*`` xattrs in the tar are dropped).
 
-The decompressor (``gzip -dc`` / ``zstd -dc``) runs as its own process feeding the child
+The child is a fresh interpreter (exec'd, so it inherits no threads of the caller). The
+decompressor (``gzip -dc`` / ``zstd -dc``) runs as its own process feeding the child
 through a pipe; the child hashes the uncompressed stream, whose sha256 is the diff_id.
 """
 
@@ -24,6 +25,7 @@ import posixpath
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import IO
@@ -36,6 +38,7 @@ OPAQUE_XATTR = "trusted.overlay.opaque"
 XATTR_PAX = "SCHILY.xattr."
 DEFAULT_MAX_BYTES = 64 << 30  # uncompressed bytes per layer: beyond this it is a tar bomb
 DEFAULT_MAX_ENTRIES = 2_000_000
+UNPACK_TIMEOUT_S = 3600.0
 
 _DECOMPRESSORS: dict[str, list[str] | None] = {
     "gzip": ["gzip", "-dc"],
@@ -166,6 +169,7 @@ def extract_stream(tar: tarfile.TarFile, max_entries: int) -> None:
 
 
 def _child(target: Path, fd: int, result_fd: int, max_bytes: int, max_entries: int) -> int:
+    """The unpacking child: chroot into ``target``, extract the tar read from ``fd``."""
     try:
         os.chroot(target)
         os.chdir("/")
@@ -194,55 +198,74 @@ def unpack_layer(
 ) -> str:
     """Unpack ``blob`` into the empty directory ``target``; return the tar's sha256 (hex).
 
+    The child is a fresh interpreter (``python -m dsec.edge.images.unpack``), not a bare
+    ``fork()`` of the caller: the edge runs gRPC threads, which a forked child must not
+    inherit.
+
     Raises:
         InvalidArgument: the layer is malformed or malicious (the caller removes ``target``).
         Internal: the decompressor or the child failed for another reason.
     """
     if os.geteuid() != 0:
         raise Internal("unpacking image layers needs root (chroot, mknod, trusted xattrs)")
-    argv = _DECOMPRESSORS.get(compression)
     if compression not in _DECOMPRESSORS:
         raise InvalidArgument(f"unknown layer compression {compression!r}")
-    proc: subprocess.Popen[bytes] | None = None
+    argv = _DECOMPRESSORS[compression]
+    child_argv = [
+        sys.executable,
+        "-m",
+        "dsec.edge.images.unpack",
+        str(target),
+        str(max_bytes),
+        str(max_entries),
+    ]
+    decomp: subprocess.Popen[bytes] | None = None
     with blob.open("rb") as src:
         if argv is None:
-            feed = os.dup(src.fileno())
+            child = subprocess.Popen(
+                child_argv, stdin=src, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
         else:
-            proc = subprocess.Popen(argv, stdin=src, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            assert proc.stdout is not None
-            feed = os.dup(proc.stdout.fileno())
-            proc.stdout.close()
-    rfd, wfd = os.pipe()
-    try:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            os.close(rfd)
-            os._exit(_child(target, feed, wfd, max_bytes, max_entries))
-        os.close(wfd)
-        wfd = -1
-        os.close(feed)
-        chunks = []
-        while chunk := os.read(rfd, 4096):
-            chunks.append(chunk)
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(rfd)
-        if wfd >= 0:
-            os.close(wfd)
-        if proc is not None:
+            decomp = subprocess.Popen(
+                argv, stdin=src, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            assert decomp.stdout is not None
             try:
-                proc.wait(timeout=30)
+                child = subprocess.Popen(
+                    child_argv, stdin=decomp.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+                )
+            finally:
+                decomp.stdout.close()
+    try:
+        out, err = child.communicate(timeout=UNPACK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        raise Internal(f"unpacking {blob.name} took over {UNPACK_TIMEOUT_S:.0f} s") from None
+    finally:
+        if decomp is not None:
+            try:
+                _, derr = decomp.communicate(timeout=30)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    result = b"".join(chunks).decode(errors="replace")
-    if proc is not None and proc.returncode not in (0, -13):
-        err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-        raise InvalidArgument(f"cannot decompress layer {blob.name} ({compression}): {err}")
-    if proc is not None and proc.stderr:
-        proc.stderr.close()
-    if result.startswith("ok ") and os.waitstatus_to_exitcode(status) == 0:
+                decomp.kill()
+                _, derr = decomp.communicate()
+    result = out.decode(errors="replace")
+    if decomp is not None and decomp.returncode not in (0, -13):  # -13: child stopped early
+        msg = derr.decode(errors="replace").strip()
+        raise InvalidArgument(f"cannot decompress layer {blob.name} ({compression}): {msg}")
+    if result.startswith("ok ") and child.returncode == 0:
         return result[3:].strip()
     if result.startswith("err "):
         raise InvalidArgument(f"layer {blob.name} rejected: {result[4:]}")
-    raise Internal(f"layer unpack child failed (status {status}) without a message")
+    tail = err.decode(errors="replace").strip()[-500:]
+    raise Internal(f"layer unpack child failed (exit {child.returncode}): {tail}")
+
+
+def main(argv: list[str]) -> int:
+    """``python -m dsec.edge.images.unpack TARGET MAX_BYTES MAX_ENTRIES`` (tar on stdin)."""
+    target, max_bytes, max_entries = Path(argv[0]), int(argv[1]), int(argv[2])
+    return _child(target, 0, 1, max_bytes, max_entries)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -538,6 +538,28 @@ class ImageList(_message.Message):
 Global___ImageList: _TypeAlias = ImageList  # noqa: Y015
 
 @_typing.final
+class PackSandboxRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PackSandboxRequest: _TypeAlias = PackSandboxRequest  # noqa: Y015
+
+@_typing.final
 class ImageRef(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

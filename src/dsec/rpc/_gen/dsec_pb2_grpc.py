@@ -94,6 +94,11 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.FromString,
                 _registered_method=True)
+        self.PackSandbox = channel.unary_unary(
+                '/dsec.v1.Edge/PackSandbox',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -172,6 +177,13 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PackSandbox(self, request, context):
+        """The sandbox's changes as a new layer on its image, recorded as image `name`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -234,6 +246,11 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.GcImages,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.SerializeToString,
+            ),
+            'PackSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.PackSandbox,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -560,6 +577,33 @@ class Edge:
             '/dsec.v1.Edge/GcImages',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PackSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/PackSandbox',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.FromString,
             options,
             channel_credentials,
             insecure,

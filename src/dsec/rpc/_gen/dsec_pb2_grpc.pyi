@@ -48,6 +48,8 @@ class EdgeStub:
     ListImages: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ImageList]
     RemoveImage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ImageRef, _dsec_pb2.Empty]
     GcImages: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.GcImagesReply]
+    PackSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.PackSandboxRequest, _dsec_pb2.ImageInfo]
+    """The sandbox's changes as a new layer on its image, recorded as image `name`."""
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -65,6 +67,8 @@ class EdgeAsyncStub(EdgeStub):
     ListImages: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ImageList]  # type: ignore[assignment]
     RemoveImage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ImageRef, _dsec_pb2.Empty]  # type: ignore[assignment]
     GcImages: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.GcImagesReply]  # type: ignore[assignment]
+    PackSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.PackSandboxRequest, _dsec_pb2.ImageInfo]  # type: ignore[assignment]
+    """The sandbox's changes as a new layer on its image, recorded as image `name`."""
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -151,6 +155,14 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.Empty,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.GcImagesReply, _abc.Awaitable[_dsec_pb2.GcImagesReply]]: ...
+
+    @_abc_1.abstractmethod
+    def PackSandbox(
+        self,
+        request: _dsec_pb2.PackSandboxRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.ImageInfo, _abc.Awaitable[_dsec_pb2.ImageInfo]]:
+        """The sandbox's changes as a new layer on its image, recorded as image `name`."""
 
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
