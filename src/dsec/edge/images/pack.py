@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO
 
 from dsec.core.errors import Internal
-from dsec.edge.images.store import Image, ImageStore
+from dsec.edge.images.store import Image, ImageStore, LayerBlob
 from dsec.edge.images.unpack import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX, XATTR_PAX
 
 LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -156,4 +156,8 @@ def pack_image(store: ImageStore, upper: Path, base: Image, name: str) -> Image:
         base.config,
         blobs=[*base.blobs, layer.digest],
         source=base.source or base.name,
+        layer_blobs=[
+            *base.layer_blobs,
+            LayerBlob(layer.diff_id, layer.digest, LAYER_GZIP, layer.size),
+        ],
     )

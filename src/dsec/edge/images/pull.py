@@ -19,7 +19,7 @@ from dsec.core.errors import ImageNotFound, InvalidArgument
 from dsec.edge.images.credentials import RegistryCredentials
 from dsec.edge.images.reference import Reference, parse_reference
 from dsec.edge.images.registry import INDEX_TYPES, Manifest, RegistryClient
-from dsec.edge.images.store import Image, ImageConfig, ImageStore
+from dsec.edge.images.store import Image, ImageConfig, ImageStore, LayerBlob
 
 DEFAULT_PLATFORM = "linux/amd64"
 
@@ -154,6 +154,15 @@ class Puller:
             _config_from(config),
             blobs=blobs,
             source=ref.name,
+            layer_blobs=[
+                LayerBlob(
+                    diff_id.removeprefix("sha256:"),
+                    str(desc.get("digest", "")),
+                    str(desc.get("mediaType", "")),
+                    int(desc.get("size", 0)),
+                )
+                for desc, diff_id in jobs
+            ],
         )
 
     def _layer(

@@ -69,6 +69,16 @@ class ImageConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerBlob:
+    """The compressed registry blob a layer came from (or was packed into)."""
+
+    diff_id: str
+    digest: str  # sha256:<hex>
+    media_type: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class Image:
     """A resolved image: its layers on disk and its config."""
 
@@ -79,6 +89,10 @@ class Image:
     created: str
     blobs: tuple[str, ...] = ()  # registry digests (manifest, config, layers) it came from
     source: str = ""  # the reference it was pulled from, if any
+    layer_blobs: tuple[LayerBlob, ...] = ()  # known blobs of its layers (for push)
+
+    def blob_of(self, diff_id: str) -> LayerBlob | None:
+        return next((b for b in self.layer_blobs if b.diff_id == diff_id), None)
 
     @property
     def env(self) -> tuple[str, ...]:
@@ -205,6 +219,16 @@ class ImageStore:
             created=str(data.get("created", "")),
             blobs=tuple(str(b) for b in data.get("blobs") or ()),
             source=str(data.get("source") or ""),
+            layer_blobs=tuple(
+                LayerBlob(
+                    str(b.get("diff_id", "")),
+                    str(b.get("digest", "")),
+                    str(b.get("mediaType", "")),
+                    int(b.get("size", 0)),
+                )
+                for b in data.get("layer_blobs") or ()
+                if isinstance(b, dict)
+            ),
         )
 
     def _not_found_message(self, name: str) -> str:
@@ -227,6 +251,7 @@ class ImageStore:
         *,
         blobs: Sequence[str] = (),
         source: str = "",
+        layer_blobs: Sequence[LayerBlob] = (),
     ) -> Image:
         """Create or replace the ref ``name`` (atomically) and return the image.
 
@@ -246,6 +271,16 @@ class ImageStore:
             data["blobs"] = list(blobs)
         if source:
             data["source"] = source
+        if layer_blobs:
+            data["layer_blobs"] = [
+                {
+                    "diff_id": b.diff_id,
+                    "digest": b.digest,
+                    "mediaType": b.media_type,
+                    "size": b.size,
+                }
+                for b in layer_blobs
+            ]
         for d in data["layers"]:
             if not self.has_layer(d):
                 raise ImageNotFound(f"cannot write image {name!r}: layer sha256:{d} is missing")
@@ -357,6 +392,7 @@ class ImageStore:
         for image in self.list():
             keep_layers.update(image.diff_ids)
             keep_blobs.update(b.removeprefix("sha256:") for b in image.blobs)
+            keep_blobs.update(b.digest.removeprefix("sha256:") for b in image.layer_blobs)
         in_use = _mounted_lowers()
         layers = blobs = freed = 0
         if self.layers_dir.is_dir():
