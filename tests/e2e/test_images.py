@@ -170,3 +170,32 @@ def test_pack_then_sandbox_from_the_packed_image(
             second.close()
         with pytest.raises(InvalidArgument):
             Sandbox.create(image="local/packed:1", client=client, timeout=60).pack("Bad Name")
+
+
+def test_pack_push_then_pull_back(
+    setup: tuple[RunningPlatform, LocalRegistry, LocalRegistry, Path],
+) -> None:
+    platform, reg, _, shared = setup
+    _image(reg, shared, "e2e/pushbase:v1")
+    ref = f"{reg.host}/e2e/pushbase:v1"
+    target = f"{reg.host}/e2e/pushed:v1"
+    with Client(api_url=platform.api_url, api_key=platform.admin_key) as client:
+        client.pull_image(ref, insecure=True)
+        sbx = Sandbox.create(image=ref, client=client, timeout=120)
+        try:
+            assert sbx.exec("echo pushed > /work/state").exit_code == 0
+            sbx.pack(target, push=True, insecure=True)
+        finally:
+            sbx.kill()
+            sbx.close()
+        client.remove_image(target)
+        client.gc_images()
+        client.pull_image(target, insecure=True)
+        again = Sandbox.create(image=target, client=client, timeout=120)
+        try:
+            assert again.exec("cat /work/state /work/hello.txt").stdout == (
+                "pushed\nfrom the image\n"
+            )
+        finally:
+            again.kill()
+            again.close()

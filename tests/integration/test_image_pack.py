@@ -12,9 +12,13 @@ from pathlib import Path
 import pytest
 
 from dsec.edge.backends.container import overlay
+from dsec.edge.images.credentials import RegistryCredentials, RegistrySettings
 from dsec.edge.images.pack import pack_image
+from dsec.edge.images.pull import Puller
+from dsec.edge.images.push import push_image
 from dsec.edge.images.store import Image, ImageConfig, ImageStore
-from dsec.testing.registry import TarBuilder
+from dsec.testing import registry as testreg
+from dsec.testing.registry import TarBuilder, local_registry
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -113,3 +117,38 @@ def test_pack_round_trip(tmp_path: Path) -> None:
     assert (top / "data/big").stat().st_ino == (top / "data/big-link").stat().st_ino
     with mounted(store.resolve("test/packed:1"), tmp_path / "s2") as (root, _):
         assert view(root) == expected
+
+
+@pytest.mark.skipif(testreg.skip_reason() is not None, reason=str(testreg.skip_reason()))
+def test_push_packed_image_and_pull_it_elsewhere(tmp_path: Path) -> None:
+    store = ImageStore(tmp_path / "images")
+    lower = TarBuilder().dir("etc").file("etc/a", b"a").file("etc/b", b"b").build()
+    blob = tmp_path / "lower.tar"
+    blob.write_bytes(lower)
+    diff_id = store.import_layer_blob(blob, LAYER_TYPE, hashlib.sha256(lower).hexdigest())
+    base = store.write_ref("test/base:1", [diff_id], ImageConfig(env=("A=1",), workdir="/etc"))
+    with mounted(base, tmp_path / "s1") as (root, upper):
+        (root / "etc/a").unlink()
+        (root / "etc/c").write_text("c")
+        expected = view(root)
+        pack_image(store, upper, base, "test/packed:1")
+
+    with local_registry(username="u", password="p") as reg:
+        creds = RegistryCredentials(tmp_path / "regs.json")
+        creds.save(reg.host, RegistrySettings("u", "p", insecure=True))
+        target = f"{reg.host}/team/packed:1"
+        push_image(store, "test/packed:1", target, creds)
+        assert store.resolve("test/packed:1").layer_blobs  # the exported base blob is kept
+
+        other = ImageStore(tmp_path / "other")
+        pulled = Puller(other, creds).pull(target)
+        assert pulled.config.env == ("A=1",)
+        assert pulled.config.workdir == "/etc"
+        with mounted(pulled, tmp_path / "s2") as (root, _):
+            assert view(root) == expected
+        # the same registry, another repository: the blobs are mounted across, not sent
+        digest = push_image(other, target, f"{reg.host}/copies/packed:1", creds)
+        again = Puller(ImageStore(tmp_path / "third"), creds).pull(
+            f"{reg.host}/copies/packed@{digest}"
+        )
+        assert again.diff_ids == pulled.diff_ids

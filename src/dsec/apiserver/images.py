@@ -208,7 +208,14 @@ async def pack(request: web.Request) -> web.Response:
     info = await rpc(
         f"edge of {sid}",
         stub.PackSandbox(
-            pb.PackSandboxRequest(sandbox_id=sid, name=name),
+            pb.PackSandboxRequest(
+                sandbox_id=sid,
+                name=name,
+                push=bool(body.get("push", False)),
+                insecure=bool(body.get("insecure", False)),
+                username=str(body.get("username") or ""),
+                password=str(body.get("password") or ""),
+            ),
             metadata=p.metadata(),
             timeout=PULL_TIMEOUT_S,
         ),

@@ -162,10 +162,24 @@ def logout(registry: str) -> None:
 @sandbox_group.command("pack")
 @click.argument("sandbox_id", metavar="ID")
 @click.argument("name")
+@click.option("--push", is_flag=True, help="Then push it to the registry NAME names.")
+@click.option("--insecure", is_flag=True, help="Push over plain HTTP.")
 @json_option
-def pack(sandbox_id: str, name: str, as_json: bool) -> None:
+def pack(sandbox_id: str, name: str, push: bool, insecure: bool, as_json: bool) -> None:
     """Record sandbox ID's changes as a new image NAME on top of its image."""
-    image = state().client().sandbox(sandbox_id).pack(name)
+    settings = credentials().lookup(parse_reference(name).registry) if push else None
+    image = (
+        state()
+        .client()
+        .sandbox(sandbox_id)
+        .pack(
+            name,
+            push=push,
+            insecure=insecure or bool(settings and settings.insecure),
+            username=settings.username if settings else "",
+            password=settings.password if settings else "",
+        )
+    )
     if as_json:
         print_json(image)
     else:

@@ -27,6 +27,7 @@ from dsec.core.errors import (
 from dsec.core.lifecycle import State
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
+from dsec.edge.images.reference import parse_reference
 from dsec.edge.images.service import EdgeImages, image_to_pb
 from dsec.edge.manager import Caller, SandboxManager
 from dsec.edge.records import SandboxRecord
@@ -131,6 +132,8 @@ class EdgeService(pb_grpc.EdgeServicer):
         self, request: pb.PackSandboxRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ImageInfo:
         images = self._image_service()
+        if request.push:
+            parse_reference(request.name)  # fail before freezing the sandbox
         rec = self._m.get(request.sandbox_id, caller_of(context))
         if rec.state is not State.RUNNING:
             raise InvalidState(f"sandbox {rec.id} is {rec.state.value}; only running ones pack")
@@ -141,6 +144,8 @@ class EdgeService(pb_grpc.EdgeServicer):
             image = await images.pack(upper, rec.spec.image, request.name)
         finally:
             await backend.resume(rec.id)
+        if request.push:
+            await images.push(image.name, request)
         return image_to_pb(image, self._m.edge_id)
 
     async def GcImages(

@@ -239,9 +239,21 @@ class AsyncSandbox:
     async def kill(self) -> SandboxInfo:
         return await self._t.call(wire.kill_sandbox(self._id))
 
-    async def pack(self, name: str) -> dict[str, Any]:
+    async def pack(
+        self,
+        name: str,
+        *,
+        push: bool = False,
+        insecure: bool = False,
+        username: str = "",
+        password: str = "",
+    ) -> dict[str, Any]:
         """Record this sandbox's changes as a new image ``name`` on top of its image."""
-        return await self._t.call(images.pack_sandbox(self._id, name))
+        return await self._t.call(
+            images.pack_sandbox(
+                self._id, name, push=push, insecure=insecure, username=username, password=password
+            )
+        )
 
     async def exec(
         self,

@@ -105,12 +105,23 @@ def gc_images() -> Call[JSON]:
     return Call(json_request("POST", "/v1/images/gc", {}, timeout=600), dict)
 
 
-def pack_sandbox(sandbox_id: str, name: str) -> Call[JSON]:
+def pack_sandbox(
+    sandbox_id: str,
+    name: str,
+    *,
+    push: bool = False,
+    insecure: bool = False,
+    username: str = "",
+    password: str = "",
+) -> Call[JSON]:
     if not name:
         raise InvalidArgument("a name for the packed image is required")
+    body: dict[str, Any] = {"name": name}
+    if push:
+        body.update(push=True, insecure=insecure)
+        if username:
+            body.update(username=username, password=password)
     return Call(
-        json_request(
-            "POST", f"/v1/sandboxes/{sandbox_id}/pack", {"name": name}, timeout=PULL_TIMEOUT_S
-        ),
+        json_request("POST", f"/v1/sandboxes/{sandbox_id}/pack", body, timeout=PULL_TIMEOUT_S),
         dict,
     )

@@ -244,13 +244,26 @@ class Sandbox:
     def kill(self) -> SandboxInfo:
         return self._t.call(wire.kill_sandbox(self._id))
 
-    def pack(self, name: str) -> dict[str, Any]:
+    def pack(
+        self,
+        name: str,
+        *,
+        push: bool = False,
+        insecure: bool = False,
+        username: str = "",
+        password: str = "",
+    ) -> dict[str, Any]:
         """Record this sandbox's changes as a new image ``name`` on top of its image.
 
         The sandbox is frozen while its changes are read; a sandbox created from ``name``
-        sees exactly this state. Returns the new image's description.
+        sees exactly this state. With ``push``, ``name`` must be a registry reference
+        (``host/repo:tag``) and the image is pushed there. Returns its description.
         """
-        return self._t.call(images.pack_sandbox(self._id, name))
+        return self._t.call(
+            images.pack_sandbox(
+                self._id, name, push=push, insecure=insecure, username=username, password=password
+            )
+        )
 
     def exec(
         self,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -162,7 +162,7 @@ class RegistryClient:
         headers: dict[str, str] | None = None,
         *,
         what: str,
-        content: bytes | None = None,
+        content: bytes | IO[bytes] | None = None,
     ) -> Iterator[httpx.Response]:
         """Send one request (re-sent once after an auth challenge) and yield the response."""
         for attempt in (0, 1):
@@ -328,6 +328,34 @@ class RegistryClient:
         put_url = put_url.copy_merge_params({"digest": digest})
         headers = {"Content-Type": "application/octet-stream"}
         with self._request("PUT", str(put_url), headers, what=f"upload of {digest}", content=data):
+            pass
+
+    def upload_blob_file(self, digest: str, path: Path, *, mount_from: str = "") -> None:
+        """Upload a stored blob unless the registry has it; mount it from ``mount_from``
+        (another repository of the same registry) when possible."""
+        if self.blob_exists(digest):
+            return
+        url = f"{self.base}/{self.ref.repository}/blobs/uploads/"
+        if mount_from:
+            mount_url = httpx.URL(url).copy_merge_params({"mount": digest, "from": mount_from})
+            with self._request("POST", str(mount_url), what=f"mount of {digest}") as r:
+                if r.status_code == 201:
+                    return
+                location = r.headers.get("location", "")  # not mounted: an upload started
+        else:
+            with self._request("POST", url, what=f"upload of {digest}") as r:
+                location = r.headers.get("location", "")
+        if not location:
+            raise Unavailable(f"registry {self.ref.registry} gave no upload location")
+        put_url = httpx.URL(url).join(location).copy_merge_params({"digest": digest})
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Content-Length": str(path.stat().st_size),
+        }
+        with (
+            path.open("rb") as f,
+            self._request("PUT", str(put_url), headers, what=f"upload of {digest}", content=f),
+        ):
             pass
 
     def put_manifest(self, tag: str, media_type: str, body: bytes) -> str:

@@ -97,6 +97,22 @@ class EdgeImages:
         async with self._gc_lock:
             return await asyncio.to_thread(pack_image, self.store, upper, base_image, name)
 
+    async def push(self, name: str, req: pb.PackSandboxRequest) -> str:
+        """Push the stored image ``name`` to the registry reference ``name``."""
+        from dsec.edge.images.push import push_image
+
+        async with self._gc_lock:
+            return await asyncio.to_thread(
+                push_image,
+                self.store,
+                name,
+                name,
+                self.puller.credentials,
+                insecure=req.insecure,
+                username=req.username,
+                password=req.password,
+            )
+
     def list(self) -> pb.ImageList:
         return pb.ImageList(images=[image_to_pb(i, self.edge_id) for i in self.store.list()])
 

@@ -72,10 +72,15 @@ class ImageConfig:
 class LayerBlob:
     """The compressed registry blob a layer came from (or was packed into)."""
 
-    diff_id: str
+    diff_id: str  # the layer it belongs to (its directory's key)
     digest: str  # sha256:<hex>
     media_type: str
     size: int
+    uncompressed: str = ""  # the blob's own diff_id when it differs (a re-exported layer)
+
+    @property
+    def blob_diff_id(self) -> str:
+        return self.uncompressed or self.diff_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +230,7 @@ class ImageStore:
                     str(b.get("digest", "")),
                     str(b.get("mediaType", "")),
                     int(b.get("size", 0)),
+                    str(b.get("uncompressed", "")),
                 )
                 for b in data.get("layer_blobs") or ()
                 if isinstance(b, dict)

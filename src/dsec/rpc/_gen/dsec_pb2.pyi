@@ -543,17 +543,30 @@ class PackSandboxRequest(_message.Message):
 
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    PUSH_FIELD_NUMBER: _builtins.int
+    INSECURE_FIELD_NUMBER: _builtins.int
+    USERNAME_FIELD_NUMBER: _builtins.int
+    PASSWORD_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     name: _builtins.str
+    push: _builtins.bool
+    """then push it to the registry `name` names"""
+    insecure: _builtins.bool
+    username: _builtins.str
+    password: _builtins.str
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         name: _builtins.str = ...,
+        push: _builtins.bool = ...,
+        insecure: _builtins.bool = ...,
+        username: _builtins.str = ...,
+        password: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["insecure", b"insecure", "name", b"name", "password", b"password", "push", b"push", "sandbox_id", b"sandbox_id", "username", b"username"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
