@@ -8,14 +8,16 @@ downloaded nor unpacked again. Nothing is recorded unless every layer is in plac
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from dsec.core.errors import ImageNotFound, InvalidArgument
+from dsec.core.errors import ImageNotFound, Internal, InvalidArgument
 from dsec.edge.images.credentials import RegistryCredentials
 from dsec.edge.images.reference import Reference, parse_reference
 from dsec.edge.images.registry import INDEX_TYPES, Manifest, RegistryClient
@@ -176,20 +178,44 @@ class Puller:
                 report(LayerProgress(digest, "exists", size, size))
                 return
             blob = self.store.blob_path(digest)
-            if not blob.is_file():
-                blob.parent.mkdir(parents=True, exist_ok=True)
-                done = 0
+            try:
+                self._fetch_and_unpack(client, blob, digest, size, media_type, diff_id, report)
+            except OSError as exc:
+                part = blob.with_name(blob.name + ".part")
+                if exc.errno == errno.ENOSPC:
+                    part.unlink(missing_ok=True)
+                    blob.unlink(missing_ok=True)
+                raise Internal(
+                    f"storing layer {digest} failed: {exc.strerror or exc}; nothing was recorded"
+                ) from None
+            except InvalidArgument:
+                blob.unlink(missing_ok=True)  # a blob that unpacks wrong is not worth keeping
+                raise
 
-                def step(n: int) -> None:
-                    nonlocal done
-                    done += n
-                    report(LayerProgress(digest, "downloading", done, size))
+    def _fetch_and_unpack(
+        self,
+        client: RegistryClient,
+        blob: Path,
+        digest: str,
+        size: int,
+        media_type: str,
+        diff_id: str,
+        report: ProgressFn,
+    ) -> None:
+        if not blob.is_file():
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            done = 0
 
-                report(LayerProgress(digest, "downloading", 0, size))
-                client.download_blob(digest, blob, size=size, progress=step)
-            report(LayerProgress(digest, "unpacking", size, size))
-            self.store.import_layer_blob(blob, media_type, diff_id)
-            report(LayerProgress(digest, "done", size, size))
+            def step(n: int) -> None:
+                nonlocal done
+                done += n
+                report(LayerProgress(digest, "downloading", done, size))
+
+            report(LayerProgress(digest, "downloading", 0, size))
+            client.download_blob(digest, blob, size=size, progress=step)
+        report(LayerProgress(digest, "unpacking", size, size))
+        self.store.import_layer_blob(blob, media_type, diff_id)
+        report(LayerProgress(digest, "done", size, size))
 
     def _save_blob(self, manifest: Manifest) -> None:
         self._save_bytes(manifest.digest, manifest.body)
