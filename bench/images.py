@@ -5,7 +5,8 @@
   download (verified blobs, no unpack), our full pull (download + confined unpack) and
   ``skopeo copy docker://... oci:DIR`` (download + verify, no unpack) into fresh dirs.
 - sandboxes: N sandboxes of the base image created with the container backend (fake agent
-  init), the disk used before and after (``statvfs`` of the data filesystem) and per sandbox.
+  init); the blocks allocated under the node's dirs (state dirs with upper/work, not
+  crossing into the mounted rootfs) plus the layer store, before and after.
 - pack: 100 MiB of new files in a sandbox's overlay, packed into a layer (tar + gzip -1 +
   the confined unpack into the store).
 
@@ -130,16 +131,25 @@ def bench_pull(runs: int, base_layer: Path) -> dict[str, Any]:
 
 
 def disk_used(path: Path) -> int:
-    st = os.statvfs(path)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+    """Allocated bytes under ``path``, not crossing into other mounts (the rootfs overlay)."""
+    total = 0
+    dev = path.stat().st_dev
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = [d for d in dirnames if os.lstat(os.path.join(dirpath, d)).st_dev == dev]
+        for n in (*dirnames, *filenames):
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 async def bench_sandboxes(n: int) -> dict[str, Any]:
     with testkit.container_test_env() as env:
         backend = env.backend()
         created = []
-        os.sync()
-        before = disk_used(env.root)
+        layers = env.store.layers_dir
+        before = disk_used(env.root) + disk_used(layers)
         start = time.perf_counter()
         try:
             for _ in range(n):
@@ -147,8 +157,7 @@ async def bench_sandboxes(n: int) -> dict[str, Any]:
                 await backend.create(sid, SandboxSpec(memory_mb=64, pids=64), paths)
                 created.append((sid, paths))
             elapsed = time.perf_counter() - start
-            os.sync()
-            after = disk_used(env.root)
+            after = disk_used(env.root) + disk_used(layers)
         finally:
             for sid, paths in created:
                 await backend.destroy(sid, paths)

@@ -302,8 +302,6 @@ class RegistryClient:
                         h.update(chunk)
                         if progress:
                             progress(len(chunk))
-                    f.flush()
-                    os.fsync(f.fileno())
         got = "sha256:" + h.hexdigest()
         if got != digest:
             part.unlink(missing_ok=True)
