@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.core.errors import ImageNotFound, InvalidArgument, Unauthenticated
+from dsec.core.errors import ImageNotFound, InvalidArgument, Unauthenticated, Unavailable
 from dsec.edge.backends.container import overlay
 from dsec.edge.images.credentials import RegistryCredentials, RegistrySettings
 from dsec.edge.images.pull import LayerProgress, Puller, PullOptions
@@ -225,3 +225,17 @@ def test_gc_keeps_shared_layers(reg: LocalRegistry, store: ImageStore) -> None:
     assert list(store.blobs_dir.iterdir()) == []
     with pytest.raises(ImageNotFound):
         store.remove(two.name)
+
+
+def test_htpasswd_over_tls_with_a_private_ca(store: ImageStore, tmp_path: Path) -> None:
+    with local_registry(username="carol", password="tls-pw", tls=True) as tlsreg:
+        push_image(tlsreg, "t/tls:v1", [base_layer()])
+        ref = f"{tlsreg.host}/t/tls:v1"
+        creds = RegistryCredentials(tmp_path / "registries.json")
+        creds.save(tlsreg.host, RegistrySettings("carol", "tls-pw", ca_file=tlsreg.ca_file))
+        image = Puller(store, creds).pull(ref)
+        assert (image.layer_dirs[0] / "etc/keep").read_text() == "keep\n"
+        with pytest.raises(Unavailable, match=r"CERTIFICATE_VERIFY_FAILED|certificate"):
+            Puller(ImageStore(tmp_path / "x")).pull(
+                ref, PullOptions(username="carol", password="tls-pw")
+            )

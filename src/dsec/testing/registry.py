@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tarfile
 import tempfile
@@ -48,10 +49,16 @@ class LocalRegistry:
     storage: Path
     username: str = ""
     password: str = ""
+    ca_file: str = ""  # set when it serves TLS (a self-signed certificate for 127.0.0.1)
 
     @property
     def settings(self) -> RegistrySettings:
-        return RegistrySettings(username=self.username, password=self.password, insecure=True)
+        return RegistrySettings(
+            username=self.username,
+            password=self.password,
+            insecure=not self.ca_file,
+            ca_file=self.ca_file,
+        )
 
     def blob_file(self, digest: str) -> Path:
         """The registry's on-disk file for a blob (filesystem storage driver layout)."""
@@ -72,9 +79,52 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _self_signed(root: Path) -> tuple[Path, Path]:
+    """A key and a self-signed certificate for 127.0.0.1 (the certificate is its own CA)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dsec test registry")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path, cert_path = root / "tls.key", root / "tls.crt"
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path
+
+
 @contextlib.contextmanager
-def local_registry(*, username: str = "", password: str = "") -> Iterator[LocalRegistry]:
-    """Run ``docker-registry`` on 127.0.0.1 (htpasswd auth when a username is given)."""
+def local_registry(
+    *, username: str = "", password: str = "", tls: bool = False
+) -> Iterator[LocalRegistry]:
+    """Run ``docker-registry`` on 127.0.0.1 (htpasswd auth when a username is given, HTTPS
+    with a self-signed certificate when ``tls``)."""
     root = Path(tempfile.mkdtemp(prefix="dsec-registry-"))
     port = _free_port()
     storage = root / "data"
@@ -83,8 +133,16 @@ def local_registry(*, username: str = "", password: str = "") -> Iterator[LocalR
         "version: 0.1",
         "log: {level: error}",
         f"storage: {{filesystem: {{rootdirectory: {storage}}}, delete: {{enabled: true}}}}",
-        f"http: {{addr: 127.0.0.1:{port}}}",
     ]
+    ca_file = ""
+    if tls:
+        key_path, cert_path = _self_signed(root)
+        ca_file = str(cert_path)
+        lines.append(
+            f"http: {{addr: 127.0.0.1:{port}, tls: {{certificate: {cert_path}, key: {key_path}}}}}"
+        )
+    else:
+        lines.append(f"http: {{addr: 127.0.0.1:{port}}}")
     if username:
         import bcrypt
 
@@ -103,7 +161,9 @@ def local_registry(*, username: str = "", password: str = "") -> Iterator[LocalR
         deadline = time.monotonic() + 15
         while True:
             try:
-                httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1.0)
+                scheme = "https" if tls else "http"
+                verify: Any = ssl.create_default_context(cafile=ca_file) if ca_file else True
+                httpx.get(f"{scheme}://127.0.0.1:{port}/v2/", timeout=1.0, verify=verify)
                 break
             except httpx.HTTPError:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -112,7 +172,7 @@ def local_registry(*, username: str = "", password: str = "") -> Iterator[LocalR
                         + (root / "registry.log").read_text(errors="replace")[-2000:]
                     ) from None
                 time.sleep(0.05)
-        yield LocalRegistry(f"127.0.0.1:{port}", storage, username, password)
+        yield LocalRegistry(f"127.0.0.1:{port}", storage, username, password, ca_file)
     finally:
         proc.terminate()
         try:
@@ -240,7 +300,7 @@ def push_image(
             gets the same layers plus a one-file layer naming it.
     """
     ref = parse_reference(f"{registry.host}/{name}")
-    client = RegistryClient(ref, registry.settings, insecure=True, push=True)
+    client = RegistryClient(ref, registry.settings, push=True)
     with client:
         manifests: dict[str, str] = {}
         result: tuple[str, tuple[str, ...], str] = ("", (), "")

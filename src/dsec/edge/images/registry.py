@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -91,7 +92,9 @@ class RegistryClient:
         self.settings = settings
         plain = insecure or settings.insecure
         self.base = f"{'http' if plain else 'https'}://{ref.api_host}/v2"
-        verify: Any = settings.ca_file or True
+        verify: Any = (
+            ssl.create_default_context(cafile=settings.ca_file) if settings.ca_file else True
+        )
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout, connect=10.0),
             verify=verify,
