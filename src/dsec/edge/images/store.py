@@ -35,7 +35,7 @@ from typing import Any
 from dsec.core.errors import ImageNotFound, Internal, InvalidArgument
 
 _DIFF_ID_RE = re.compile(r"^[0-9a-f]{64}$")
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-zA-Z0-9._/:@-]{0,254}$")  # tags may have capitals
 
 
 @dataclass(frozen=True, slots=True)
