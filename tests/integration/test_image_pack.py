@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import stat
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,6 +148,22 @@ def test_push_packed_image_and_pull_it_elsewhere(tmp_path: Path) -> None:
         assert pulled.config.workdir == "/etc"
         with mounted(pulled, tmp_path / "s2") as (root, _):
             assert view(root) == expected
+        if shutil.which("skopeo"):  # another client accepts what we pushed (and verifies it)
+            subprocess.run(
+                [
+                    "skopeo",
+                    "copy",
+                    "--quiet",
+                    "--src-tls-verify=false",
+                    "--src-creds",
+                    "u:p",
+                    f"docker://{target}",
+                    f"oci:{tmp_path / 'oci'}:x",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
         # the same registry, another repository: the blobs are mounted across, not sent
         digest = push_image(other, target, f"{reg.host}/copies/packed:1", creds)
         again = Puller(ImageStore(tmp_path / "third"), creds).pull(
