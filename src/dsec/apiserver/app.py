@@ -17,7 +17,17 @@ from typing import Any
 from aiohttp import web
 
 from dsec import __version__
-from dsec.apiserver import audit, keys, openapi, projects, runtime, sandboxes, tokens_routes, ws
+from dsec.apiserver import (
+    audit,
+    images,
+    keys,
+    openapi,
+    projects,
+    runtime,
+    sandboxes,
+    tokens_routes,
+    ws,
+)
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.context import CTX, Ctx, ctx, ok
 from dsec.apiserver.upstream import Upstream
@@ -74,6 +84,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *audit.ROUTES,
         *tokens_routes.ROUTES,
         *projects.ROUTES,
+        *images.ROUTES,
     ]
 
 

@@ -16,6 +16,7 @@ import click
 from dsec import __version__
 from dsec.cli.audit import audit_group
 from dsec.cli.e2b import e2b_group
+from dsec.cli.images import image_group, registry_group
 from dsec.cli.keys import keys_group, whoami
 from dsec.cli.output import EXIT_INTERRUPTED, CliState, report
 from dsec.cli.projects import project_group, quota_group
@@ -66,6 +67,8 @@ cli.add_command(user_group)
 cli.add_command(project_group)
 cli.add_command(quota_group)
 cli.add_command(e2b_group)
+cli.add_command(image_group)
+cli.add_command(registry_group)
 
 
 def _register_platform_commands(group: click.Group) -> None:

@@ -168,7 +168,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.listen,
         allowed_roles={"dsec.v1.Edge": {"apiserver", "admin"}},
     )
-    pb_grpc.add_EdgeServicer_to_server(EdgeService(manager, status), server)
+    from dsec.edge.images.service import EdgeImages
+    from dsec.edge.images.store import ImageStore
+
+    images = EdgeImages(ImageStore(paths.images), edge_id, paths.home / "registries.json")
+    pb_grpc.add_EdgeServicer_to_server(EdgeService(manager, status, images), server)
     await server.start()
     metrics_runner = (
         await serve_metrics(metrics, *_split(args.metrics_listen)) if args.metrics_listen else None

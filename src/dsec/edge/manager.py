@@ -104,6 +104,13 @@ class SandboxManager:
             agent_socket=self._socket_root / f"{sandbox_id}.sock",
         )
 
+    def backend(self, name: str) -> Backend:
+        """The backend named ``name`` (for image packing and other backend-level work)."""
+        b = self._backends.get(name)
+        if b is None:
+            raise InvalidState(f"backend {name!r} is not available on this edge")
+        return b
+
     def get(self, sandbox_id: str, caller: Caller) -> SandboxRecord:
         rec = self._live.get(sandbox_id) or self._records.get(sandbox_id)
         if rec is None:

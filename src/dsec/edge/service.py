@@ -22,10 +22,13 @@ from dsec.core.errors import (
     InvalidArgument,
     InvalidState,
     SandboxFailed,
+    Unavailable,
 )
 from dsec.core.lifecycle import State
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
+from dsec.edge.images.reference import parse_reference
+from dsec.edge.images.service import EdgeImages, image_to_pb
 from dsec.edge.manager import Caller, SandboxManager
 from dsec.edge.records import SandboxRecord
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -96,9 +99,60 @@ def _parse_request(raw: bytes) -> dict[str, Any]:
 
 
 class EdgeService(pb_grpc.EdgeServicer):
-    def __init__(self, manager: SandboxManager, status: Any) -> None:
+    def __init__(
+        self, manager: SandboxManager, status: Any, images: EdgeImages | None = None
+    ) -> None:
         self._m = manager
         self._status = status  # callable returning pb.EdgeStatus
+        self._images = images
+
+    def _image_service(self) -> EdgeImages:
+        if self._images is None:
+            raise Unavailable("this edge has no image store")
+        return self._images
+
+    async def PullImage(
+        self, request: pb.PullImageRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.PullImageEvent]:
+        async for event in self._image_service().pull(request):
+            yield event
+
+    async def ListImages(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ImageList:
+        return self._image_service().list()
+
+    async def RemoveImage(
+        self, request: pb.ImageRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.Empty:
+        self._image_service().remove(request.name)
+        return pb.Empty()
+
+    async def PackSandbox(
+        self, request: pb.PackSandboxRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ImageInfo:
+        images = self._image_service()
+        if request.push:
+            parse_reference(request.name)  # fail before freezing the sandbox
+        rec = self._m.get(request.sandbox_id, caller_of(context))
+        if rec.state is not State.RUNNING:
+            raise InvalidState(f"sandbox {rec.id} is {rec.state.value}; only running ones pack")
+        backend = self._m.backend(rec.spec.backend)
+        upper = self._m.paths(rec.id).state_dir / "upper"
+        await backend.pause(rec.id)  # a still upper dir while it is read
+        try:
+            image = await images.pack(upper, rec.spec.image, request.name)
+        finally:
+            await backend.resume(rec.id)
+        if request.push:
+            await images.push(image.name, request)
+        return image_to_pb(image, self._m.edge_id)
+
+    async def GcImages(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GcImagesReply:
+        res = await self._image_service().gc()
+        return pb.GcImagesReply(layers=res.layers, blobs=res.blobs, bytes_freed=res.bytes_freed)
 
     async def CreateSandbox(
         self, request: pb.CreateSandboxRequest, context: grpc.aio.ServicerContext[Any, Any]

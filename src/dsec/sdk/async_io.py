@@ -157,6 +157,8 @@ class AsyncTransport:
                 req.method,
                 self._url(req.path),
                 params=req.params or None,
+                content=req.body,
+                headers=dict(req.headers),
                 timeout=self._req_timeout(req.timeout),
             ) as resp:
                 if resp.status_code >= 300:

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 
 from dsec.core.errors import NotFound
+from dsec.sdk import images, streams, wire
 from dsec.sdk import runtime_calls as rc
-from dsec.sdk import streams, wire
 from dsec.sdk.async_io import AsyncStdin, AsyncTransport
 from dsec.sdk.async_sandbox_runtime import AsyncFiles, AsyncProcesses, AsyncPtys, AsyncShell
 from dsec.sdk.config import ClientConfig, resolve_config
@@ -134,6 +134,44 @@ class AsyncClient:
 
     async def list_edges(self) -> builtins.list[dict[str, object]]:
         return await self.transport.call(wire.list_edges())
+
+    async def pull_image(
+        self,
+        reference: str,
+        *,
+        platform: str = "",
+        insecure: bool = False,
+        username: str = "",
+        password: str = "",
+        edge_id: str = "",
+        progress: images.PullProgress | None = None,
+    ) -> builtins.list[dict[str, Any]]:
+        """Pull an image onto every edge (or ``edge_id``); ``progress`` gets layer reports."""
+        req = images.pull_request(
+            reference,
+            platform=platform,
+            insecure=insecure,
+            username=username,
+            password=password,
+            edge_id=edge_id,
+        )
+        reader = images.PullReader(progress)
+        async with self.transport.download(req) as chunks:
+            async for chunk in chunks:
+                reader.feed(chunk)
+        return reader.result()
+
+    async def list_images(self) -> builtins.list[dict[str, Any]]:
+        """Images on every edge (one entry per edge and image)."""
+        return await self.transport.call(images.list_images())
+
+    async def remove_image(self, name: str) -> dict[str, Any]:
+        """Forget an image on every edge (admin); its layers go at the next gc."""
+        return await self.transport.call(images.remove_image(name))
+
+    async def gc_images(self) -> dict[str, Any]:
+        """Remove unreferenced layers and blobs on every edge (admin)."""
+        return await self.transport.call(images.gc_images())
 
     async def aclose(self) -> None:
         """Close the pooled HTTP connections."""
@@ -258,6 +296,22 @@ class AsyncSandbox:
 
     async def resume(self) -> SandboxInfo:
         return await self._t.call(wire.resume_sandbox(self._id))
+
+    async def pack(
+        self,
+        name: str,
+        *,
+        push: bool = False,
+        insecure: bool = False,
+        username: str = "",
+        password: str = "",
+    ) -> dict[str, Any]:
+        """Record this sandbox's changes as a new image ``name`` on top of its image."""
+        return await self._t.call(
+            images.pack_sandbox(
+                self._id, name, push=push, insecure=insecure, username=username, password=password
+            )
+        )
 
     async def exec(
         self,

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 
 from dsec.core.errors import NotFound
+from dsec.sdk import images, streams, wire
 from dsec.sdk import runtime_calls as rc
-from dsec.sdk import streams, wire
 from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
     AccessToken,
@@ -134,6 +134,47 @@ class Client:
 
     def list_edges(self) -> builtins.list[dict[str, object]]:
         return self.transport.call(wire.list_edges())
+
+    def pull_image(
+        self,
+        reference: str,
+        *,
+        platform: str = "",
+        insecure: bool = False,
+        username: str = "",
+        password: str = "",
+        edge_id: str = "",
+        progress: images.PullProgress | None = None,
+    ) -> builtins.list[dict[str, Any]]:
+        """Pull an image onto every edge (or ``edge_id``); ``progress`` gets layer reports.
+
+        Returns one image description per edge.
+        """
+        req = images.pull_request(
+            reference,
+            platform=platform,
+            insecure=insecure,
+            username=username,
+            password=password,
+            edge_id=edge_id,
+        )
+        reader = images.PullReader(progress)
+        with self.transport.download(req) as chunks:
+            for chunk in chunks:
+                reader.feed(chunk)
+        return reader.result()
+
+    def list_images(self) -> builtins.list[dict[str, Any]]:
+        """Images on every edge (one entry per edge and image)."""
+        return self.transport.call(images.list_images())
+
+    def remove_image(self, name: str) -> dict[str, Any]:
+        """Forget an image on every edge (admin); its layers go at the next gc."""
+        return self.transport.call(images.remove_image(name))
+
+    def gc_images(self) -> dict[str, Any]:
+        """Remove unreferenced layers and blobs on every edge (admin)."""
+        return self.transport.call(images.gc_images())
 
     def close(self) -> None:
         """Close the pooled HTTP connections."""
@@ -258,6 +299,27 @@ class Sandbox:
 
     def resume(self) -> SandboxInfo:
         return self._t.call(wire.resume_sandbox(self._id))
+
+    def pack(
+        self,
+        name: str,
+        *,
+        push: bool = False,
+        insecure: bool = False,
+        username: str = "",
+        password: str = "",
+    ) -> dict[str, Any]:
+        """Record this sandbox's changes as a new image ``name`` on top of its image.
+
+        The sandbox is frozen while its changes are read; a sandbox created from ``name``
+        sees exactly this state. With ``push``, ``name`` must be a registry reference
+        (``host/repo:tag``) and the image is pushed there. Returns its description.
+        """
+        return self._t.call(
+            images.pack_sandbox(
+                self._id, name, push=push, insecure=insecure, username=username, password=password
+            )
+        )
 
     def exec(
         self,

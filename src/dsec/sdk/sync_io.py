@@ -172,6 +172,8 @@ class SyncTransport:
                 req.method,
                 self._url(req.path),
                 params=req.params or None,
+                content=req.body,
+                headers=dict(req.headers),
                 timeout=self._req_timeout(req.timeout),
             ) as resp:
                 if resp.status_code >= 300:

@@ -7,7 +7,11 @@ tar, the OCI ``diff_id``, and an image is an ordered list of layers plus a confi
     <root>/refs/<name>.json              {name, layers: [diff_id bottom..top],
                                           config: {env, cmd, entrypoint, workdir, user},
                                           created}
+    <root>/blobs/sha256/<digest>         registry blobs (compressed layers, configs, manifests)
     <root>/tmp/                          unpack scratch (same filesystem, so renames are atomic)
+
+A pulled image's ref also records ``blobs`` (the manifest, config and layer digests it
+came from) so that garbage collection keeps them.
 
 Layers are written once and never changed; a ref is replaced atomically.
 """
@@ -31,7 +35,7 @@ from typing import Any
 from dsec.core.errors import ImageNotFound, Internal, InvalidArgument
 
 _DIFF_ID_RE = re.compile(r"^[0-9a-f]{64}$")
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._/:@-]{0,254}$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-zA-Z0-9._/:@-]{0,254}$")  # tags may have capitals
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,21 @@ class ImageConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerBlob:
+    """The compressed registry blob a layer came from (or was packed into)."""
+
+    diff_id: str  # the layer it belongs to (its directory's key)
+    digest: str  # sha256:<hex>
+    media_type: str
+    size: int
+    uncompressed: str = ""  # the blob's own diff_id when it differs (a re-exported layer)
+
+    @property
+    def blob_diff_id(self) -> str:
+        return self.uncompressed or self.diff_id
+
+
+@dataclass(frozen=True, slots=True)
 class Image:
     """A resolved image: its layers on disk and its config."""
 
@@ -73,6 +92,12 @@ class Image:
     layer_dirs: tuple[Path, ...]  # top..bottom: overlayfs lowerdir order
     config: ImageConfig
     created: str
+    blobs: tuple[str, ...] = ()  # registry digests (manifest, config, layers) it came from
+    source: str = ""  # the reference it was pulled from, if any
+    layer_blobs: tuple[LayerBlob, ...] = ()  # known blobs of its layers (for push)
+
+    def blob_of(self, diff_id: str) -> LayerBlob | None:
+        return next((b for b in self.layer_blobs if b.diff_id == diff_id), None)
 
     @property
     def env(self) -> tuple[str, ...]:
@@ -115,6 +140,7 @@ class ImageStore:
         self.layers_dir = root / "layers" / "sha256"
         self.refs_dir = root / "refs"
         self.tmp_dir = root / "tmp"
+        self.blobs_dir = root / "blobs" / "sha256"
 
     # --- reading -------------------------------------------------------------------
 
@@ -126,6 +152,13 @@ class ImageStore:
         if not _DIFF_ID_RE.match(diff_id):
             raise InvalidArgument(f"invalid layer diff_id {diff_id!r}")
         return self.layers_dir / diff_id
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the blob ``sha256:<hex>`` is (or would be) stored."""
+        hexd = digest.removeprefix("sha256:")
+        if not _DIFF_ID_RE.match(hexd):
+            raise InvalidArgument(f"invalid blob digest {digest!r}")
+        return self.blobs_dir / hexd
 
     def has_layer(self, diff_id: str) -> bool:
         return self.layer_dir(diff_id).is_dir()
@@ -145,6 +178,10 @@ class ImageStore:
             InvalidArgument: the name is malformed.
         """
         path = self.ref_path(name)
+        if not path.is_file():
+            canonical = _canonical(name)
+            if canonical != name:
+                path = self.ref_path(canonical)
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
@@ -185,6 +222,19 @@ class ImageStore:
             layer_dirs=tuple(self.layer_dir(d) for d in reversed(diff_ids)),
             config=ImageConfig.from_dict(data.get("config") or {}),
             created=str(data.get("created", "")),
+            blobs=tuple(str(b) for b in data.get("blobs") or ()),
+            source=str(data.get("source") or ""),
+            layer_blobs=tuple(
+                LayerBlob(
+                    str(b.get("diff_id", "")),
+                    str(b.get("digest", "")),
+                    str(b.get("mediaType", "")),
+                    int(b.get("size", 0)),
+                    str(b.get("uncompressed", "")),
+                )
+                for b in data.get("layer_blobs") or ()
+                if isinstance(b, dict)
+            ),
         )
 
     def _not_found_message(self, name: str) -> str:
@@ -199,19 +249,44 @@ class ImageStore:
 
     # --- writing -------------------------------------------------------------------
 
-    def write_ref(self, name: str, diff_ids: Sequence[str], config: ImageConfig) -> Image:
+    def write_ref(
+        self,
+        name: str,
+        diff_ids: Sequence[str],
+        config: ImageConfig,
+        *,
+        blobs: Sequence[str] = (),
+        source: str = "",
+        layer_blobs: Sequence[LayerBlob] = (),
+    ) -> Image:
         """Create or replace the ref ``name`` (atomically) and return the image.
+
+        ``blobs`` are the registry digests the image came from (kept by :meth:`gc`).
 
         Raises:
             ImageNotFound: one of the layers is not in the store.
         """
         path = self.ref_path(name)
-        data = {
+        data: dict[str, Any] = {
             "name": name,
             "layers": [d.removeprefix("sha256:") for d in diff_ids],
             "config": config.to_dict(),
             "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
+        if blobs:
+            data["blobs"] = list(blobs)
+        if source:
+            data["source"] = source
+        if layer_blobs:
+            data["layer_blobs"] = [
+                {
+                    "diff_id": b.diff_id,
+                    "digest": b.digest,
+                    "mediaType": b.media_type,
+                    "size": b.size,
+                }
+                for b in layer_blobs
+            ]
         for d in data["layers"]:
             if not self.has_layer(d):
                 raise ImageNotFound(f"cannot write image {name!r}: layer sha256:{d} is missing")
@@ -271,3 +346,117 @@ class ImageStore:
                 if not final.is_dir():  # lost a race with an identical import: fine
                     raise
         return digest
+
+    def import_layer_blob(self, blob: Path, media_type: str, diff_id: str) -> str:
+        """Unpack an untrusted registry layer blob (confined, overlay format), once.
+
+        Raises:
+            InvalidArgument: the layer is malformed or malicious, or its uncompressed
+                sha256 is not ``diff_id``; nothing is stored.
+        """
+        from dsec.edge.images.unpack import compression_of, unpack_layer
+
+        diff_id = diff_id.removeprefix("sha256:")
+        final = self.layer_dir(diff_id)
+        if final.is_dir():
+            return diff_id
+        compression = compression_of(media_type)
+        with self.scratch_dir() as scratch:
+            target = scratch / "layer"
+            target.mkdir()
+            got = unpack_layer(blob, compression, target)
+            if got != diff_id:
+                raise InvalidArgument(
+                    f"layer {blob.name[:12]} unpacked to sha256:{got}, but the image config "
+                    f"says sha256:{diff_id}; nothing was stored"
+                )
+            target.chmod(0o755)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(target, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+        return diff_id
+
+    def remove(self, name: str) -> None:
+        """Delete the ref ``name`` (its layers stay until :meth:`gc`).
+
+        Raises:
+            ImageNotFound: there is no such ref.
+        """
+        path = self.ref_path(name)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            raise ImageNotFound(self._not_found_message(name)) from None
+
+    def gc(self) -> GcResult:
+        """Remove layers and blobs no ref uses (layers under a mounted overlay are kept)."""
+        keep_layers: set[str] = set()
+        keep_blobs: set[str] = set()
+        for image in self.list():
+            keep_layers.update(image.diff_ids)
+            keep_blobs.update(b.removeprefix("sha256:") for b in image.blobs)
+            keep_blobs.update(b.digest.removeprefix("sha256:") for b in image.layer_blobs)
+        in_use = _mounted_lowers()
+        layers = blobs = freed = 0
+        if self.layers_dir.is_dir():
+            for d in self.layers_dir.iterdir():
+                if d.name in keep_layers or str(d) in in_use:
+                    continue
+                freed += _du(d)
+                shutil.rmtree(d, ignore_errors=True)
+                layers += 1
+        if self.blobs_dir.is_dir():
+            for f in self.blobs_dir.iterdir():
+                if f.name in keep_blobs or f.name.endswith(".part"):
+                    continue
+                freed += f.lstat().st_size
+                f.unlink(missing_ok=True)
+                blobs += 1
+        return GcResult(layers=layers, blobs=blobs, bytes_freed=freed)
+
+
+@dataclass(frozen=True, slots=True)
+class GcResult:
+    """What :meth:`ImageStore.gc` removed."""
+
+    layers: int
+    blobs: int
+    bytes_freed: int
+
+
+def _canonical(name: str) -> str:
+    """``python:3`` -> ``docker.io/library/python:3`` (the name a pull records), else name."""
+    from dsec.edge.images.reference import parse_reference
+
+    try:
+        return parse_reference(name).name
+    except InvalidArgument:
+        return name
+
+
+def _mounted_lowers() -> set[str]:
+    """Every directory used as an overlay lowerdir by a mount on this host."""
+    out: set[str] = set()
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if " - overlay " not in line:
+            continue
+        for opt in line.rsplit(" ", 1)[-1].split(","):
+            if opt.startswith("lowerdir="):
+                out.update(p.replace("\\040", " ") for p in opt[9:].split(":") if p)
+    return out
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in (*dirnames, *filenames):
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
+    return total

@@ -377,6 +377,246 @@ class RuntimeFrame(_message.Message):
 Global___RuntimeFrame: _TypeAlias = RuntimeFrame  # noqa: Y015
 
 @_typing.final
+class PullImageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REFERENCE_FIELD_NUMBER: _builtins.int
+    PLATFORM_FIELD_NUMBER: _builtins.int
+    INSECURE_FIELD_NUMBER: _builtins.int
+    USERNAME_FIELD_NUMBER: _builtins.int
+    PASSWORD_FIELD_NUMBER: _builtins.int
+    reference: _builtins.str
+    platform: _builtins.str
+    """os/arch[/variant]; empty: linux/amd64"""
+    insecure: _builtins.bool
+    """plain HTTP to the registry"""
+    username: _builtins.str
+    """empty: the edge's stored credentials, if any"""
+    password: _builtins.str
+    def __init__(
+        self,
+        *,
+        reference: _builtins.str = ...,
+        platform: _builtins.str = ...,
+        insecure: _builtins.bool = ...,
+        username: _builtins.str = ...,
+        password: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["insecure", b"insecure", "password", b"password", "platform", b"platform", "reference", b"reference", "username", b"username"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullImageRequest: _TypeAlias = PullImageRequest  # noqa: Y015
+
+@_typing.final
+class ImageInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    CMD_FIELD_NUMBER: _builtins.int
+    ENTRYPOINT_FIELD_NUMBER: _builtins.int
+    WORKDIR_FIELD_NUMBER: _builtins.int
+    USER_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    workdir: _builtins.str
+    user: _builtins.str
+    created: _builtins.str
+    source: _builtins.str
+    edge_id: _builtins.str
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """diff_ids, bottom..top"""
+
+    @_builtins.property
+    def env(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def cmd(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def entrypoint(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        layers: _abc.Iterable[_builtins.str] | None = ...,
+        env: _abc.Iterable[_builtins.str] | None = ...,
+        cmd: _abc.Iterable[_builtins.str] | None = ...,
+        entrypoint: _abc.Iterable[_builtins.str] | None = ...,
+        workdir: _builtins.str = ...,
+        user: _builtins.str = ...,
+        created: _builtins.str = ...,
+        source: _builtins.str = ...,
+        edge_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cmd", b"cmd", "created", b"created", "edge_id", b"edge_id", "entrypoint", b"entrypoint", "env", b"env", "layers", b"layers", "name", b"name", "source", b"source", "user", b"user", "workdir", b"workdir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImageInfo: _TypeAlias = ImageInfo  # noqa: Y015
+
+@_typing.final
+class PullProgress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIGEST_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    digest: _builtins.str
+    status: _builtins.str
+    """downloading | unpacking | done | exists"""
+    done: _builtins.int
+    total: _builtins.int
+    def __init__(
+        self,
+        *,
+        digest: _builtins.str = ...,
+        status: _builtins.str = ...,
+        done: _builtins.int = ...,
+        total: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "done", b"done", "status", b"status", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullProgress: _TypeAlias = PullProgress  # noqa: Y015
+
+@_typing.final
+class PullImageEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def progress(self) -> Global___PullProgress: ...
+    @_builtins.property
+    def image(self) -> Global___ImageInfo: ...
+    def __init__(
+        self,
+        *,
+        progress: Global___PullProgress | None = ...,
+        image: Global___ImageInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "image", b"image", "progress", b"progress"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "image", b"image", "progress", b"progress"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["progress", "image"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___PullImageEvent: _TypeAlias = PullImageEvent  # noqa: Y015
+
+@_typing.final
+class ImageList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IMAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___ImageInfo]: ...
+    def __init__(
+        self,
+        *,
+        images: _abc.Iterable[Global___ImageInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImageList: _TypeAlias = ImageList  # noqa: Y015
+
+@_typing.final
+class PackSandboxRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    PUSH_FIELD_NUMBER: _builtins.int
+    INSECURE_FIELD_NUMBER: _builtins.int
+    USERNAME_FIELD_NUMBER: _builtins.int
+    PASSWORD_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    name: _builtins.str
+    push: _builtins.bool
+    """then push it to the registry `name` names"""
+    insecure: _builtins.bool
+    username: _builtins.str
+    password: _builtins.str
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        push: _builtins.bool = ...,
+        insecure: _builtins.bool = ...,
+        username: _builtins.str = ...,
+        password: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["insecure", b"insecure", "name", b"name", "password", b"password", "push", b"push", "sandbox_id", b"sandbox_id", "username", b"username"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PackSandboxRequest: _TypeAlias = PackSandboxRequest  # noqa: Y015
+
+@_typing.final
+class ImageRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImageRef: _TypeAlias = ImageRef  # noqa: Y015
+
+@_typing.final
+class GcImagesReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    BLOBS_FIELD_NUMBER: _builtins.int
+    BYTES_FREED_FIELD_NUMBER: _builtins.int
+    layers: _builtins.int
+    blobs: _builtins.int
+    bytes_freed: _builtins.int
+    def __init__(
+        self,
+        *,
+        layers: _builtins.int = ...,
+        blobs: _builtins.int = ...,
+        bytes_freed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blobs", b"blobs", "bytes_freed", b"bytes_freed", "layers", b"layers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GcImagesReply: _TypeAlias = GcImagesReply  # noqa: Y015
+
+@_typing.final
 class EdgeStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

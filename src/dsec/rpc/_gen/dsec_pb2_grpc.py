@@ -84,6 +84,31 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.EdgeStatus.FromString,
                 _registered_method=True)
+        self.PullImage = channel.unary_stream(
+                '/dsec.v1.Edge/PullImage',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageEvent.FromString,
+                _registered_method=True)
+        self.ListImages = channel.unary_unary(
+                '/dsec.v1.Edge/ListImages',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageList.FromString,
+                _registered_method=True)
+        self.RemoveImage = channel.unary_unary(
+                '/dsec.v1.Edge/RemoveImage',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageRef.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GcImages = channel.unary_unary(
+                '/dsec.v1.Edge/GcImages',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.FromString,
+                _registered_method=True)
+        self.PackSandbox = channel.unary_unary(
+                '/dsec.v1.Edge/PackSandbox',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -150,6 +175,38 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullImage(self, request, context):
+        """Images on this edge (issue 4): pull streams progress and ends with the image.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListImages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveImage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GcImages(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PackSandbox(self, request, context):
+        """The sandbox's changes as a new layer on its image, recorded as image `name`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +259,31 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.EdgeStatus.SerializeToString,
+            ),
+            'PullImage': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullImage,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageEvent.SerializeToString,
+            ),
+            'ListImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListImages,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageList.SerializeToString,
+            ),
+            'RemoveImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveImage,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageRef.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'GcImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.GcImages,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.SerializeToString,
+            ),
+            'PackSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.PackSandbox,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -474,6 +556,141 @@ class Edge:
             '/dsec.v1.Edge/Status',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.EdgeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dsec.v1.Edge/PullImage',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/ListImages',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/RemoveImage',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageRef.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GcImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/GcImages',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PackSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/PackSandbox',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,13 @@ class EdgeStub:
     Call: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.RuntimeCall, _dsec_pb2.RuntimeReply]
     Stream: _grpc.StreamStreamMultiCallable[_dsec_pb2.RuntimeFrame, _dsec_pb2.RuntimeFrame]
     Status: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.EdgeStatus]
+    PullImage: _grpc.UnaryStreamMultiCallable[_dsec_pb2.PullImageRequest, _dsec_pb2.PullImageEvent]
+    """Images on this edge (issue 4): pull streams progress and ends with the image."""
+    ListImages: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ImageList]
+    RemoveImage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ImageRef, _dsec_pb2.Empty]
+    GcImages: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.GcImagesReply]
+    PackSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.PackSandboxRequest, _dsec_pb2.ImageInfo]
+    """The sandbox's changes as a new layer on its image, recorded as image `name`."""
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -61,6 +68,13 @@ class EdgeAsyncStub(EdgeStub):
     Call: _aio.UnaryUnaryMultiCallable[_dsec_pb2.RuntimeCall, _dsec_pb2.RuntimeReply]  # type: ignore[assignment]
     Stream: _aio.StreamStreamMultiCallable[_dsec_pb2.RuntimeFrame, _dsec_pb2.RuntimeFrame]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.EdgeStatus]  # type: ignore[assignment]
+    PullImage: _aio.UnaryStreamMultiCallable[_dsec_pb2.PullImageRequest, _dsec_pb2.PullImageEvent]  # type: ignore[assignment]
+    """Images on this edge (issue 4): pull streams progress and ends with the image."""
+    ListImages: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ImageList]  # type: ignore[assignment]
+    RemoveImage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ImageRef, _dsec_pb2.Empty]  # type: ignore[assignment]
+    GcImages: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.GcImagesReply]  # type: ignore[assignment]
+    PackSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.PackSandboxRequest, _dsec_pb2.ImageInfo]  # type: ignore[assignment]
+    """The sandbox's changes as a new layer on its image, recorded as image `name`."""
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -133,6 +147,43 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.Empty,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.EdgeStatus, _abc.Awaitable[_dsec_pb2.EdgeStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def PullImage(
+        self,
+        request: _dsec_pb2.PullImageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_dsec_pb2.PullImageEvent], _abc.AsyncIterator[_dsec_pb2.PullImageEvent]]:
+        """Images on this edge (issue 4): pull streams progress and ends with the image."""
+
+    @_abc_1.abstractmethod
+    def ListImages(
+        self,
+        request: _dsec_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.ImageList, _abc.Awaitable[_dsec_pb2.ImageList]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveImage(
+        self,
+        request: _dsec_pb2.ImageRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def GcImages(
+        self,
+        request: _dsec_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.GcImagesReply, _abc.Awaitable[_dsec_pb2.GcImagesReply]]: ...
+
+    @_abc_1.abstractmethod
+    def PackSandbox(
+        self,
+        request: _dsec_pb2.PackSandboxRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.ImageInfo, _abc.Awaitable[_dsec_pb2.ImageInfo]]:
+        """The sandbox's changes as a new layer on its image, recorded as image `name`."""
 
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -241,7 +241,7 @@ def build_config(
             "user": {"uid": 0, "gid": 0},
             "args": [INIT_PATH],
             "env": build_env(sandbox_id, image.env, spec.env),
-            "cwd": "/",
+            "cwd": image.workdir or "/",
             "capabilities": {
                 "bounding": caps,
                 "effective": caps,

@@ -1,0 +1,232 @@
+"""Image routes: pull onto the edges, list, remove, gc (each edge owns its image store).
+
+``POST /v1/images/pull`` pulls on every healthy edge (or the one named by ``edge_id``) at
+once. With ``"stream": true`` the answer is NDJSON: ``{"edge_id", "progress": {...}}`` lines
+while layers move, then one ``{"images": [...]}`` line, or ``{"error": {code, message}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from dsec.apiserver.context import ctx, json_body, ok, principal, query, sandbox_id
+from dsec.apiserver.upstream import EdgeEntry, rpc
+from dsec.core.errors import DsecError, InvalidArgument, Unavailable
+from dsec.rpc._gen import dsec_pb2 as pb
+
+PULL_TIMEOUT_S = 3600.0
+
+
+def image_json(info: pb.ImageInfo) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "edge_id": info.edge_id,
+        "layers": list(info.layers),
+        "env": list(info.env),
+        "cmd": list(info.cmd),
+        "entrypoint": list(info.entrypoint),
+        "workdir": info.workdir,
+        "user": info.user,
+        "created": info.created,
+        "source": info.source,
+    }
+
+
+async def _edges(request: web.Request, edge_id: str = "") -> list[EdgeEntry]:
+    edges = [e for e in await ctx(request).upstream.edges() if e.healthy]
+    if edge_id:
+        edges = [e for e in edges if e.edge_id == edge_id]
+        if not edges:
+            raise Unavailable(f"edge {edge_id} is unknown or down")
+    if not edges:
+        raise Unavailable("no healthy edge is reporting to the watcher")
+    return edges
+
+
+def _pull_request(body: dict[str, Any]) -> pb.PullImageRequest:
+    reference = body.get("reference")
+    if not isinstance(reference, str) or not reference:
+        raise InvalidArgument("'reference' (an image reference) is required")
+    for key in ("platform", "username", "password"):
+        if not isinstance(body.get(key, ""), str):
+            raise InvalidArgument(f"{key!r} must be a string")
+    return pb.PullImageRequest(
+        reference=reference,
+        platform=body.get("platform", ""),
+        insecure=bool(body.get("insecure", False)),
+        username=body.get("username", ""),
+        password=body.get("password", ""),
+    )
+
+
+async def pull(request: web.Request) -> web.StreamResponse:
+    """Pull an image onto the edges (NDJSON progress with "stream": true)."""
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    body = await json_body(request)
+    req = _pull_request(body)
+    edges = await _edges(request, str(body.get("edge_id") or ""))
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def one(entry: EdgeEntry) -> dict[str, Any]:
+        stream = c.upstream.edge_stub(entry).PullImage(
+            req, metadata=p.metadata(), timeout=PULL_TIMEOUT_S
+        )
+
+        async def consume() -> dict[str, Any]:
+            image: dict[str, Any] = {}
+            async for ev in stream:
+                if ev.HasField("progress"):
+                    pr = ev.progress
+                    queue.put_nowait(
+                        {
+                            "edge_id": entry.edge_id,
+                            "progress": {
+                                "digest": pr.digest,
+                                "status": pr.status,
+                                "done": pr.done,
+                                "total": pr.total,
+                            },
+                        }
+                    )
+                elif ev.HasField("image"):
+                    image = image_json(ev.image)
+            return image
+
+        return await rpc(f"edge {entry.edge_id}", consume())
+
+    tasks = [asyncio.ensure_future(one(e)) for e in edges]
+    gathered = asyncio.gather(*tasks)
+    if not body.get("stream"):
+        images = await gathered
+        return ok({"images": images})
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    try:
+        while not gathered.done():
+            getter: asyncio.Future[Any] = asyncio.ensure_future(queue.get())
+            waiting: set[asyncio.Future[Any]] = {getter, gathered}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                await resp.write(_line(getter.result()))
+            else:
+                getter.cancel()
+        while not queue.empty():
+            await resp.write(_line(queue.get_nowait()))
+        try:
+            final: dict[str, Any] = {"images": gathered.result()}
+        except DsecError as exc:
+            final = {"error": exc.to_wire()}
+        await resp.write(_line(final))
+    finally:
+        for t in tasks:
+            t.cancel()
+        gathered.cancel()
+    await resp.write_eof()
+    return resp
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+async def list_images(request: web.Request) -> web.Response:
+    """Images on every edge."""
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    edges = await _edges(request)
+    lists = await asyncio.gather(
+        *(
+            rpc(
+                f"edge {e.edge_id}",
+                c.upstream.edge_stub(e).ListImages(pb.Empty(), metadata=p.metadata(), timeout=10),
+            )
+            for e in edges
+        )
+    )
+    return ok({"images": [image_json(i) for lst in lists for i in lst.images]})
+
+
+async def remove_image(request: web.Request) -> web.Response:
+    """Forget an image on every edge (admin); ?name=REF."""
+    c, p = ctx(request), principal(request)
+    p.require("admin")
+    name = query(request, "name")
+    removed = 0
+    last: DsecError | None = None
+    for e in await _edges(request):
+        try:
+            await rpc(
+                f"edge {e.edge_id}",
+                c.upstream.edge_stub(e).RemoveImage(
+                    pb.ImageRef(name=name), metadata=p.metadata(), timeout=10
+                ),
+            )
+            removed += 1
+        except DsecError as exc:
+            last = exc
+    if not removed and last is not None:
+        raise last
+    return ok({"removed": removed})
+
+
+async def gc_images(request: web.Request) -> web.Response:
+    """Remove unreferenced layers and blobs on every edge (admin)."""
+    c, p = ctx(request), principal(request)
+    p.require("admin")
+    out = []
+    for e in await _edges(request):
+        res = await rpc(
+            f"edge {e.edge_id}",
+            c.upstream.edge_stub(e).GcImages(pb.Empty(), metadata=p.metadata(), timeout=600),
+        )
+        out.append(
+            {
+                "edge_id": e.edge_id,
+                "layers": res.layers,
+                "blobs": res.blobs,
+                "bytes_freed": res.bytes_freed,
+            }
+        )
+    return ok({"edges": out})
+
+
+async def pack(request: web.Request) -> web.Response:
+    """Pack a running sandbox's changes into a new image on its edge."""
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    sid = sandbox_id(request)
+    body = await json_body(request)
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument("'name' (the new image's name) is required")
+    stub = await c.upstream.edge_for(sid)
+    info = await rpc(
+        f"edge of {sid}",
+        stub.PackSandbox(
+            pb.PackSandboxRequest(
+                sandbox_id=sid,
+                name=name,
+                push=bool(body.get("push", False)),
+                insecure=bool(body.get("insecure", False)),
+                username=str(body.get("username") or ""),
+                password=str(body.get("password") or ""),
+            ),
+            metadata=p.metadata(),
+            timeout=PULL_TIMEOUT_S,
+        ),
+    )
+    return ok(image_json(info), status=201)
+
+
+ROUTES: list[tuple[str, str, Any]] = [
+    ("POST", "/v1/sandboxes/{sandbox_id}/pack", pack),
+    ("POST", "/v1/images/pull", pull),
+    ("GET", "/v1/images", list_images),
+    ("DELETE", "/v1/images", remove_image),
+    ("POST", "/v1/images/gc", gc_images),
+]

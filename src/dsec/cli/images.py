@@ -1,0 +1,186 @@
+"""``dsec image pull|ls|rm|gc`` and ``dsec registry login|logout``.
+
+Registry logins are kept in ``$DSEC_HOME/registries.json`` (mode 0600), the file the edge
+on this machine reads too; ``dsec image pull`` also sends the stored (or Docker
+``config.json``) credentials for the image's registry with the request, so edges on other
+machines can use them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
+
+from dsec.cli.output import json_option, print_json, simple_table, state, stderr, stdout
+from dsec.cli.sandbox import sandbox_group
+from dsec.edge.images.credentials import (
+    RegistryCredentials,
+    RegistrySettings,
+    default_docker_configs,
+)
+from dsec.edge.images.reference import parse_reference
+from dsec.paths import Paths
+
+
+def settings_file() -> Path:
+    return Paths.from_env().home / "registries.json"
+
+
+def credentials() -> RegistryCredentials:
+    return RegistryCredentials(settings_file(), default_docker_configs())
+
+
+@click.group("image")
+def image_group() -> None:
+    """Images on the edges: pull from registries, list, remove, gc."""
+
+
+@image_group.command("pull")
+@click.argument("reference")
+@click.option("--platform", default="", help="os/arch[/variant] of an index [linux/amd64].")
+@click.option("--insecure", is_flag=True, help="Talk plain HTTP to the registry.")
+@click.option("--edge", "edge_id", default="", help="Pull on this edge only.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@json_option
+def pull(
+    reference: str, platform: str, insecure: bool, edge_id: str, quiet: bool, as_json: bool
+) -> None:
+    """Pull REFERENCE (e.g. 127.0.0.1:5000/team/env:v1) onto the edges."""
+    ref = parse_reference(reference)
+    settings = credentials().lookup(ref.registry)
+    show = not quiet and not as_json and sys.stderr.isatty()
+    bars: dict[tuple[str, str], TaskID] = {}
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=stderr(),
+        disable=not show,
+        transient=False,
+    )
+
+    def report(p: dict[str, Any]) -> None:
+        key = (str(p.get("edge_id", "")), str(p.get("digest", "")))
+        total = int(p.get("total", 0)) if int(p.get("total", 0)) > 0 else None
+        if key not in bars:
+            label = f"{key[0]} {key[1].removeprefix('sha256:')[:12]}"
+            bars[key] = progress.add_task(label, total=total, status="")
+        progress.update(bars[key], completed=int(p.get("done", 0)), status=p.get("status", ""))
+
+    with progress:
+        images = (
+            state()
+            .client()
+            .pull_image(
+                reference,
+                platform=platform,
+                insecure=insecure or settings.insecure,
+                username=settings.username,
+                password=settings.password,
+                edge_id=edge_id,
+                progress=report,
+            )
+        )
+    if as_json:
+        print_json(images)
+        return
+    for img in images:
+        click.echo(f"{img['edge_id']}: {img['name']} ({len(img['layers'])} layers)")
+
+
+@image_group.command("ls")
+@json_option
+def list_images(as_json: bool) -> None:
+    """List images on every edge."""
+    images = state().client().list_images()
+    if as_json:
+        print_json(images)
+        return
+    rows = [
+        [i["name"], i["edge_id"], str(len(i["layers"])), i.get("workdir", ""), i["created"]]
+        for i in images
+    ]
+    stdout().print(simple_table(["NAME", "EDGE", "LAYERS", "WORKDIR", "CREATED"], rows))
+
+
+@image_group.command("rm")
+@click.argument("name")
+@json_option
+def remove(name: str, as_json: bool) -> None:
+    """Forget image NAME on every edge (its layers go at the next gc)."""
+    res = state().client().remove_image(name)
+    if as_json:
+        print_json(res)
+    else:
+        click.echo(f"removed {name} from {res.get('removed', 0)} edge(s)")
+
+
+@image_group.command("gc")
+@json_option
+def gc(as_json: bool) -> None:
+    """Delete layers and blobs no image uses (layers of running sandboxes stay)."""
+    res = state().client().gc_images()
+    if as_json:
+        print_json(res)
+        return
+    for e in res.get("edges", []):
+        mib = int(e["bytes_freed"]) / (1 << 20)
+        click.echo(f"{e['edge_id']}: {e['layers']} layers, {e['blobs']} blobs, {mib:.1f} MiB")
+
+
+@click.group("registry")
+def registry_group() -> None:
+    """Registry logins and settings (stored 0600 in $DSEC_HOME/registries.json)."""
+
+
+@registry_group.command("login")
+@click.argument("registry")
+@click.option("--username", "-u", prompt=True)
+@click.option("--password", "-p", prompt=True, hide_input=True)
+@click.option("--insecure", is_flag=True, help="This registry speaks plain HTTP.")
+@click.option("--ca-file", default="", help="CA bundle to verify the registry's TLS.")
+def login(registry: str, username: str, password: str, insecure: bool, ca_file: str) -> None:
+    """Store credentials for REGISTRY (host[:port])."""
+    creds = RegistryCredentials(settings_file())
+    creds.save(registry, RegistrySettings(username, password, insecure, ca_file))
+    click.echo(f"stored credentials for {registry} in {settings_file()}")
+
+
+@registry_group.command("logout")
+@click.argument("registry")
+def logout(registry: str) -> None:
+    """Forget REGISTRY's credentials and settings."""
+    known = RegistryCredentials(settings_file()).remove(registry)
+    click.echo(f"{'removed' if known else 'no entry for'} {registry}")
+
+
+@sandbox_group.command("pack")
+@click.argument("sandbox_id", metavar="ID")
+@click.argument("name")
+@click.option("--push", is_flag=True, help="Then push it to the registry NAME names.")
+@click.option("--insecure", is_flag=True, help="Push over plain HTTP.")
+@json_option
+def pack(sandbox_id: str, name: str, push: bool, insecure: bool, as_json: bool) -> None:
+    """Record sandbox ID's changes as a new image NAME on top of its image."""
+    settings = credentials().lookup(parse_reference(name).registry) if push else None
+    image = (
+        state()
+        .client()
+        .sandbox(sandbox_id)
+        .pack(
+            name,
+            push=push,
+            insecure=insecure or bool(settings and settings.insecure),
+            username=settings.username if settings else "",
+            password=settings.password if settings else "",
+        )
+    )
+    if as_json:
+        print_json(image)
+    else:
+        click.echo(f"{image['edge_id']}: {image['name']} ({len(image['layers'])} layers)")

@@ -1,0 +1,124 @@
+"""The edge's image calls (gRPC): pull with streamed progress, list, remove, gc.
+
+Pulls run in a worker thread (the registry client and the unpacker are blocking); their
+progress reaches the gRPC stream through an asyncio queue, at most a few reports a second
+per layer plus every change of state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from dsec.edge.images.credentials import RegistryCredentials, default_docker_configs
+from dsec.edge.images.pull import DEFAULT_PLATFORM, LayerProgress, Puller, PullOptions
+from dsec.edge.images.store import GcResult, Image, ImageStore
+from dsec.rpc._gen import dsec_pb2 as pb
+
+PROGRESS_INTERVAL_S = 0.25
+
+
+def image_to_pb(image: Image, edge_id: str) -> pb.ImageInfo:
+    cfg = image.config
+    return pb.ImageInfo(
+        name=image.name,
+        layers=list(image.diff_ids),
+        env=list(cfg.env),
+        cmd=list(cfg.cmd),
+        entrypoint=list(cfg.entrypoint),
+        workdir=cfg.workdir,
+        user=cfg.user,
+        created=image.created,
+        source=image.source,
+        edge_id=edge_id,
+    )
+
+
+class EdgeImages:
+    """One edge's image store, pulls and garbage collection."""
+
+    def __init__(self, store: ImageStore, edge_id: str, settings_file: Path | None) -> None:
+        self.store = store
+        self.edge_id = edge_id
+        self.puller = Puller(store, RegistryCredentials(settings_file, default_docker_configs()))
+        self._gc_lock = asyncio.Lock()
+
+    async def pull(self, req: pb.PullImageRequest) -> AsyncIterator[pb.PullImageEvent]:
+        """Pull ``req.reference``; yield progress events, then the image."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[LayerProgress | None] = asyncio.Queue()
+        last: dict[str, tuple[str, float]] = {}
+
+        def report(p: LayerProgress) -> None:
+            now = time.monotonic()
+            prev = last.get(p.digest)
+            if prev and prev[0] == p.status and now - prev[1] < PROGRESS_INTERVAL_S:
+                return
+            last[p.digest] = (p.status, now)
+            loop.call_soon_threadsafe(queue.put_nowait, p)
+
+        opts = PullOptions(
+            platform=req.platform or DEFAULT_PLATFORM,
+            insecure=req.insecure,
+            username=req.username,
+            password=req.password,
+        )
+
+        def work() -> Image:
+            try:
+                return self.puller.pull(req.reference, opts, report)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        async with self._gc_lock:  # no gc while layers are being added
+            task = asyncio.ensure_future(asyncio.to_thread(work))
+            try:
+                while (item := await queue.get()) is not None:
+                    yield pb.PullImageEvent(
+                        progress=pb.PullProgress(
+                            digest=item.digest, status=item.status, done=item.done, total=item.total
+                        )
+                    )
+                image = await task
+            finally:
+                if not task.done():
+                    await asyncio.shield(task)  # the thread cannot be cancelled: let it end
+        yield pb.PullImageEvent(image=image_to_pb(image, self.edge_id))
+
+    async def pack(self, upper: Path, base: str, name: str) -> Image:
+        """Record ``upper`` (a frozen sandbox's overlay upper dir) as image ``name``."""
+        from dsec.edge.images.pack import pack_image
+        from dsec.edge.images.store import validate_name
+
+        validate_name(name)
+        base_image = self.store.resolve(base)
+        async with self._gc_lock:
+            return await asyncio.to_thread(pack_image, self.store, upper, base_image, name)
+
+    async def push(self, name: str, req: pb.PackSandboxRequest) -> str:
+        """Push the stored image ``name`` to the registry reference ``name``."""
+        from dsec.edge.images.push import push_image
+
+        async with self._gc_lock:
+            return await asyncio.to_thread(
+                push_image,
+                self.store,
+                name,
+                name,
+                self.puller.credentials,
+                insecure=req.insecure,
+                username=req.username,
+                password=req.password,
+            )
+
+    def list(self) -> pb.ImageList:
+        return pb.ImageList(images=[image_to_pb(i, self.edge_id) for i in self.store.list()])
+
+    def remove(self, name: str) -> None:
+        self.store.remove(name)
+
+    async def gc(self) -> GcResult:
+        async with self._gc_lock:
+            return await asyncio.to_thread(self.store.gc)

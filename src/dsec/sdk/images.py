@@ -1,0 +1,127 @@
+"""Sans-I/O calls for images: pull (NDJSON progress stream), list, remove, gc."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from dsec.core.errors import Internal, InvalidArgument, error_from_wire
+from dsec.sdk.models import JSON
+from dsec.sdk.wire import Call, Request, json_body, json_request
+
+PULL_TIMEOUT_S = 3600.0
+
+PullProgress = Callable[[dict[str, Any]], None]
+
+
+def pull_request(
+    reference: str,
+    *,
+    platform: str = "",
+    insecure: bool = False,
+    username: str = "",
+    password: str = "",
+    edge_id: str = "",
+) -> Request:
+    """``POST /v1/images/pull`` answered as an NDJSON stream of progress lines."""
+    if not reference:
+        raise InvalidArgument("an image reference is required")
+    body: dict[str, Any] = {"reference": reference, "stream": True}
+    optional = {
+        "platform": platform,
+        "username": username,
+        "password": password,
+        "edge_id": edge_id,
+    }
+    body.update({k: v for k, v in optional.items() if v})
+    if insecure:
+        body["insecure"] = True
+    return Request(
+        "POST",
+        "/v1/images/pull",
+        (),
+        json_body(body),
+        (("Content-Type", "application/json"),),
+        PULL_TIMEOUT_S,
+    )
+
+
+class PullReader:
+    """Feeds NDJSON bytes in; reports progress lines; ends with the pulled images."""
+
+    def __init__(self, progress: PullProgress | None) -> None:
+        self.progress = progress
+        self.buf = b""
+        self.images: list[JSON] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            if line.strip():
+                self._line(line)
+
+    def _line(self, line: bytes) -> None:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise Internal(f"malformed pull progress line: {line[:200]!r}") from None
+        if not isinstance(obj, dict):
+            raise Internal("malformed pull progress line")
+        if "error" in obj:
+            err = obj["error"] if isinstance(obj["error"], dict) else {}
+            raise error_from_wire(str(err.get("code", "")), str(err.get("message", "")))
+        if "images" in obj:
+            self.images = list(obj["images"])
+        elif "progress" in obj and self.progress is not None:
+            self.progress({"edge_id": obj.get("edge_id", ""), **obj["progress"]})
+
+    def result(self) -> list[JSON]:
+        if self.buf.strip():
+            self._line(self.buf)
+            self.buf = b""
+        if self.images is None:
+            raise Internal("the pull stream ended without a result")
+        return self.images
+
+
+def _images(obj: JSON) -> list[JSON]:
+    items = obj.get("images")
+    return list(items) if isinstance(items, list) else []
+
+
+def list_images() -> Call[list[JSON]]:
+    return Call(json_request("GET", "/v1/images"), _images)
+
+
+def remove_image(name: str) -> Call[JSON]:
+    if not name:
+        raise InvalidArgument("an image name is required")
+    return Call(json_request("DELETE", "/v1/images", params=(("name", name),)), dict)
+
+
+def gc_images() -> Call[JSON]:
+    return Call(json_request("POST", "/v1/images/gc", {}, timeout=600), dict)
+
+
+def pack_sandbox(
+    sandbox_id: str,
+    name: str,
+    *,
+    push: bool = False,
+    insecure: bool = False,
+    username: str = "",
+    password: str = "",
+) -> Call[JSON]:
+    if not name:
+        raise InvalidArgument("a name for the packed image is required")
+    body: dict[str, Any] = {"name": name}
+    if push:
+        body.update(push=True, insecure=insecure)
+        if username:
+            body.update(username=username, password=password)
+    return Call(
+        json_request("POST", f"/v1/sandboxes/{sandbox_id}/pack", body, timeout=PULL_TIMEOUT_S),
+        dict,
+    )
