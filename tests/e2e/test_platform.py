@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -249,7 +250,7 @@ def test_huge_and_aborted_uploads_leave_nothing(sbx: Sandbox, platform: RunningP
         reply = s.recv(4096).decode(errors="replace")
     assert reply.startswith("HTTP/1.1 413"), reply[:200]
 
-    def body():
+    def body() -> Iterator[bytes]:
         yield b"x" * (1 << 20)
         raise RuntimeError("client gave up")
 
