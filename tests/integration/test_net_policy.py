@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from dsec.core.errors import InvalidArgument, SandboxFailed
+from dsec.edge.net import ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.edge.net.policy import NetworkPolicy
@@ -272,15 +273,12 @@ async def test_restart_adopts_and_destroy_leaves_nothing(
 
 
 @pytest.mark.asyncio
-async def test_failed_create_leaves_nothing(edgenet: EdgeNetwork) -> None:
-    net = await edgenet.create("sbx-x", NetworkPolicy())
-    # a second create whose veth name collides fails half-way and must clean up itself
-    edgenet._nets.pop("sbx-x")
-    edgenet._by_addr.pop(net.address)
-    bad = edgenet._net_of("sbx-y", net.index, NetworkPolicy())
-    edgenet._remember(bad)
+async def test_failed_create_leaves_nothing(
+    edgenet: EdgeNetwork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nft fails after the namespace and the veth exist: create must remove both
+    monkeypatch.setattr(ruleset, "add_sandbox", lambda *a: "add rule inet nosuch x drop\n")
     with pytest.raises(SandboxFailed):
-        await edgenet._run(lambda: edgenet._make(bad))
-    await edgenet.destroy("sbx-y")
-    assert not (edgenet.config.netns_dir / "sbx-y").exists()
-    edgenet._remember(net)
+        await edgenet.create("sbx-fail", NetworkPolicy())
+    assert edgenet.get("sbx-fail") is None
+    assert await edgenet.leaked("sbx-fail", "1") == []
