@@ -16,10 +16,10 @@ import pytest
 import pytest_asyncio
 
 from dsec.core.errors import InvalidArgument, SandboxFailed
+from dsec.core.netpolicy import NetworkPolicy
 from dsec.edge.net import ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
-from dsec.edge.net.policy import NetworkPolicy
 from tests.integration.fakenet import DNS_IP, UDP_PORT, WEB1, WEB2, WEB3, FakeInternet, probe
 
 pytestmark = [pytest.mark.root]
@@ -62,7 +62,6 @@ async def edgenet(internet: FakeInternet, tmp_path: Path) -> AsyncIterator[EdgeN
         for sid in list(net._nets):
             await net.destroy(sid)
         await net.release()
-        subprocess.run(["umount", "-l", str(tmp_path / "netns")], check=False)
 
 
 async def aprobe(ns: Path, *args: object, **kw: object) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from dnslib import QTYPE, RCODE, DNSRecord
 from dnslib.dns import DNSError
 
-from dsec.edge.net.policy import NetworkPolicy
+from dsec.core.netpolicy import NetworkPolicy
 from dsec.obs import log
 
 _log = logging.getLogger(__name__)

@@ -35,11 +35,11 @@ from dsec.core.errors import (
     SandboxFailed,
     SandboxNotFound,
 )
+from dsec.core.netpolicy import NetworkPolicy
 from dsec.edge.net import links, ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.dns import Asker, DnsProxy
 from dsec.edge.net.nftables import Nft
-from dsec.edge.net.policy import NetworkPolicy
 from dsec.obs import log
 
 _log = logging.getLogger(__name__)
@@ -125,7 +125,10 @@ class EdgeNetwork:
             1, thread_name_prefix="dsec-net", initializer=self._init_worker
         )
         cfg.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        await asyncio.to_thread(links.share_dir, cfg.netns_dir)
+        # No mount of its own: below the container backend's sandboxes dir (a shared
+        # mount on hosts where crun runs in its own mount namespace) the namespace files
+        # reach crun; elsewhere crun shares the edge's mount namespace.
+        cfg.netns_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         try:
             listen, upstream_sock = await self._run(self._setup_gateway)
         except OSError as exc:
@@ -207,6 +210,8 @@ class EdgeNetwork:
         with contextlib.suppress(DsecError):
             await self._run(lambda: self._nft_run(f"delete table {self.t.family_table}"))
         await self.close()
+        with contextlib.suppress(OSError):
+            self.config.netns_dir.rmdir()
 
     # ---- sandboxes ------------------------------------------------------------------
 
@@ -397,14 +402,19 @@ class EdgeNetwork:
 
     # ---- leak checks ----------------------------------------------------------------
 
-    async def leaked(self, sandbox_id: str, key: str | None = None) -> list[str]:
-        """What is left of a sandbox's network (record, namespace file, nft objects)."""
+    def leaked_files(self, sandbox_id: str) -> list[str]:
+        """The record and namespace file of a sandbox, if left (blocking, no nft)."""
         found = []
         rec = self.config.state_dir / f"{sandbox_id}.json"
         if rec.exists():
-            found.append(f"record {rec}")
+            found.append(f"network record {rec}")
         if (self.config.netns_dir / sandbox_id).exists():
             found.append(f"netns {self.config.netns_dir / sandbox_id}")
+        return found
+
+    async def leaked(self, sandbox_id: str, key: str | None = None) -> list[str]:
+        """What is left of a sandbox's network (record, namespace file, nft objects)."""
+        found = self.leaked_files(sandbox_id)
         if key is not None:
             names = await self._run(lambda: self._present(key))
             found += [f"nft {n}" for n in sorted(names)]

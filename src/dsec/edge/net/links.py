@@ -21,8 +21,6 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 CLONE_NEWNET = 0x40000000
 MS_BIND = 0x1000
-MS_REC = 0x4000
-MS_SHARED = 1 << 20
 MNT_DETACH = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -69,19 +67,6 @@ def entered(fd: int) -> Iterator[None]:
             setns(back)
     finally:
         os.close(back)
-
-
-def share_dir(path: Path) -> None:
-    """Make ``path`` a shared mount (bound onto itself), as ``ip netns`` does for /run/netns.
-
-    Mounts of namespace files below it then reach mount namespaces made from it later.
-    """
-    path.mkdir(mode=0o711, parents=True, exist_ok=True)
-    p = os.fsencode(path)
-    if _libc.mount(None, p, None, MS_SHARED | MS_REC, None) == 0:
-        return
-    _check(_libc.mount(p, p, None, MS_BIND | MS_REC, None), f"bind {path}")
-    _check(_libc.mount(None, p, None, MS_SHARED | MS_REC, None), f"make-shared {path}")
 
 
 def remove_netns(path: Path) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dsec.edge.net.policy import CidrRule, NetworkPolicy
+from dsec.core.netpolicy import CidrRule, NetworkPolicy
 
 REJECT = "reject with icmpx type admin-prohibited"
 COUNTERS = ("ok", "deny", "new_ok", "new_deny")

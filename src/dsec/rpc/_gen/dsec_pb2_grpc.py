@@ -59,6 +59,11 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetTimeoutRequest.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
                 _registered_method=True)
+        self.SetNetwork = channel.unary_unary(
+                '/dsec.v1.Edge/SetNetwork',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetNetworkRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
+                _registered_method=True)
         self.Call = channel.unary_unary(
                 '/dsec.v1.Edge/Call',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeCall.SerializeToString,
@@ -109,6 +114,12 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetNetwork(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Call(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -153,6 +164,11 @@ def add_EdgeServicer_to_server(servicer, server):
             'SetTimeout': grpc.unary_unary_rpc_method_handler(
                     servicer.SetTimeout,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetTimeoutRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.SerializeToString,
+            ),
+            'SetNetwork': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNetwork,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetNetworkRequest.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.SerializeToString,
             ),
             'Call': grpc.unary_unary_rpc_method_handler(
@@ -305,6 +321,33 @@ class Edge:
             target,
             '/dsec.v1.Edge/SetTimeout',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetTimeoutRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetNetwork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/SetNetwork',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetNetworkRequest.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
             options,
             channel_credentials,

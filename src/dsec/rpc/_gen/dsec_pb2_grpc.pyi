@@ -40,6 +40,7 @@ class EdgeStub:
     ListSandboxes: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ListSandboxesRequest, _dsec_pb2.SandboxList]
     KillSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SandboxRef, _dsec_pb2.SandboxInfo]
     SetTimeout: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SetTimeoutRequest, _dsec_pb2.SandboxInfo]
+    SetNetwork: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SetNetworkRequest, _dsec_pb2.SandboxInfo]
     Call: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.RuntimeCall, _dsec_pb2.RuntimeReply]
     Stream: _grpc.StreamStreamMultiCallable[_dsec_pb2.RuntimeFrame, _dsec_pb2.RuntimeFrame]
     Status: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.EdgeStatus]
@@ -52,6 +53,7 @@ class EdgeAsyncStub(EdgeStub):
     ListSandboxes: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ListSandboxesRequest, _dsec_pb2.SandboxList]  # type: ignore[assignment]
     KillSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SandboxRef, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
     SetTimeout: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SetTimeoutRequest, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
+    SetNetwork: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SetNetworkRequest, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
     Call: _aio.UnaryUnaryMultiCallable[_dsec_pb2.RuntimeCall, _dsec_pb2.RuntimeReply]  # type: ignore[assignment]
     Stream: _aio.StreamStreamMultiCallable[_dsec_pb2.RuntimeFrame, _dsec_pb2.RuntimeFrame]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.EdgeStatus]  # type: ignore[assignment]
@@ -89,6 +91,13 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
     def SetTimeout(
         self,
         request: _dsec_pb2.SetTimeoutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SandboxInfo, _abc.Awaitable[_dsec_pb2.SandboxInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def SetNetwork(
+        self,
+        request: _dsec_pb2.SetNetworkRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.SandboxInfo, _abc.Awaitable[_dsec_pb2.SandboxInfo]]: ...
 
