@@ -36,6 +36,12 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, check=check, capture_output=True, text=True, timeout=30)
 
 
+def _is_mount_point(path: str) -> bool:
+    # os.path.ismount misses a bind mount of a directory onto itself
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
 class FakeInternet:
     def __init__(self) -> None:
         tag = secrets.token_hex(3)
@@ -45,7 +51,7 @@ class FakeInternet:
         self.dns_log = self.tmp / "dns.log"
         self.proc: subprocess.Popen[str] | None = None
         # `ip netns add` bind-mounts /run/netns onto itself once; undo it if we caused it
-        self.run_netns_was_mount = os.path.ismount("/run/netns")
+        self.run_netns_was_mount = _is_mount_point("/run/netns")
 
     @property
     def gw_path(self) -> str:
@@ -105,10 +111,13 @@ class FakeInternet:
         run_netns = Path("/run/netns")
         if (
             not self.run_netns_was_mount
-            and os.path.ismount(run_netns)
+            and _is_mount_point("/run/netns")
             and not any(run_netns.iterdir())
         ):
-            sh("umount", str(run_netns), check=False)
+            for _ in range(4):  # `ip netns` may have stacked more than one
+                if not _is_mount_point("/run/netns"):
+                    break
+                sh("umount", str(run_netns), check=False)
         for f in self.tmp.iterdir():
             f.unlink()
         self.tmp.rmdir()
