@@ -32,6 +32,9 @@ def sandbox_group() -> None:
 sandbox_group.add_command(files_cmd.files_group)
 
 
+RULE_HELP = "Allow rule: CIDR, CIDR:PORT[-PORT][/udp], DOMAIN or *.DOMAIN (repeatable)."
+
+
 @sandbox_group.command("create")
 @click.option("--image", default="base", show_default=True, help="Image to start from.")
 @click.option(
@@ -46,6 +49,8 @@ sandbox_group.add_command(files_cmd.files_group)
 @click.option("--timeout", type=int, default=300, show_default=True, help="Lifetime in seconds.")
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Environment (repeatable).")
 @click.option("--meta", "meta", multiple=True, metavar="K=V", help="Metadata (repeatable).")
+@click.option("--allow", "allow", multiple=True, metavar="RULE", help=RULE_HELP)
+@click.option("--deny", "deny", multiple=True, metavar="RULE", help="Deny rule (wins; repeatable).")
 @json_option
 def create(
     image: str,
@@ -56,9 +61,11 @@ def create(
     timeout: int,
     env: tuple[str, ...],
     meta: tuple[str, ...],
+    allow: tuple[str, ...],
+    deny: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Create a sandbox and print its id."""
+    """Create a sandbox and print its id (its network allows nothing unless --allow)."""
     env_map, meta_map = parse_pairs(env, "--env"), parse_pairs(meta, "--meta")
     client = state().client()
     with stderr().status(f"creating a {backend} sandbox from {image!r}"):
@@ -71,6 +78,7 @@ def create(
             timeout=timeout,
             env=env_map,
             metadata=meta_map,
+            network={"allow": list(allow), "deny": list(deny)} if allow or deny else None,
             client=client,
         )
     if as_json:
@@ -124,6 +132,24 @@ def kill(sandbox_ids: tuple[str, ...], as_json: bool) -> None:
         print_json(done)
     if worst:
         raise click.exceptions.Exit(worst)
+
+
+@sandbox_group.command("network")
+@click.argument("sandbox_id")
+@click.option("--allow", "allow", multiple=True, metavar="RULE", help=RULE_HELP)
+@click.option("--deny", "deny", multiple=True, metavar="RULE", help="Deny rule (wins; repeatable).")
+@json_option
+def set_network(
+    sandbox_id: str, allow: tuple[str, ...], deny: tuple[str, ...], as_json: bool
+) -> None:
+    """Replace a running sandbox's network policy (no rules: deny everything)."""
+    details = (
+        state().client().sandbox(sandbox_id).set_network({"allow": list(allow), "deny": list(deny)})
+    )
+    if as_json:
+        print_json(details)
+    else:
+        stdout().print(sandbox_details(details))
 
 
 @sandbox_group.command("timeout")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import AsyncGenerator, Mapping
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -121,6 +122,7 @@ class AsyncSandbox:
         timeout: int = 300,  # noqa: ASYNC109 -- the sandbox's lifetime, not a call deadline
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        network: Mapping[str, Any] | None = None,
         *,
         api_key: str | None = None,
         api_url: str | None = None,
@@ -136,6 +138,7 @@ class AsyncSandbox:
             timeout_s=timeout,
             env=env,
             metadata=metadata,
+            network=network,
         )
         owned = client is None
         c = client or AsyncClient(api_url, api_key)
@@ -192,6 +195,11 @@ class AsyncSandbox:
 
     async def info(self) -> SandboxInfo:
         return await self._t.call(wire.get_sandbox(self._id))
+
+    async def set_network(self, network: Mapping[str, Any]) -> SandboxInfo:
+        """Replace the network policy: ``{"allow": [...], "deny": [...]}`` (rules as in
+        ``create``); established connections that stay allowed keep going."""
+        return await self._t.call(wire.set_network(self._id, network))
 
     async def set_timeout(self, seconds: int) -> SandboxInfo:
         """Let the sandbox live ``seconds`` from now."""

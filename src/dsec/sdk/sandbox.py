@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Generator, Iterable, Mapping
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -123,6 +124,7 @@ class Sandbox:
         timeout: int = 300,
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        network: Mapping[str, Any] | None = None,
         *,
         api_key: str | None = None,
         api_url: str | None = None,
@@ -138,6 +140,7 @@ class Sandbox:
             timeout_s=timeout,
             env=env,
             metadata=metadata,
+            network=network,
         )
         owned = client is None
         c = client or Client(api_url, api_key)
@@ -194,6 +197,11 @@ class Sandbox:
 
     def info(self) -> SandboxInfo:
         return self._t.call(wire.get_sandbox(self._id))
+
+    def set_network(self, network: Mapping[str, Any]) -> SandboxInfo:
+        """Replace the network policy: ``{"allow": [...], "deny": [...]}`` (rules as in
+        ``create``); established connections that stay allowed keep going."""
+        return self._t.call(wire.set_network(self._id, network))
 
     def set_timeout(self, seconds: int) -> SandboxInfo:
         """Let the sandbox live ``seconds`` from now."""
