@@ -276,8 +276,42 @@ async def test_failed_create_leaves_nothing(
     edgenet: EdgeNetwork, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # nft fails after the namespace and the veth exist: create must remove both
-    monkeypatch.setattr(ruleset, "add_sandbox", lambda *a: "add rule inet nosuch x drop\n")
+    monkeypatch.setattr(ruleset, "add_slot", lambda *a: "add rule inet nosuch x drop\n")
     with pytest.raises(SandboxFailed):
         await edgenet.create("sbx-fail", NetworkPolicy())
     assert edgenet.get("sbx-fail") is None
     assert await edgenet.leaked("sbx-fail", "1") == []
+
+
+@pytest.mark.asyncio
+async def test_warm_pool(internet: FakeInternet, tmp_path: Path) -> None:
+    cfg = NetConfig(
+        pool="10.213.0.0/16",
+        upstream_dns=f"{DNS_IP}:53",
+        state_dir=tmp_path / "netstate",
+        netns_dir=tmp_path / "netns",
+        gateway_netns=internet.gw_path,
+        warm=2,
+    )
+    net = EdgeNetwork(f"warm-{tmp_path.name[-8:]}", cfg)
+    await net.start()
+    try:
+        for _ in range(100):
+            if len(net._warm) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(net._warm) == 2
+        t = time.perf_counter()
+        a = await net.create("sbx-warm", NetworkPolicy.from_dict({"allow": [f"{WEB1}:80"]}))
+        assert time.perf_counter() - t < 0.05
+        assert (await aprobe(a.netns, "tcp", WEB1, 80)) == f"hello {WEB1}:80"
+        assert denied(await aprobe(a.netns, "tcp", WEB2, 80))
+        await net.destroy("sbx-warm")
+        assert await net.leaked("sbx-warm", a.key) == []
+        # a restart drops the warm slots of the old run and makes new ones
+        await net.close()
+        net = EdgeNetwork(net.edge_id, cfg)
+        await net.start()
+    finally:
+        await net.release()
+    assert not any((tmp_path / "netns").glob("*"))

@@ -233,6 +233,7 @@ async def start_network(args: argparse.Namespace, paths: Paths, edge_id: str) ->
         netns_dir=paths.home / "edge" / "sandboxes" / ".netns",
         gateway_netns=args.net_gateway_netns or None,
         dns_port=args.net_dns_port,
+        warm=args.net_warm,
     )
     network = EdgeNetwork(edge_id, cfg)
     await network.start()
@@ -267,6 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--net-gateway-netns", default="", help="netns file for host ends (default: the edge's)"
     )
     net.add_argument("--net-dns-port", type=int, default=53)
+    net.add_argument("--net-warm", type=int, default=4, help="networks kept ready for creates")
     return ap.parse_args(argv)
 
 

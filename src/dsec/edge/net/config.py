@@ -22,6 +22,8 @@ class NetConfig:
         which then needs net.ipv4.ip_forward=1 (the edge does not change it).
     dns_port: the resolver's UDP port in the gateway (sandboxes' port 53 is redirected).
     state_dir: where per-sandbox records live (survive an edge restart).
+    warm: how many ready networks (namespace, veth, addresses, chains) to keep in
+        reserve so a create only attaches its policy; 0 makes each one on demand.
     netns_dir: where sandbox namespaces are bind-mounted; must be visible to crun.
     """
 
@@ -31,6 +33,7 @@ class NetConfig:
     netns_dir: Path
     gateway_netns: str | None = None
     dns_port: int = 53
+    warm: int = 0
 
     def __post_init__(self) -> None:
         net = ipaddress.ip_network(self.pool, strict=True)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -87,6 +88,10 @@ class EdgeNetwork:
         self._gw_fd = -1
         self._dns: DnsProxy | None = None
         self._lock = asyncio.Lock()
+        self._warm: list[int] = []  # ready slots (see NetConfig.warm)
+        self._making: set[int] = set()
+        self._refill_task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     # ---- worker thread (lives in the gateway namespace) ---------------------------
 
@@ -95,10 +100,10 @@ class EdgeNetwork:
         self._nft = Nft()
         self._ip = IPRoute()
 
-    async def _run(self, fn: Callable[[], T]) -> T:
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._pool is None:
             raise InvalidState("sandbox networking is not started")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _nft_run(self, text: str) -> str:
         assert self._nft is not None
@@ -112,6 +117,7 @@ class EdgeNetwork:
         Raises:
             BackendUnavailable: no libnftables, no gateway namespace, or forwarding off.
         """
+        self._stopping = False
         cfg = self.config
         try:
             self._gw_fd = (
@@ -153,6 +159,8 @@ class EdgeNetwork:
                         rec["sandbox_id"], int(rec["index"]), NetworkPolicy.from_dict(rec["policy"])
                     )
                 )
+        await self._remove_orphans()
+        self._refill()
         log(
             _log,
             "sandbox networking started",
@@ -185,6 +193,7 @@ class EdgeNetwork:
 
     async def close(self) -> None:
         """Stop the resolver and the worker; sandbox networks stay (see :meth:`release`)."""
+        await self._stop_refill()
         if self._dns is not None:
             await self._dns.close()
             self._dns = None
@@ -207,6 +216,10 @@ class EdgeNetwork:
         """Delete the edge's table (only when no sandbox network is left), then close."""
         if self._nets:
             raise InvalidState(f"{len(self._nets)} sandbox networks still exist")
+        await self._stop_refill()
+        while self._warm:
+            index = self._warm.pop()
+            await self._run(self._unmake_slot, f"{index:x}", self._slot_netns(index))
         with contextlib.suppress(DsecError):
             await self._run(lambda: self._nft_run(f"delete table {self.t.family_table}"))
         await self.close()
@@ -218,7 +231,7 @@ class EdgeNetwork:
     def _net_of(self, sandbox_id: str, index: int, policy: NetworkPolicy) -> SandboxNet:
         gw, addr = self.config.addresses(index)
         return SandboxNet(
-            sandbox_id, index, f"{index:x}", addr, gw, self.config.netns_dir / sandbox_id, policy
+            sandbox_id, index, f"{index:x}", addr, gw, self.config.netns_dir / f"n{index:x}", policy
         )
 
     def _remember(self, net: SandboxNet) -> None:
@@ -251,15 +264,17 @@ class EdgeNetwork:
         async with self._lock:
             if sandbox_id in self._nets:
                 return self._nets[sandbox_id]
-            used = {n.index for n in self._nets.values()}
-            index = next((i for i in range(1, self.config.capacity() + 1) if i not in used), 0)
-            if not index:
-                raise NodeFull("the edge's sandbox address pool is exhausted")
+            warm = bool(self._warm)
+            index = self._warm.pop(0) if warm else self._free_index()
             net = self._net_of(sandbox_id, index, policy)
             await asyncio.to_thread(self._save, net)
             self._remember(net)
         try:
-            await self._run(lambda: self._make(net))
+            if warm:
+                await self._run(lambda: self._nft_run(ruleset.attach(self.t, net.key, policy)))
+            else:
+                await self._run(lambda: self._make(net))
+            self._refill()
         except BaseException as exc:
             await asyncio.shield(self.destroy(sandbox_id))
             if isinstance(exc, OSError | NetlinkError):
@@ -267,19 +282,80 @@ class EdgeNetwork:
             raise
         return net
 
+    def _free_index(self) -> int:
+        used = {n.index for n in self._nets.values()} | set(self._warm) | self._making
+        index = next((i for i in range(1, self.config.capacity() + 1) if i not in used), 0)
+        if not index:
+            raise NodeFull("the edge's sandbox address pool is exhausted")
+        return index
+
+    def _slot_netns(self, index: int) -> Path:
+        return self.config.netns_dir / f"n{index:x}"
+
     def _make(self, net: SandboxNet) -> None:
+        self._make_slot(net.index)
+        self._nft_run(ruleset.attach(self.t, net.key, net.policy))
+
+    def _make_slot(self, index: int) -> None:
+        """Namespace, veth, addresses, route and nft chains of slot ``index`` (blocking)."""
         assert self._ip is not None
-        ifname = self.ifname(net)
+        gw, addr = self.config.addresses(index)
+        ifname = self.t.if_prefix + f"{index:x}"
         links.make_sandbox_netns(
-            net.netns,
+            self._slot_netns(index),
             gateway_fd=self._gw_fd,
             host_ifname=ifname,
-            address=net.address,
-            gateway=net.gateway,
+            address=addr,
+            gateway=gw,
             prefixlen=PREFIXLEN,
         )
-        links.configure_host_end(self._ip, ifname, net.gateway, PREFIXLEN)
-        self._nft_run(ruleset.add_sandbox(self.t, net.key, net.address, net.policy))
+        links.configure_host_end(self._ip, ifname, gw, PREFIXLEN)
+        self._nft_run(ruleset.add_slot(self.t, f"{index:x}", addr))
+
+    async def _stop_refill(self) -> None:
+        # Not cancelled: a slot half-made on the worker would be lost; let it finish.
+        self._stopping = True
+        if self._refill_task is not None:
+            with contextlib.suppress(DsecError, OSError):
+                await self._refill_task
+            self._refill_task = None
+
+    def _refill(self) -> None:
+        """Top up the warm slots in the background (one at a time, on the worker)."""
+        if self._stopping or self.config.warm <= 0:
+            return
+        if self._refill_task and not self._refill_task.done():
+            return
+        self._refill_task = asyncio.create_task(self._refill_loop())
+
+    async def _refill_loop(self) -> None:
+        while not self._stopping and len(self._warm) + len(self._making) < self.config.warm:
+            try:
+                index = self._free_index()
+            except NodeFull:
+                return
+            self._making.add(index)
+            try:
+                await self._run(self._make_slot, index)
+            except (DsecError, OSError, NetlinkError) as exc:
+                log(_log, "warm network failed", logging.WARNING, err=repr(exc))
+                await self._run(self._unmake_slot, f"{index:x}", self._slot_netns(index))
+                return
+            finally:
+                self._making.discard(index)
+            self._warm.append(index)
+
+    async def _remove_orphans(self) -> None:
+        """Remove slots no sandbox record names (warm ones of a previous run, or debris)."""
+        owned = {n.key for n in self._nets.values()}
+        keys = {p.name[1:] for p in self.config.netns_dir.glob("n*")}
+        assert self._ip is not None
+        names = await self._run(lambda: links.link_names(self._ip, self.t.if_prefix))
+        keys |= {n[len(self.t.if_prefix) :] for n in names}
+        for key in sorted(keys - owned):
+            if re.fullmatch(r"[0-9a-f]{1,5}", key):
+                path = self.config.netns_dir / f"n{key}"
+                await self._run(self._unmake_slot, key, path)
 
     async def destroy(self, sandbox_id: str) -> None:
         """Remove the sandbox's network; idempotent, also for half-made ones.
@@ -298,16 +374,19 @@ class EdgeNetwork:
             self._record(net).unlink()
 
     def _unmake(self, net: SandboxNet) -> None:
+        self._unmake_slot(net.key, net.netns)
+
+    def _unmake_slot(self, key: str, netns: Path) -> None:
         assert self._ip is not None
         try:
-            self._nft_run(ruleset.remove_sandbox(self.t, net.key))
+            self._nft_run(ruleset.remove_sandbox(self.t, key))
         except SandboxFailed:
-            self._nft_run(ruleset.remove_sandbox(self.t, net.key, self._present(net.key)))
+            self._nft_run(ruleset.remove_sandbox(self.t, key, self._present(key)))
         try:
-            links.delete_link(self._ip, self.ifname(net))
-            links.remove_netns(net.netns)
+            links.delete_link(self._ip, self.t.if_prefix + key)
+            links.remove_netns(netns)
         except (OSError, NetlinkError) as exc:
-            raise SandboxFailed(f"removing the network of {net.sandbox_id}: {exc}") from None
+            raise SandboxFailed(f"removing network slot {key}: {exc}") from None
 
     def _present(self, key: str) -> set[str]:
         """Names of this sandbox's nft objects and map keys that exist."""
@@ -408,8 +487,9 @@ class EdgeNetwork:
         rec = self.config.state_dir / f"{sandbox_id}.json"
         if rec.exists():
             found.append(f"network record {rec}")
-        if (self.config.netns_dir / sandbox_id).exists():
-            found.append(f"netns {self.config.netns_dir / sandbox_id}")
+        net = self._nets.get(sandbox_id)
+        if net is not None:
+            found.append(f"network of {sandbox_id} (netns {net.netns})")
         return found
 
     async def leaked(self, sandbox_id: str, key: str | None = None) -> list[str]:

@@ -93,8 +93,29 @@ def policy_elements(ft: str, key: str, policy: NetworkPolicy) -> str:
 
 def add_sandbox(t: TableSpec, key: str, address: str, policy: NetworkPolicy) -> str:
     """Commands adding sandbox ``key`` (host end ``<prefix><key>``, address ``address``)."""
+    return add_slot(t, key, address) + attach(t, key, policy)
+
+
+def attach(t: TableSpec, key: str, policy: NetworkPolicy) -> str:
+    """Commands that hand a prepared slot to a sandbox: its policy, then its traffic."""
     ft = t.family_table
     ifname = t.if_prefix + key
+    return (
+        policy_elements(ft, key, policy)
+        + "\n".join(
+            [
+                f'add element {ft} egress {{ "{ifname}" : jump out_{key} }}',
+                f'add element {ft} ingress {{ "{ifname}" : jump in_{key} }}',
+            ]
+        )
+        + "\n"
+    )
+
+
+def add_slot(t: TableSpec, key: str, address: str) -> str:
+    """Commands making slot ``key``'s counters, sets and chains; no traffic reaches them
+    until :func:`attach` adds its interface to the dispatch maps."""
+    ft = t.family_table
     c = {n: f"counter name {n}_{key}" for n in COUNTERS}
     cmds = [f"add counter {ft} {n}_{key}" for n in COUNTERS]
     cidr = "type ipv4_addr; flags interval; auto-merge;"
@@ -119,10 +140,8 @@ def add_sandbox(t: TableSpec, key: str, address: str, policy: NetworkPolicy) -> 
         f"add chain {ft} in_{key}",
         f"add rule {ft} in_{key} ct state established,related {c['ok']} accept",
         f"add rule {ft} in_{key} {c['deny']} {c['new_deny']} drop",
-        f'add element {ft} egress {{ "{ifname}" : jump out_{key} }}',
-        f'add element {ft} ingress {{ "{ifname}" : jump in_{key} }}',
     ]
-    return "\n".join(cmds) + "\n" + policy_elements(ft, key, policy)
+    return "\n".join(cmds) + "\n"
 
 
 def replace_policy(ft: str, key: str, policy: NetworkPolicy, dns_keep: list[str]) -> str:
