@@ -116,11 +116,12 @@ def test_policy_end_to_end_with_edge_kill_9(
     finally:
         sbx.kill()
         sbx.close()
+    # nothing of the sandbox is left; what remains are the edge's warm (unattached) slots
     left = table(internet, edge_id)
-    assert "out_" not in left
-    assert "dns_" not in left
+    assert "jump out_" not in left
     assert not list((netplatform.paths.home / "edge" / "net").glob("*.json"))
-    assert not any((netplatform.paths.home / "edge" / "sandboxes" / ".netns").iterdir())
+    slots = list((netplatform.paths.home / "edge" / "sandboxes" / ".netns").iterdir())
+    assert len(slots) == left.count("chain out_") <= 4
 
 
 def test_http_network_field_is_validated(netplatform: RunningPlatform) -> None:

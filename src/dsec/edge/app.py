@@ -121,8 +121,14 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     edge_id = args.edge_id or ensure_edge_id(paths.home)
     metrics = Metrics("dsec_edge")
     cap = node_capacity(args)
-    network = await start_network(args, paths, edge_id)
+    network = make_network(args, paths, edge_id)
     backends = make_backends(paths, edge_id, network)
+    if network is not None:
+        for backend in backends.values():
+            prepare = getattr(backend, "prepare", None)
+            if prepare is not None:
+                await prepare()
+        await network.start()
     iam_ch = secure_channel(paths.pki, edge_id, args.iam)
     watcher_ch = secure_channel(paths.pki, edge_id, args.watcher)
     iam = pb_grpc.IamStub(iam_ch)
@@ -221,7 +227,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         log(_log, "edge stopped")
 
 
-async def start_network(args: argparse.Namespace, paths: Paths, edge_id: str) -> EdgeNetwork | None:
+def make_network(args: argparse.Namespace, paths: Paths, edge_id: str) -> EdgeNetwork | None:
     """The edge's sandbox networking, if ``--net-upstream-dns`` enables it."""
     if not args.net_upstream_dns:
         return None
@@ -235,9 +241,7 @@ async def start_network(args: argparse.Namespace, paths: Paths, edge_id: str) ->
         dns_port=args.net_dns_port,
         warm=args.net_warm,
     )
-    network = EdgeNetwork(edge_id, cfg)
-    await network.start()
-    return network
+    return EdgeNetwork(edge_id, cfg)
 
 
 def _split(addr: str) -> tuple[str, int]:

@@ -114,6 +114,11 @@ class ContainerBackend:
             note += ", crun via private mntns"
         return Availability(True, note)
 
+    async def prepare(self) -> None:
+        """Do the host setup now (the edge calls it before sandbox networking starts, so
+        namespace files made early land below the shared sandboxes dir, not under it)."""
+        await self._setup()
+
     async def _setup(self) -> None:
         """Once per process: detect cgroups; on hybrid hosts prepare crun's namespace."""
         if self._setup_done:
