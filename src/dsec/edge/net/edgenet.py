@@ -92,6 +92,7 @@ class EdgeNetwork:
         self._making: set[int] = set()
         self._refill_task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stuck: set[int] = set()
 
     # ---- worker thread (lives in the gateway namespace) ---------------------------
 
@@ -284,6 +285,7 @@ class EdgeNetwork:
 
     def _free_index(self) -> int:
         used = {n.index for n in self._nets.values()} | set(self._warm) | self._making
+        used |= self._stuck
         index = next((i for i in range(1, self.config.capacity() + 1) if i not in used), 0)
         if not index:
             raise NodeFull("the edge's sandbox address pool is exhausted")
@@ -355,7 +357,11 @@ class EdgeNetwork:
         for key in sorted(keys - owned):
             if re.fullmatch(r"[0-9a-f]{1,5}", key):
                 path = self.config.netns_dir / f"n{key}"
-                await self._run(self._unmake_slot, key, path)
+                try:
+                    await self._run(self._unmake_slot, key, path)
+                except DsecError as exc:  # never keep the edge from starting over debris
+                    log(_log, "orphan network slot left", logging.WARNING, err=exc.message)
+                    self._stuck.add(int(key, 16))  # its address block is not reused
 
     async def destroy(self, sandbox_id: str) -> None:
         """Remove the sandbox's network; idempotent, also for half-made ones.
