@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dsec.paths import Paths
 
+EDGE_ARGS_ENV = "DSEC_EDGE_EXTRA_ARGS"
 COMPONENTS = ("iam", "watcher", "edge", "apiserver", "gateway")
 PORTS = 8  # addresses from the port base: see Layout.from_port_base
 HEALTH_TIMEOUT_S = 60.0
@@ -131,7 +132,10 @@ class Supervisor:
                 lay.watcher,
                 "--edge-id",
                 lay.edge_id,
+                # e.g. sandbox networking flags (--net-upstream-dns ...), one per line
+                *os.environ.get(EDGE_ARGS_ENV, "").split("\n"),
             ]
+            argv = [a for a in argv if a]
             return argv if self.keep_sandboxes else [*argv, "--stop-sandboxes-on-exit"]
         if component == "gateway":
             api = f"http://{lay.apiserver}"

@@ -35,6 +35,16 @@ SCHEMAS: dict[str, Any] = {
             "timeout_s": {"type": "integer", "minimum": 1, "default": 300},
             "env": _MAP,
             "metadata": _MAP,
+            "network": {"$ref": "#/components/schemas/NetworkPolicy"},
+        },
+    },
+    "NetworkPolicy": {
+        "type": "object",
+        "additionalProperties": False,
+        "description": "Rules: CIDR, CIDR:PORT[-PORT][/udp], DOMAIN, *.DOMAIN; deny wins.",
+        "properties": {
+            "allow": {"type": "array", "items": {"type": "string"}},
+            "deny": {"type": "array", "items": {"type": "string"}},
         },
     },
     "SandboxInfo": {
@@ -85,6 +95,7 @@ SCHEMAS: dict[str, Any] = {
 
 _BODIES = {
     ("POST", "/v1/sandboxes"): "SandboxSpec",
+    ("PUT", "/v1/sandboxes/{sandbox_id}/network"): "NetworkPolicy",
     ("POST", "/v1/sandboxes/{sandbox_id}/exec"): "ExecRequest",
     ("POST", "/v1/sandboxes/{sandbox_id}/shells/{name}/run"): "ExecRequest",
 }
@@ -92,6 +103,7 @@ _RESULTS = {
     "/v1/sandboxes/{sandbox_id}": "SandboxInfo",
     "/v1/sandboxes": "SandboxInfo",
     "/v1/sandboxes/{sandbox_id}/timeout": "SandboxInfo",
+    "/v1/sandboxes/{sandbox_id}/network": "SandboxInfo",
     "/v1/sandboxes/{sandbox_id}/exec": "ExecResult",
     "/v1/sandboxes/{sandbox_id}/shells/{name}/run": "ExecResult",
 }

@@ -1,4 +1,5 @@
-"""Sandbox lifecycle routes: create (admit + schedule), list, get, kill, set timeout."""
+"""Sandbox lifecycle routes: create (admit + schedule), list, get, kill, set timeout and
+network policy."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dsec.core.errors import (
     Unavailable,
 )
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
+from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
 
@@ -49,7 +51,9 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
             "timeout_s": spec.timeout_s,
             "env": dict(spec.env),
             "metadata": dict(spec.metadata),
+            "network": {"allow": list(spec.network.allow), "deny": list(spec.network.deny)},
         },
+        "network_stats": dict(info.network_stats),
     }
 
 
@@ -93,6 +97,7 @@ async def create(request: web.Request) -> web.Response:
         timeout_s=spec.timeout_s,
         env=spec.env,
         metadata=spec.metadata,
+        network=pb.NetworkPolicy(allow=spec.network.allow, deny=spec.network.deny),
     )
     last: DsecError = NodeFull("every edge is full")
     for entry in _placement(await c.upstream.edges(), spec.backend)[:MAX_EDGE_TRIES]:
@@ -217,6 +222,26 @@ async def set_timeout(request: web.Request) -> web.Response:
     return ok(info_json(info))
 
 
+async def set_network(request: web.Request) -> web.Response:
+    """``PUT /v1/sandboxes/{id}/network`` with ``{"allow": [...], "deny": [...]}``."""
+    c, p, sid = ctx(request), principal(request), sandbox_id(request)
+    p.require("member")
+    policy = NetworkPolicy.from_dict(await json_body(request))
+    stub = await c.upstream.edge_for(sid)
+    info = await rpc(
+        "edge",
+        stub.SetNetwork(
+            pb.SetNetworkRequest(
+                sandbox_id=sid,
+                network=pb.NetworkPolicy(allow=policy.allow, deny=policy.deny),
+            ),
+            metadata=p.metadata(),
+            timeout=10,
+        ),
+    )
+    return ok(info_json(info))
+
+
 async def edges(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
     p.require("admin")
@@ -236,5 +261,6 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout", set_timeout),
     ("POST", "/v1/sandboxes/{sandbox_id}/pause", pause),
     ("POST", "/v1/sandboxes/{sandbox_id}/resume", resume),
+    ("PUT", "/v1/sandboxes/{sandbox_id}/network", set_network),
     ("GET", "/v1/edges", edges),
 ]

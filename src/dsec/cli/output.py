@@ -168,6 +168,11 @@ def sandbox_details(info: SandboxInfo) -> Table:
         ]
         rows += [(f"env {k}", v) for k, v in sorted(spec.env.items())]
         rows += [(f"meta {k}", v) for k, v in sorted(spec.metadata.items())]
+        for which in ("allow", "deny"):
+            rules = spec.network.get(which) or []
+            if rules or which == "allow":
+                rows.append((f"network {which}", " ".join(rules) or "(nothing)"))
+    rows += [(f"net {k}", str(v)) for k, v in sorted(info.network_stats.items())]
     for key, value in rows:
         shown = escape(value)
         table.add_row(escape(key), f"[red]{shown}[/red]" if key == "error" else shown)

@@ -32,6 +32,9 @@ def sandbox_group() -> None:
 sandbox_group.add_command(files_cmd.files_group)
 
 
+RULE_HELP = "Allow rule: CIDR, CIDR:PORT[-PORT][/udp], DOMAIN or *.DOMAIN (repeatable)."
+
+
 @sandbox_group.command("create")
 @click.option("--image", default="base", show_default=True, help="Image to start from.")
 @click.option(
@@ -47,6 +50,8 @@ sandbox_group.add_command(files_cmd.files_group)
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Environment (repeatable).")
 @click.option("--meta", "meta", multiple=True, metavar="K=V", help="Metadata (repeatable).")
 @click.option("--project", default=None, help="Project path (default: the key's project).")
+@click.option("--allow", "allow", multiple=True, metavar="RULE", help=RULE_HELP)
+@click.option("--deny", "deny", multiple=True, metavar="RULE", help="Deny rule (wins; repeatable).")
 @json_option
 def create(
     image: str,
@@ -58,9 +63,11 @@ def create(
     env: tuple[str, ...],
     meta: tuple[str, ...],
     project: str | None,
+    allow: tuple[str, ...],
+    deny: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    """Create a sandbox and print its id."""
+    """Create a sandbox and print its id (its network allows nothing unless --allow)."""
     env_map, meta_map = parse_pairs(env, "--env"), parse_pairs(meta, "--meta")
     client = state().client()
     with stderr().status(f"creating a {backend} sandbox from {image!r}"):
@@ -74,6 +81,7 @@ def create(
             env=env_map,
             metadata=meta_map,
             project=project,
+            network={"allow": list(allow), "deny": list(deny)} if allow or deny else None,
             client=client,
         )
     if as_json:
@@ -151,6 +159,24 @@ def resume(sandbox_id: str, as_json: bool) -> None:
         print_json(details)
     else:
         click.echo(f"resumed {sandbox_id}")
+
+
+@sandbox_group.command("network")
+@click.argument("sandbox_id")
+@click.option("--allow", "allow", multiple=True, metavar="RULE", help=RULE_HELP)
+@click.option("--deny", "deny", multiple=True, metavar="RULE", help="Deny rule (wins; repeatable).")
+@json_option
+def set_network(
+    sandbox_id: str, allow: tuple[str, ...], deny: tuple[str, ...], as_json: bool
+) -> None:
+    """Replace a running sandbox's network policy (no rules: deny everything)."""
+    details = (
+        state().client().sandbox(sandbox_id).set_network({"allow": list(allow), "deny": list(deny)})
+    )
+    if as_json:
+        print_json(details)
+    else:
+        stdout().print(sandbox_details(details))
 
 
 @sandbox_group.command("timeout")

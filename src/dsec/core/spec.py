@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.core.errors import InvalidArgument
+from dsec.core.netpolicy import NetworkPolicy
 
 BACKENDS = ("function", "container", "microvm", "vm")
 
@@ -40,6 +41,7 @@ class SandboxSpec:
     timeout_s: int = 300
     env: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -54,6 +56,8 @@ class SandboxSpec:
         _check_range("timeout_s", self.timeout_s, MIN_TIMEOUT_S, MAX_TIMEOUT_S, " s")
         _check_mapping("env", self.env, MAX_ENV, _ENV_KEY_RE)
         _check_mapping("metadata", self.metadata, MAX_METADATA, _META_KEY_RE)
+        if not isinstance(self.network, NetworkPolicy):
+            raise InvalidArgument("network must be a NetworkPolicy")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +69,7 @@ class SandboxSpec:
             "timeout_s": self.timeout_s,
             "env": dict(self.env),
             "metadata": dict(self.metadata),
+            "network": self.network.to_dict(),
         }
 
     @classmethod
@@ -73,6 +78,8 @@ class SandboxSpec:
         unknown = set(data) - known
         if unknown:
             raise InvalidArgument(f"unknown sandbox fields: {', '.join(sorted(unknown))}")
+        if "network" in data:
+            data = {**data, "network": NetworkPolicy.from_dict(data["network"])}
         try:
             return cls(**data)
         except TypeError as exc:

@@ -22,6 +22,8 @@ from dsec.core.admission import NodeCapacity
 from dsec.core.errors import DsecError
 from dsec.edge.backends.api import Backend
 from dsec.edge.manager import SandboxManager
+from dsec.edge.net.config import DEFAULT_POOL, NetConfig
+from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.edge.records import RecordStore
 from dsec.edge.service import EdgeService
 from dsec.obs import Metrics, log
@@ -71,11 +73,15 @@ def node_capacity(args: argparse.Namespace) -> NodeCapacity:
     )
 
 
-def make_backends(paths: Paths, edge_id: str) -> dict[str, Backend]:
+def make_backends(
+    paths: Paths, edge_id: str, network: EdgeNetwork | None = None
+) -> dict[str, Backend]:
     from dsec.edge.backends.container.backend import ContainerBackend
     from dsec.edge.images.store import ImageStore
 
-    container = ContainerBackend(paths, edge_id, image_store=ImageStore(paths.images))
+    container = ContainerBackend(
+        paths, edge_id, image_store=ImageStore(paths.images), network=network
+    )
     out: dict[str, Backend] = {}
     avail = container.availability()
     if avail.available:
@@ -135,7 +141,14 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     edge_id = args.edge_id or ensure_edge_id(paths.home)
     metrics = Metrics("dsec_edge")
     cap = node_capacity(args)
-    backends = make_backends(paths, edge_id)
+    network = make_network(args, paths, edge_id)
+    backends = make_backends(paths, edge_id, network)
+    if network is not None:
+        for backend in backends.values():
+            prepare = getattr(backend, "prepare", None)
+            if prepare is not None:
+                await prepare()
+        await network.start()
     iam_ch = secure_channel(paths.pki, edge_id, args.iam)
     watcher_ch = secure_channel(paths.pki, edge_id, args.watcher)
     iam = pb_grpc.IamStub(iam_ch)
@@ -205,6 +218,15 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         asyncio.ensure_future(_every(REAP_S, manager.reap_expired, stop, "reaper")),
         asyncio.ensure_future(_every(RECONCILE_S, reconcile, stop, "reconcile")),
     ]
+    if network is not None:
+
+        async def net_metrics() -> None:
+            assert network is not None
+            for sid, stats in (await network.counters()).items():
+                for name, value in stats.items():
+                    metrics.set(f"sandbox_network_{name}", value, sandbox=sid)
+
+        loops.append(asyncio.ensure_future(_every(HEARTBEAT_S, net_metrics, stop, "net")))
     try:
         await stop.wait()
     finally:
@@ -215,8 +237,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         if args.stop_sandboxes_on_exit:
             await manager.stop_all("edge shut down")
             if not manager.live_records():
+                if network is not None:
+                    await network.release()
                 for backend in backends.values():
                     await asyncio.to_thread(backend.release_host_setup)
+        if network is not None:
+            await network.close()
         manager.close()
         records.close()
         if metrics_runner is not None:
@@ -224,6 +250,23 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await iam_ch.close()
         await watcher_ch.close()
         log(_log, "edge stopped")
+
+
+def make_network(args: argparse.Namespace, paths: Paths, edge_id: str) -> EdgeNetwork | None:
+    """The edge's sandbox networking, if ``--net-upstream-dns`` enables it."""
+    if not args.net_upstream_dns:
+        return None
+    cfg = NetConfig(
+        pool=args.net_pool,
+        upstream_dns=args.net_upstream_dns,
+        state_dir=paths.home / "edge" / "net",
+        # below the sandboxes dir: that mount is shared into crun's namespace
+        netns_dir=paths.home / "edge" / "sandboxes" / ".netns",
+        gateway_netns=args.net_gateway_netns or None,
+        dns_port=args.net_dns_port,
+        warm=args.net_warm,
+    )
+    return EdgeNetwork(edge_id, cfg)
 
 
 def _split(addr: str) -> tuple[str, int]:
@@ -247,6 +290,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory-overcommit", type=float, default=4.0)
     ap.add_argument("--stop-sandboxes-on-exit", action="store_true")
     ap.add_argument("--log-level", default="INFO")
+    net = ap.add_argument_group("sandbox networking (off unless --net-upstream-dns is set)")
+    net.add_argument("--net-upstream-dns", default="", help="IPv4:PORT the resolver forwards to")
+    net.add_argument("--net-pool", default=DEFAULT_POOL, help="private IPv4 pool, one /30 each")
+    net.add_argument(
+        "--net-gateway-netns", default="", help="netns file for host ends (default: the edge's)"
+    )
+    net.add_argument("--net-dns-port", type=int, default=53)
+    net.add_argument("--net-warm", type=int, default=4, help="networks kept ready for creates")
     return ap.parse_args(argv)
 
 

@@ -29,6 +29,7 @@ from dsec.core import admission, projects
 from dsec.core.errors import (
     BackendUnavailable,
     DsecError,
+    InvalidArgument,
     InvalidState,
     PermissionDenied,
     SandboxFailed,
@@ -36,6 +37,7 @@ from dsec.core.errors import (
 )
 from dsec.core.ids import edge_of
 from dsec.core.lifecycle import Event, State
+from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
 from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths
@@ -253,6 +255,37 @@ class SandboxManager:
         rec = replace(rec, expires_at=self._clock() + timeout_s)
         self._save(rec)
         return rec
+
+    async def set_network(
+        self, sandbox_id: str, policy: NetworkPolicy, caller: Caller
+    ) -> SandboxRecord:
+        """Replace a live sandbox's network policy (the backend applies it at once).
+
+        Raises:
+            InvalidState: the sandbox is not running or paused.
+            InvalidArgument: its backend has no sandbox networking.
+        """
+        rec = self.get(sandbox_id, caller)
+        if rec.state not in (State.RUNNING, State.PAUSED):
+            raise InvalidState(f"sandbox {sandbox_id} is {rec.state.value}")
+        setter = getattr(self._backends.get(rec.spec.backend), "set_network", None)
+        if setter is None:
+            raise InvalidArgument(f"the {rec.spec.backend} backend has no sandbox networking")
+        await setter(sandbox_id, policy)
+        rec = replace(rec, spec=replace(rec.spec, network=policy))
+        self._save(rec)
+        return rec
+
+    async def network_stats(self, rec: SandboxRecord) -> dict[str, int]:
+        """Allowed/denied traffic counters of a live sandbox (empty if none)."""
+        stats = getattr(self._backends.get(rec.spec.backend), "network_stats", None)
+        if stats is None or not rec.live:
+            return {}
+        try:
+            result: dict[str, int] = await stats(rec.id)
+        except DsecError:
+            return {}
+        return result
 
     async def reap_expired(self) -> None:
         now = self._clock()

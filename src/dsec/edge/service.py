@@ -25,6 +25,7 @@ from dsec.core.errors import (
     Unavailable,
 )
 from dsec.core.lifecycle import State
+from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
 from dsec.edge.images.reference import parse_reference
@@ -57,7 +58,12 @@ def spec_from_pb(msg: pb.SandboxSpec) -> SandboxSpec:
         timeout_s=msg.timeout_s or 300,
         env=dict(msg.env),
         metadata=dict(msg.metadata),
+        network=policy_from_pb(msg.network),
     )
+
+
+def policy_from_pb(msg: pb.NetworkPolicy) -> NetworkPolicy:
+    return NetworkPolicy(allow=tuple(msg.allow), deny=tuple(msg.deny))
 
 
 def spec_to_pb(spec: SandboxSpec) -> pb.SandboxSpec:
@@ -70,11 +76,15 @@ def spec_to_pb(spec: SandboxSpec) -> pb.SandboxSpec:
         timeout_s=spec.timeout_s,
         env=spec.env,
         metadata=spec.metadata,
+        network=pb.NetworkPolicy(allow=spec.network.allow, deny=spec.network.deny),
     )
 
 
-def info_to_pb(rec: SandboxRecord, edge_id: str) -> pb.SandboxInfo:
+def info_to_pb(
+    rec: SandboxRecord, edge_id: str, network_stats: dict[str, int] | None = None
+) -> pb.SandboxInfo:
     return pb.SandboxInfo(
+        network_stats=network_stats or {},
         id=rec.id,
         project=rec.project,
         owner=rec.owner,
@@ -171,7 +181,15 @@ class EdgeService(pb_grpc.EdgeServicer):
     async def GetSandbox(
         self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SandboxInfo:
-        return info_to_pb(self._m.get(request.sandbox_id, caller_of(context)), self._m.edge_id)
+        rec = self._m.get(request.sandbox_id, caller_of(context))
+        return info_to_pb(rec, self._m.edge_id, await self._m.network_stats(rec))
+
+    async def SetNetwork(
+        self, request: pb.SetNetworkRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        policy = policy_from_pb(request.network)
+        rec = await self._m.set_network(request.sandbox_id, policy, caller_of(context))
+        return info_to_pb(rec, self._m.edge_id, await self._m.network_stats(rec))
 
     async def ListSandboxes(
         self, request: pb.ListSandboxesRequest, context: grpc.aio.ServicerContext[Any, Any]

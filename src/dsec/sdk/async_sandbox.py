@@ -209,6 +209,7 @@ class AsyncSandbox:
         timeout: int = 300,  # noqa: ASYNC109 -- the sandbox's lifetime, not a call deadline
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        network: Mapping[str, Any] | None = None,
         *,
         project: str | None = None,
         api_key: str | None = None,
@@ -226,6 +227,7 @@ class AsyncSandbox:
             env=env,
             metadata=metadata,
             project=project,
+            network=network,
         )
         owned = client is None
         c = client or AsyncClient(api_url, api_key)
@@ -282,6 +284,11 @@ class AsyncSandbox:
 
     async def info(self) -> SandboxInfo:
         return await self._t.call(wire.get_sandbox(self._id))
+
+    async def set_network(self, network: Mapping[str, Any]) -> SandboxInfo:
+        """Replace the network policy: ``{"allow": [...], "deny": [...]}`` (rules as in
+        ``create``); established connections that stay allowed keep going."""
+        return await self._t.call(wire.set_network(self._id, network))
 
     async def set_timeout(self, seconds: int) -> SandboxInfo:
         """Let the sandbox live ``seconds`` from now."""

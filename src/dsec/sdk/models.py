@@ -78,6 +78,7 @@ class SpecInfo:
     timeout_s: int
     env: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    network: dict[str, list[str]] = field(default_factory=dict)  # {"allow": [...], "deny": [...]}
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> SpecInfo:
@@ -90,6 +91,7 @@ class SpecInfo:
             timeout_s=int(obj.get("timeout_s") or 0),
             env=dict(obj.get("env") or {}),
             metadata=dict(obj.get("metadata") or {}),
+            network={k: list(v) for k, v in dict(obj.get("network") or {}).items()},
         )
 
 
@@ -107,6 +109,7 @@ class SandboxInfo:
     expires_at: datetime | None = None
     error: str | None = None
     spec: SpecInfo | None = None
+    network_stats: dict[str, int] = field(default_factory=dict)  # allowed/denied traffic
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> SandboxInfo:
@@ -125,6 +128,7 @@ class SandboxInfo:
             expires_at=_time(obj.get("expires_at")),
             error=str(err) if err else None,
             spec=SpecInfo.from_wire(spec) if isinstance(spec, Mapping) else None,
+            network_stats={k: int(v) for k, v in dict(obj.get("network_stats") or {}).items()},
         )
 
 

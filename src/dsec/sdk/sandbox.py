@@ -212,6 +212,7 @@ class Sandbox:
         timeout: int = 300,
         env: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
+        network: Mapping[str, Any] | None = None,
         *,
         project: str | None = None,
         api_key: str | None = None,
@@ -229,6 +230,7 @@ class Sandbox:
             env=env,
             metadata=metadata,
             project=project,
+            network=network,
         )
         owned = client is None
         c = client or Client(api_url, api_key)
@@ -285,6 +287,11 @@ class Sandbox:
 
     def info(self) -> SandboxInfo:
         return self._t.call(wire.get_sandbox(self._id))
+
+    def set_network(self, network: Mapping[str, Any]) -> SandboxInfo:
+        """Replace the network policy: ``{"allow": [...], "deny": [...]}`` (rules as in
+        ``create``); established connections that stay allowed keep going."""
+        return self._t.call(wire.set_network(self._id, network))
 
     def set_timeout(self, seconds: int) -> SandboxInfo:
         """Let the sandbox live ``seconds`` from now."""

@@ -175,6 +175,7 @@ def create_sandbox(
     env: Mapping[str, str] | None,
     metadata: Mapping[str, str] | None,
     project: str | None = None,
+    network: Mapping[str, Any] | None = None,
 ) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes``: omitted (None) fields take the server's defaults."""
     body = compact(
@@ -187,9 +188,28 @@ def create_sandbox(
         env=dict(env) if env is not None else None,
         metadata=dict(metadata) if metadata is not None else None,
         project=project,
+        network=_network_body(network) if network is not None else None,
     )
     req = json_request("POST", "/v1/sandboxes", body, timeout=CREATE_TIMEOUT_S)
     return Call(req, SandboxInfo.from_wire)
+
+
+def _network_body(network: Mapping[str, Any]) -> dict[str, list[str]]:
+    if not isinstance(network, Mapping) or set(network) - {"allow", "deny"}:
+        raise InvalidArgument('network must be {"allow": [...], "deny": [...]}')
+    out: dict[str, list[str]] = {}
+    for key in ("allow", "deny"):
+        rules = network.get(key) or []
+        if isinstance(rules, str) or not all(isinstance(r, str) for r in rules):
+            raise InvalidArgument(f"network.{key} must be a list of rule strings")
+        out[key] = list(rules)
+    return out
+
+
+def set_network(sandbox_id: str, network: Mapping[str, Any]) -> Call[SandboxInfo]:
+    """``PUT /v1/sandboxes/{id}/network``: replace the policy of a running sandbox."""
+    path = sandbox_path(sandbox_id) + "/network"
+    return Call(json_request("PUT", path, _network_body(network)), SandboxInfo.from_wire)
 
 
 def _sandbox_list(obj: JSON) -> list[SandboxInfo]:

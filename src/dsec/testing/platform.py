@@ -17,12 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.paths import Paths
-from dsec.supervisor import PORTS, Layout, healthy, layout_path
+from dsec.supervisor import EDGE_ARGS_ENV, PORTS, Layout, healthy, layout_path
 
 
 def requirements_missing() -> str | None:
@@ -89,7 +89,9 @@ class RunningPlatform:
 
 
 @contextlib.contextmanager
-def running_platform(*, keep_sandboxes: bool = False) -> Iterator[RunningPlatform]:
+def running_platform(
+    *, keep_sandboxes: bool = False, edge_args: Sequence[str] = ()
+) -> Iterator[RunningPlatform]:
     top = Path(tempfile.mkdtemp(prefix="dsec-", dir="/tmp"))
     paths = Paths(home=top / "home", data=Paths.from_env().data, run=top / "run")
     paths.home.mkdir()
@@ -103,6 +105,7 @@ def running_platform(*, keep_sandboxes: bool = False) -> Iterator[RunningPlatfor
         "DSEC_HOME": str(paths.home),
         "DSEC_RUN": str(paths.run),
         "DSEC_DATA": str(paths.data),
+        EDGE_ARGS_ENV: "\n".join(edge_args),
     }
     with open(paths.logs / "supervisor.log", "ab") as logf:
         proc = subprocess.Popen(

@@ -89,6 +89,7 @@ class SandboxSpec(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     image: _builtins.str
     cpu: _builtins.float
@@ -99,6 +100,8 @@ class SandboxSpec(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def network(self) -> Global___NetworkPolicy: ...
     def __init__(
         self,
         *,
@@ -110,18 +113,90 @@ class SandboxSpec(_message.Message):
         timeout_s: _builtins.int = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        network: Global___NetworkPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu", b"cpu", "env", b"env", "image", b"image", "memory_mb", b"memory_mb", "metadata", b"metadata", "pids", b"pids", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu", b"cpu", "env", b"env", "image", b"image", "memory_mb", b"memory_mb", "metadata", b"metadata", "network", b"network", "pids", b"pids", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SandboxSpec: _TypeAlias = SandboxSpec  # noqa: Y015
 
 @_typing.final
+class NetworkPolicy(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALLOW_FIELD_NUMBER: _builtins.int
+    DENY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def allow(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """CIDR, CIDR:PORT[-PORT][/udp], DOMAIN, *.DOMAIN"""
+
+    @_builtins.property
+    def deny(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """same forms; deny wins"""
+
+    def __init__(
+        self,
+        *,
+        allow: _abc.Iterable[_builtins.str] | None = ...,
+        deny: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow", b"allow", "deny", b"deny"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkPolicy: _TypeAlias = NetworkPolicy  # noqa: Y015
+
+@_typing.final
+class SetNetworkRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    @_builtins.property
+    def network(self) -> Global___NetworkPolicy: ...
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        network: Global___NetworkPolicy | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["network", b"network", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetNetworkRequest: _TypeAlias = SetNetworkRequest  # noqa: Y015
+
+@_typing.final
 class SandboxInfo(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class NetworkStatsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     ID_FIELD_NUMBER: _builtins.int
     PROJECT_FIELD_NUMBER: _builtins.int
@@ -133,6 +208,7 @@ class SandboxInfo(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    NETWORK_STATS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     project: _builtins.str
     owner: _builtins.str
@@ -144,6 +220,10 @@ class SandboxInfo(_message.Message):
     error: _builtins.str
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
+    @_builtins.property
+    def network_stats(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """allowed/denied bytes, packets, connections"""
+
     def __init__(
         self,
         *,
@@ -157,10 +237,11 @@ class SandboxInfo(_message.Message):
         started_at: _builtins.float = ...,
         expires_at: _builtins.float = ...,
         error: _builtins.str = ...,
+        network_stats: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "error", b"error", "expires_at", b"expires_at", "id", b"id", "owner", b"owner", "project", b"project", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "error", b"error", "expires_at", b"expires_at", "id", b"id", "network_stats", b"network_stats", "owner", b"owner", "project", b"project", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

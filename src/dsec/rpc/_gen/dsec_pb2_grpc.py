@@ -69,6 +69,11 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxRef.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
                 _registered_method=True)
+        self.SetNetwork = channel.unary_unary(
+                '/dsec.v1.Edge/SetNetwork',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetNetworkRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
+                _registered_method=True)
         self.Call = channel.unary_unary(
                 '/dsec.v1.Edge/Call',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeCall.SerializeToString,
@@ -152,6 +157,12 @@ class EdgeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResumeSandbox(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetNetwork(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -243,6 +254,11 @@ def add_EdgeServicer_to_server(servicer, server):
             'ResumeSandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeSandbox,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxRef.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.SerializeToString,
+            ),
+            'SetNetwork': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNetwork,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetNetworkRequest.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.SerializeToString,
             ),
             'Call': grpc.unary_unary_rpc_method_handler(
@@ -474,6 +490,33 @@ class Edge:
             target,
             '/dsec.v1.Edge/ResumeSandbox',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxRef.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetNetwork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/SetNetwork',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SetNetworkRequest.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
             options,
             channel_credentials,

@@ -43,6 +43,7 @@ class EdgeStub:
     PauseSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SandboxRef, _dsec_pb2.SandboxInfo]
     """freeze every process; memory stays"""
     ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SandboxRef, _dsec_pb2.SandboxInfo]
+    SetNetwork: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SetNetworkRequest, _dsec_pb2.SandboxInfo]
     Call: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.RuntimeCall, _dsec_pb2.RuntimeReply]
     Stream: _grpc.StreamStreamMultiCallable[_dsec_pb2.RuntimeFrame, _dsec_pb2.RuntimeFrame]
     Status: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.EdgeStatus]
@@ -65,6 +66,7 @@ class EdgeAsyncStub(EdgeStub):
     PauseSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SandboxRef, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
     """freeze every process; memory stays"""
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SandboxRef, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
+    SetNetwork: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SetNetworkRequest, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
     Call: _aio.UnaryUnaryMultiCallable[_dsec_pb2.RuntimeCall, _dsec_pb2.RuntimeReply]  # type: ignore[assignment]
     Stream: _aio.StreamStreamMultiCallable[_dsec_pb2.RuntimeFrame, _dsec_pb2.RuntimeFrame]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.EdgeStatus]  # type: ignore[assignment]
@@ -124,6 +126,13 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
     def ResumeSandbox(
         self,
         request: _dsec_pb2.SandboxRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SandboxInfo, _abc.Awaitable[_dsec_pb2.SandboxInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def SetNetwork(
+        self,
+        request: _dsec_pb2.SetNetworkRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.SandboxInfo, _abc.Awaitable[_dsec_pb2.SandboxInfo]]: ...
 

@@ -28,12 +28,14 @@ from dsec.core.errors import (
     SandboxFailed,
     SandboxNotFound,
 )
+from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import Availability, RuntimeState, SandboxPaths, Started
 from dsec.edge.backends.container import cgroups, mntns, ocispec, overlay
 from dsec.edge.backends.container.crun import Crun
 from dsec.edge.backends.container.leaks import find_leaks
 from dsec.edge.images.store import ImageStore
+from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.obs import log
 from dsec.paths import Paths
 
@@ -61,6 +63,7 @@ class ContainerBackend:
         image_store: ImageStore,
         cgroup_parent: str = "dsec",
         sandboxes_dir: Path | None = None,
+        network: EdgeNetwork | None = None,
     ) -> None:
         """Set up the backend (cheap; host checks happen in availability()/create()).
 
@@ -83,6 +86,7 @@ class ContainerBackend:
         self._ns: mntns.CrunNamespace | None = None
         self._setup_lock = asyncio.Lock()
         self._setup_done = False
+        self.network = network
 
     # --- host checks -----------------------------------------------------------------
 
@@ -109,6 +113,11 @@ class ContainerBackend:
         if layout.crun_needs_private_ns:
             note += ", crun via private mntns"
         return Availability(True, note)
+
+    async def prepare(self) -> None:
+        """Do the host setup now (the edge calls it before sandbox networking starts, so
+        namespace files made early land below the shared sandboxes dir, not under it)."""
+        await self._setup()
 
     async def _setup(self) -> None:
         """Once per process: detect cgroups; on hybrid hosts prepare crun's namespace."""
@@ -157,6 +166,8 @@ class ContainerBackend:
             SandboxFailed: crun or a mount failed (the message says which).
         """
         _check_id(sandbox_id)
+        if self.network is None and (spec.network.allow or spec.network.deny):
+            raise InvalidArgument("this edge has no sandbox networking: network rules refused")
         existing = await self.crun.state(sandbox_id)
         if existing is not None and existing.status in ("running", "paused"):
             return Started(pid=existing.pid)  # a repeated create after a crash
@@ -170,8 +181,13 @@ class ContainerBackend:
         sock: socket.socket | None = None
         try:
             await asyncio.to_thread(_prepare_rootfs, paths.state_dir, dirs, image.layer_dirs)
+            netns: Path | None = None
+            resolv: str | None = None
+            if self.network is not None:
+                net = await self.network.create(sandbox_id, spec.network)
+                netns, resolv = net.netns, net.resolv_conf()
             etc_dir = paths.state_dir / "etc"
-            await asyncio.to_thread(_write_etc, etc_dir, sandbox_id)
+            await asyncio.to_thread(_write_etc, etc_dir, sandbox_id, resolv)
             sock = _listen(paths.agent_socket)
             config = ocispec.build_config(
                 sandbox_id=sandbox_id,
@@ -181,6 +197,7 @@ class ContainerBackend:
                 agent_bundle=agent,
                 cgroups_path=self.cgroup_path(sandbox_id),
                 etc_dir=etc_dir,
+                netns_path=netns,
             )
             await asyncio.to_thread(ocispec.write_config, paths.state_dir, config)
             pid_file = paths.state_dir / "init.pid"
@@ -280,8 +297,30 @@ class ContainerBackend:
             await asyncio.to_thread(_remove_files, paths)
         except OSError as exc:
             problems.append(str(exc))
+        if self.network is not None:
+            try:
+                await self.network.destroy(sandbox_id)
+            except DsecError as exc:
+                problems.append(exc.message)
         if problems:
             raise SandboxFailed(f"destroying {sandbox_id} left state: " + "; ".join(problems))
+
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
+        """Replace a running sandbox's network policy.
+
+        Raises:
+            InvalidArgument: this edge has no sandbox networking.
+            SandboxNotFound: the sandbox has no network.
+        """
+        if self.network is None:
+            raise InvalidArgument("this edge has no sandbox networking")
+        await self.network.set_policy(sandbox_id, policy)
+
+    async def network_stats(self, sandbox_id: str) -> dict[str, int]:
+        """Allowed/denied bytes, packets and connections (empty without networking)."""
+        if self.network is None or self.network.get(sandbox_id) is None:
+            return {}
+        return (await self.network.counters()).get(sandbox_id, {})
 
     async def usage(self, sandbox_id: str) -> dict[str, float]:
         """Live usage from the sandbox's cgroups (see :func:`cgroups.read_usage`).
@@ -303,7 +342,8 @@ class ContainerBackend:
         crun state, the agent socket and the state dir.
         """
         layout = self.layout()
-        return find_leaks(
+        net = self.network.leaked_files(sandbox_id) if self.network is not None else []
+        return net + find_leaks(
             sandbox_id,
             paths,
             layout=layout,
@@ -336,9 +376,9 @@ def _check_agent_bundle(agent: Path) -> None:
             raise SandboxFailed(f"the agent bundle has no run/ directory: {exc}") from None
 
 
-def _write_etc(etc_dir: Path, sandbox_id: str) -> None:
+def _write_etc(etc_dir: Path, sandbox_id: str, resolv_conf: str | None) -> None:
     etc_dir.mkdir(mode=0o755)
-    for name, text in ocispec.etc_files(sandbox_id).items():
+    for name, text in ocispec.etc_files(sandbox_id, resolv_conf).items():
         (etc_dir / name).write_text(text)
 
 

@@ -1,7 +1,8 @@
 """The OCI runtime config (config.json) of a sandbox container, built in-process.
 
 PID 1 is ``/.dsec/init`` from the agent bundle, bind-mounted read-only at ``/.dsec``. The
-container gets new pid, mount, uts, ipc, network (only ``lo``) and cgroup namespaces,
+container gets new pid, mount, uts, ipc and cgroup namespaces, a network namespace (the
+one dsec.edge.net prepared, or a fresh one with only ``lo``),
 a Docker-like reduced capability set, the seccomp profile of
 :mod:`dsec.edge.backends.container.seccomp`, and memory, CPU and pids limits in a cgroup
 under the platform's parent.
@@ -133,15 +134,24 @@ def resources(spec: SandboxSpec) -> dict[str, Any]:
     }
 
 
-def etc_files(sandbox_id: str) -> dict[str, str]:
-    """Files every sandbox gets in /etc (bind-mounted, so they never end up in its layer)."""
-    return {
+ETC_NAMES = ("hostname", "hosts", "resolv.conf")
+
+
+def etc_files(sandbox_id: str, resolv_conf: str | None = None) -> dict[str, str]:
+    """Files every sandbox gets in /etc (bind-mounted, so they never end up in its layer).
+
+    ``resolv.conf`` only when the sandbox has a network (it names the edge's resolver).
+    """
+    files = {
         "hostname": f"{sandbox_id}\n",
         "hosts": (
             "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
             f"127.0.1.1\t{sandbox_id}\n"
         ),
     }
+    if resolv_conf is not None:
+        files["resolv.conf"] = resolv_conf
+    return files
 
 
 def mounts(agent_bundle: Path, etc_dir: Path | None = None) -> list[dict[str, Any]]:
@@ -154,8 +164,8 @@ def mounts(agent_bundle: Path, etc_dir: Path | None = None) -> list[dict[str, An
             "source": os.fspath(etc_dir / name),
             "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
         }
-        for name in ("hostname", "hosts")
-        if etc_dir is not None
+        for name in ETC_NAMES
+        if etc_dir is not None and (name != "resolv.conf" or (etc_dir / name).exists())
     ]
     return [
         *etc,
@@ -220,6 +230,7 @@ def build_config(
     agent_bundle: Path,
     cgroups_path: str,
     etc_dir: Path | None = None,
+    netns_path: Path | None = None,
 ) -> dict[str, Any]:
     """Return the complete OCI runtime config of one sandbox.
 
@@ -231,7 +242,14 @@ def build_config(
         agent_bundle: host directory mounted read-only at ``/.dsec``.
         cgroups_path: e.g. ``/dsec/<sandbox_id>``.
         etc_dir: a host directory holding the sandbox's :func:`etc_files`, if any.
+        netns_path: a prepared network namespace to join (see dsec.edge.net); without
+            it the sandbox gets a fresh one with only ``lo``.
     """
+    namespaces: list[dict[str, str]] = [
+        {"type": t} for t in ("pid", "mount", "uts", "ipc", "network", "cgroup")
+    ]
+    if netns_path is not None:
+        namespaces[4] = {"type": "network", "path": os.fspath(netns_path)}
     caps = list(CAPABILITIES)
     nofile = nofile_limit()
     return {
@@ -257,9 +275,7 @@ def build_config(
         "hostname": sandbox_id,
         "mounts": mounts(agent_bundle, etc_dir),
         "linux": {
-            "namespaces": [
-                {"type": t} for t in ("pid", "mount", "uts", "ipc", "network", "cgroup")
-            ],
+            "namespaces": namespaces,
             "cgroupsPath": cgroups_path,
             "resources": resources(spec),
             "seccomp": seccomp.build_profile(),

@@ -1,0 +1,157 @@
+"""Sandbox network setup benchmark: what dsec.edge.net adds to a sandbox create.
+
+Runs the edge's EdgeNetwork against a fake internet of namespaces made for the run (see
+tests/integration/fakenet.py) and times, per sandbox: create (netns + veth + addresses +
+route + the nft transaction of its chains, sets and counters), the same with a warm slot
+(only the policy is attached), a policy replacement, a DNS answer that opens addresses,
+and destroy. Then holds ``--scale`` networks at once and
+times one more create, to show how create grows with the number of sandboxes.
+
+    .venv/bin/python -m bench.network [--n 50] [--scale 300]
+
+Prints medians and writes ``bench/results/network.json``. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dsec.core.netpolicy import NetworkPolicy
+from dsec.edge.net.config import NetConfig
+from dsec.edge.net.edgenet import EdgeNetwork
+from tests.integration.fakenet import DNS_IP, WEB1, WEB2, FakeInternet
+
+POLICY = NetworkPolicy(
+    allow=(f"{WEB1}/32", f"{WEB2}:80", "198.18.2.0/24:1000-2000/udp", "web1.test.example"),
+    deny=(f"{WEB1}:22",),
+)
+
+
+def summary(samples_s: list[float]) -> dict[str, float]:
+    ms = sorted(x * 1000 for x in samples_s)
+    return {
+        "n": len(ms),
+        "p50_ms": round(statistics.median(ms), 3),
+        "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 3),
+        "min_ms": round(ms[0], 3),
+    }
+
+
+async def timed(fn: Any) -> float:
+    t = time.perf_counter()
+    await fn
+    return time.perf_counter() - t
+
+
+async def run(n: int, scale: int) -> dict[str, Any]:
+    inet = FakeInternet().start()
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-net-"))
+    cfg = NetConfig(
+        pool="10.213.0.0/16",
+        upstream_dns=f"{DNS_IP}:53",
+        state_dir=tmp / "state",
+        netns_dir=tmp / "netns",
+        gateway_netns=inet.gw_path,
+    )
+    net = EdgeNetwork("bench", cfg)
+    await net.start()
+    out: dict[str, Any] = {}
+    try:
+        create, policy_times, destroy, dns = [], [], [], []
+        for i in range(n):
+            sid = f"bench-{i}"
+            create.append(await timed(net.create(sid, POLICY)))
+            policy_times.append(await timed(net.set_policy(sid, POLICY)))
+            dns.append(await timed(net._open_resolved(sid, "web1.test.example", [(WEB1, 60)])))
+            destroy.append(await timed(net.destroy(sid)))
+        out["create"] = summary(create)
+        out["set_policy"] = summary(policy_times)
+        out["dns_open_addresses"] = summary(dns)
+        out["destroy"] = summary(destroy)
+        # with warm slots: the create only attaches the policy (refilled between creates)
+        warm_net = EdgeNetwork(
+            "benchw",
+            replace(
+                cfg,
+                warm=2,
+                state_dir=tmp / "wstate",
+                netns_dir=tmp / "wnetns",
+                pool="10.214.0.0/16",
+                dns_port=5300,
+            ),
+        )
+        await warm_net.start()
+        try:
+            warm = []
+            for i in range(n):
+                for _ in range(200):
+                    if len(warm_net._warm) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                warm.append(await timed(warm_net.create(f"warm-{i}", POLICY)))
+                await warm_net.destroy(f"warm-{i}")
+            out["create_warm"] = summary(warm)
+        finally:
+            await warm_net.release()
+        # end to end DNS through the resolver from inside a sandbox namespace
+        probe = await net.create("bench-dns", POLICY)
+        code = (
+            "import socket,time;from dnslib import DNSRecord;s=socket.socket(2,2);r=[]\n"
+            "for i in range(20):\n"
+            " t=time.perf_counter();s.sendto(DNSRecord.question('web1.test.example').pack(),"
+            f"('{probe.gateway}',53));s.recv(999);r.append(time.perf_counter()-t)\n"
+            "r.sort();print(r[10])"
+        )
+        res = await asyncio.to_thread(
+            subprocess.run,
+            ["nsenter", f"--net={probe.netns}", sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out["dns_query_through_resolver_p50_ms"] = round(float(res.stdout) * 1000, 3)
+        await net.destroy("bench-dns")
+        if scale:
+            t = time.perf_counter()
+            for i in range(scale):
+                await net.create(f"scale-{i}", POLICY)
+            out[f"create_{scale}_total_s"] = round(time.perf_counter() - t, 2)
+            extra = [await timed(net.create(f"extra-{i}", POLICY)) for i in range(5)]
+            out[f"create_with_{scale}_present"] = summary(extra)
+            t = time.perf_counter()
+            for sid in list(net._nets):
+                await net.destroy(sid)
+            out[f"destroy_{scale + 5}_total_s"] = round(time.perf_counter() - t, 2)
+    finally:
+        for sid in list(net._nets):
+            await net.destroy(sid)
+        await net.release()
+        inet.close()
+        shutil.rmtree(tmp)  # records and empty dirs only: every namespace is unmounted
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--scale", type=int, default=300)
+    args = ap.parse_args()
+    res = asyncio.run(run(args.n, args.scale))
+    print(json.dumps(res, indent=2))
+    dest = Path(__file__).parent / "results" / "network.json"
+    dest.write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Per-sandbox networks: a netns + veth per sandbox, an nftables policy, a DNS resolver."""

@@ -1,0 +1,510 @@
+"""One edge's sandbox networks: create, police, change and remove them; survive restarts.
+
+All netlink and nftables work runs on one worker thread that lives in the gateway
+namespace (so the firewall and host ends never depend on the caller's namespace). Each
+sandbox has a small JSON record (address block, policy) written *before* anything is
+made, so a failed create or a crash leaves enough to remove everything: :meth:`destroy`
+deletes the host end, the nft objects that exist, the namespace file and the record.
+After an edge restart :meth:`start` reloads the records and the networks carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from dsec.core.errors import (
+    BackendUnavailable,
+    DsecError,
+    InvalidState,
+    NodeFull,
+    SandboxFailed,
+    SandboxNotFound,
+)
+from dsec.core.netpolicy import NetworkPolicy
+from dsec.edge.net import links, ruleset
+from dsec.edge.net.config import NetConfig
+from dsec.edge.net.dns import Asker, DnsProxy
+from dsec.edge.net.nftables import Nft
+from dsec.obs import log
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+PREFIXLEN = 30
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxNet:
+    """The network of one sandbox."""
+
+    sandbox_id: str
+    index: int
+    key: str  # names its nft objects; host end is <if_prefix><key>
+    address: str
+    gateway: str
+    netns: Path
+    policy: NetworkPolicy
+
+    def resolv_conf(self) -> str:
+        return f"nameserver {self.gateway}\noptions timeout:2 attempts:2\n"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sandbox_id": self.sandbox_id, "index": self.index, "policy": self.policy.to_dict()}
+
+
+class EdgeNetwork:
+    def __init__(self, edge_id: str, config: NetConfig) -> None:
+        self.edge_id = edge_id
+        self.config = config
+        self.table = ruleset.table_name(edge_id)
+        digest = hashlib.sha256(edge_id.encode()).hexdigest()
+        self.t = ruleset.TableSpec(
+            family_table=f"inet {self.table}",
+            if_prefix="dx" + digest[:4],
+            pool=config.pool,
+            dns_port=config.dns_port,
+        )
+        self._nets: dict[str, SandboxNet] = {}
+        self._by_addr: dict[str, str] = {}
+        self._resolved: dict[str, dict[str, tuple[str, float]]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._nft: Nft | None = None
+        self._ip: IPRoute | None = None
+        self._gw_fd = -1
+        self._dns: DnsProxy | None = None
+        self._lock = asyncio.Lock()
+        self._warm: list[int] = []  # ready slots (see NetConfig.warm)
+        self._making: set[int] = set()
+        self._refill_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._stuck: set[int] = set()
+
+    # ---- worker thread (lives in the gateway namespace) ---------------------------
+
+    def _init_worker(self) -> None:
+        links.setns(self._gw_fd)
+        self._nft = Nft()
+        self._ip = IPRoute()
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._pool is None:
+            raise InvalidState("sandbox networking is not started")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _nft_run(self, text: str) -> str:
+        assert self._nft is not None
+        return self._nft.run(text)
+
+    # ---- start / stop ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Enter the gateway, make the table if missing, start the resolver, adopt records.
+
+        Raises:
+            BackendUnavailable: no libnftables, no gateway namespace, or forwarding off.
+        """
+        self._stopping = False
+        cfg = self.config
+        try:
+            self._gw_fd = (
+                links.open_netns(cfg.gateway_netns)
+                if cfg.gateway_netns
+                else links.current_netns_fd()
+            )
+        except OSError as exc:
+            raise BackendUnavailable(f"gateway namespace {cfg.gateway_netns}: {exc}") from None
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="dsec-net", initializer=self._init_worker
+        )
+        cfg.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # No mount of its own: below the container backend's sandboxes dir (a shared
+        # mount on hosts where crun runs in its own mount namespace) the namespace files
+        # reach crun; elsewhere crun shares the edge's mount namespace.
+        cfg.netns_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+        try:
+            listen, upstream_sock = await self._run(self._setup_gateway)
+        except OSError as exc:
+            await self.close()
+            raise BackendUnavailable(f"sandbox networking: {exc}") from None
+        except DsecError:
+            await self.close()
+            raise
+        self._dns = DnsProxy(
+            listen=listen,
+            upstream_sock=upstream_sock,
+            upstream=cfg.upstream(),
+            lookup=self._asker,
+            on_answer=self._open_resolved,
+        )
+        await self._dns.start()
+        for path in sorted(cfg.state_dir.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError, KeyError, DsecError):
+                rec = json.loads(path.read_text())
+                self._remember(
+                    self._net_of(
+                        rec["sandbox_id"], int(rec["index"]), NetworkPolicy.from_dict(rec["policy"])
+                    )
+                )
+        await self._remove_orphans()
+        self._refill()
+        log(
+            _log,
+            "sandbox networking started",
+            edge=self.edge_id,
+            table=self.table,
+            adopted=len(self._nets),
+        )
+
+    def _setup_gateway(self) -> tuple[socket.socket, socket.socket]:
+        fwd = Path("/proc/sys/net/ipv4/ip_forward")
+        if self.config.gateway_netns:
+            fwd.write_text("1")  # namespace-local: the gateway is not the host's namespace
+        elif fwd.read_text().strip() != "1":
+            raise BackendUnavailable("sandbox networking needs net.ipv4.ip_forward=1 on the host")
+        assert self._nft is not None
+        tables = self._nft.run("list tables")
+        if f"table {self.t.family_table}\n" not in tables + "\n":
+            self._nft.run(ruleset.base(self.t))
+        listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        up = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listen.bind(("0.0.0.0", self.config.dns_port))
+            up.bind(("0.0.0.0", 0))
+        except OSError:
+            listen.close()
+            up.close()
+            raise
+        return listen, up
+
+    async def close(self) -> None:
+        """Stop the resolver and the worker; sandbox networks stay (see :meth:`release`)."""
+        await self._stop_refill()
+        if self._dns is not None:
+            await self._dns.close()
+            self._dns = None
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+
+            def fin() -> None:
+                if self._ip is not None:
+                    self._ip.close()
+                if self._nft is not None:
+                    self._nft.close()
+
+            await asyncio.get_running_loop().run_in_executor(pool, fin)
+            pool.shutdown()
+        if self._gw_fd >= 0:
+            os.close(self._gw_fd)
+            self._gw_fd = -1
+
+    async def release(self) -> None:
+        """Delete the edge's table (only when no sandbox network is left), then close."""
+        if self._nets:
+            raise InvalidState(f"{len(self._nets)} sandbox networks still exist")
+        await self._stop_refill()
+        while self._warm:
+            index = self._warm.pop()
+            await self._run(self._unmake_slot, f"{index:x}", self._slot_netns(index))
+        with contextlib.suppress(DsecError):
+            await self._run(lambda: self._nft_run(f"delete table {self.t.family_table}"))
+        await self.close()
+        with contextlib.suppress(OSError):
+            self.config.netns_dir.rmdir()
+
+    # ---- sandboxes ------------------------------------------------------------------
+
+    def _net_of(self, sandbox_id: str, index: int, policy: NetworkPolicy) -> SandboxNet:
+        gw, addr = self.config.addresses(index)
+        return SandboxNet(
+            sandbox_id, index, f"{index:x}", addr, gw, self.config.netns_dir / f"n{index:x}", policy
+        )
+
+    def _remember(self, net: SandboxNet) -> None:
+        self._nets[net.sandbox_id] = net
+        self._by_addr[net.address] = net.sandbox_id
+
+    def _record(self, net: SandboxNet) -> Path:
+        return self.config.state_dir / f"{net.sandbox_id}.json"
+
+    def _save(self, net: SandboxNet) -> None:
+        path = self._record(net)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(net.to_json()))
+        os.replace(tmp, path)
+
+    def get(self, sandbox_id: str) -> SandboxNet | None:
+        return self._nets.get(sandbox_id)
+
+    def ifname(self, net: SandboxNet) -> str:
+        return self.t.if_prefix + net.key
+
+    async def create(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNet:
+        """Make the sandbox's namespace, veth, addresses and firewall (or return the
+        existing one after a restart). On failure nothing is left.
+
+        Raises:
+            NodeFull: the address pool is exhausted.
+            SandboxFailed: netlink or nftables failed.
+        """
+        async with self._lock:
+            if sandbox_id in self._nets:
+                return self._nets[sandbox_id]
+            warm = bool(self._warm)
+            index = self._warm.pop(0) if warm else self._free_index()
+            net = self._net_of(sandbox_id, index, policy)
+            await asyncio.to_thread(self._save, net)
+            self._remember(net)
+        try:
+            if warm:
+                await self._run(lambda: self._nft_run(ruleset.attach(self.t, net.key, policy)))
+            else:
+                await self._run(lambda: self._make(net))
+            self._refill()
+        except BaseException as exc:
+            await asyncio.shield(self.destroy(sandbox_id))
+            if isinstance(exc, OSError | NetlinkError):
+                raise SandboxFailed(f"network of sandbox {sandbox_id}: {exc}") from None
+            raise
+        return net
+
+    def _free_index(self) -> int:
+        used = {n.index for n in self._nets.values()} | set(self._warm) | self._making
+        used |= self._stuck
+        index = next((i for i in range(1, self.config.capacity() + 1) if i not in used), 0)
+        if not index:
+            raise NodeFull("the edge's sandbox address pool is exhausted")
+        return index
+
+    def _slot_netns(self, index: int) -> Path:
+        return self.config.netns_dir / f"n{index:x}"
+
+    def _make(self, net: SandboxNet) -> None:
+        self._make_slot(net.index)
+        self._nft_run(ruleset.attach(self.t, net.key, net.policy))
+
+    def _make_slot(self, index: int) -> None:
+        """Namespace, veth, addresses, route and nft chains of slot ``index`` (blocking)."""
+        assert self._ip is not None
+        gw, addr = self.config.addresses(index)
+        ifname = self.t.if_prefix + f"{index:x}"
+        links.make_sandbox_netns(
+            self._slot_netns(index),
+            gateway_fd=self._gw_fd,
+            host_ifname=ifname,
+            address=addr,
+            gateway=gw,
+            prefixlen=PREFIXLEN,
+        )
+        links.configure_host_end(self._ip, ifname, gw, PREFIXLEN)
+        self._nft_run(ruleset.add_slot(self.t, f"{index:x}", addr))
+
+    async def _stop_refill(self) -> None:
+        # Not cancelled: a slot half-made on the worker would be lost; let it finish.
+        self._stopping = True
+        if self._refill_task is not None:
+            with contextlib.suppress(DsecError, OSError):
+                await self._refill_task
+            self._refill_task = None
+
+    def _refill(self) -> None:
+        """Top up the warm slots in the background (one at a time, on the worker)."""
+        if self._stopping or self.config.warm <= 0:
+            return
+        if self._refill_task and not self._refill_task.done():
+            return
+        self._refill_task = asyncio.create_task(self._refill_loop())
+
+    async def _refill_loop(self) -> None:
+        while not self._stopping and len(self._warm) + len(self._making) < self.config.warm:
+            try:
+                index = self._free_index()
+            except NodeFull:
+                return
+            self._making.add(index)
+            try:
+                await self._run(self._make_slot, index)
+            except (DsecError, OSError, NetlinkError) as exc:
+                log(_log, "warm network failed", logging.WARNING, err=repr(exc))
+                await self._run(self._unmake_slot, f"{index:x}", self._slot_netns(index))
+                return
+            finally:
+                self._making.discard(index)
+            self._warm.append(index)
+
+    async def _remove_orphans(self) -> None:
+        """Remove slots no sandbox record names (warm ones of a previous run, or debris)."""
+        owned = {n.key for n in self._nets.values()}
+        keys = {p.name[1:] for p in self.config.netns_dir.glob("n*")}
+        assert self._ip is not None
+        names = await self._run(lambda: links.link_names(self._ip, self.t.if_prefix))
+        keys |= {n[len(self.t.if_prefix) :] for n in names}
+        for key in sorted(keys - owned):
+            if re.fullmatch(r"[0-9a-f]{1,5}", key):
+                path = self.config.netns_dir / f"n{key}"
+                try:
+                    await self._run(self._unmake_slot, key, path)
+                except DsecError as exc:  # never keep the edge from starting over debris
+                    log(_log, "orphan network slot left", logging.WARNING, err=exc.message)
+                    self._stuck.add(int(key, 16))  # its address block is not reused
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Remove the sandbox's network; idempotent, also for half-made ones.
+
+        Raises:
+            SandboxFailed: something could not be removed.
+        """
+        net = self._nets.get(sandbox_id)
+        if net is None:
+            return
+        await self._run(lambda: self._unmake(net))
+        self._nets.pop(sandbox_id, None)
+        self._by_addr.pop(net.address, None)
+        self._resolved.pop(sandbox_id, None)
+        with contextlib.suppress(FileNotFoundError):
+            self._record(net).unlink()
+
+    def _unmake(self, net: SandboxNet) -> None:
+        self._unmake_slot(net.key, net.netns)
+
+    def _unmake_slot(self, key: str, netns: Path) -> None:
+        assert self._ip is not None
+        try:
+            self._nft_run(ruleset.remove_sandbox(self.t, key))
+        except SandboxFailed:
+            self._nft_run(ruleset.remove_sandbox(self.t, key, self._present(key)))
+        try:
+            links.delete_link(self._ip, self.t.if_prefix + key)
+            links.remove_netns(netns)
+        except (OSError, NetlinkError) as exc:
+            raise SandboxFailed(f"removing network slot {key}: {exc}") from None
+
+    def _present(self, key: str) -> set[str]:
+        """Names of this sandbox's nft objects and map keys that exist."""
+        assert self._nft is not None
+        data = self._nft.json(f"list table {self.t.family_table}")
+        names: set[str] = set()
+        for item in data.get("nftables", []):
+            for kind in ("chain", "set", "counter"):
+                if kind in item and item[kind].get("name", "").endswith(f"_{key}"):
+                    names.add(item[kind]["name"])
+            m = item.get("map")
+            if m and m.get("name") in ("egress", "ingress"):
+                for elem in m.get("elem", []):
+                    if isinstance(elem, list) and elem and elem[0] == self.t.if_prefix + key:
+                        names.add(f"{m['name']}:{elem[0]}")
+        return names
+
+    async def set_policy(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNet:
+        """Replace the policy in one nft transaction (established flows that stay allowed
+        keep going; addresses of names that stay allowed stay open for their TTL).
+
+        Raises:
+            SandboxNotFound: the sandbox has no network here.
+        """
+        net = self._nets.get(sandbox_id)
+        if net is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} has no network on this edge")
+        now = time.monotonic()
+        keep = [
+            f"{ip} timeout {int(exp - now)}s"
+            for ip, (name, exp) in self._resolved.get(sandbox_id, {}).items()
+            if exp - now >= 1 and policy.name_allowed(name)
+        ]
+        new = replace(net, policy=policy)
+        await self._run(
+            lambda: self._nft_run(
+                ruleset.replace_policy(self.t.family_table, net.key, policy, keep)
+            )
+        )
+        self._nets[sandbox_id] = new
+        await asyncio.to_thread(self._save, new)
+        return new
+
+    async def counters(self) -> dict[str, dict[str, int]]:
+        """Per sandbox: allowed/denied bytes, packets and new connections."""
+        data = await self._run(lambda: self._nft_json(f"list counters table {self.t.family_table}"))
+        raw: dict[str, tuple[int, int]] = {}
+        for item in data.get("nftables", []):
+            c = item.get("counter")
+            if c:
+                raw[c["name"]] = (int(c.get("packets", 0)), int(c.get("bytes", 0)))
+        out = {}
+        for sid, net in self._nets.items():
+            k = net.key
+            out[sid] = {
+                "allowed_bytes": raw.get(f"ok_{k}", (0, 0))[1],
+                "allowed_packets": raw.get(f"ok_{k}", (0, 0))[0],
+                "denied_bytes": raw.get(f"deny_{k}", (0, 0))[1],
+                "denied_packets": raw.get(f"deny_{k}", (0, 0))[0],
+                "allowed_connections": raw.get(f"new_ok_{k}", (0, 0))[0],
+                "denied_connections": raw.get(f"new_deny_{k}", (0, 0))[0],
+            }
+        return out
+
+    def _nft_json(self, cmd: str) -> dict[str, Any]:
+        assert self._nft is not None
+        return self._nft.json(cmd)
+
+    # ---- resolver hooks -------------------------------------------------------------
+
+    def _asker(self, address: str) -> Asker | None:
+        sid = self._by_addr.get(address)
+        net = self._nets.get(sid) if sid else None
+        return Asker(net.sandbox_id, net.policy) if net else None
+
+    async def _open_resolved(
+        self, sandbox_id: str, name: str, addrs: list[tuple[str, int]]
+    ) -> None:
+        net = self._nets.get(sandbox_id)
+        if net is None:
+            raise SandboxNotFound(sandbox_id)
+        elems = ", ".join(f"{ip} timeout {ttl}s" for ip, ttl in addrs)
+        # "add" does not refresh an existing element's timeout, so delete-then-add would
+        # race; a slightly longer TTL from the first answer is harmless.
+        await self._run(
+            lambda: self._nft_run(f"add element {self.t.family_table} dns_{net.key} {{ {elems} }}")
+        )
+        now = time.monotonic()
+        seen = self._resolved.setdefault(sandbox_id, {})
+        for ip, ttl in addrs:
+            seen[ip] = (name, now + ttl)
+
+    # ---- leak checks ----------------------------------------------------------------
+
+    def leaked_files(self, sandbox_id: str) -> list[str]:
+        """The record and namespace file of a sandbox, if left (blocking, no nft)."""
+        found = []
+        rec = self.config.state_dir / f"{sandbox_id}.json"
+        if rec.exists():
+            found.append(f"network record {rec}")
+        net = self._nets.get(sandbox_id)
+        if net is not None:
+            found.append(f"network of {sandbox_id} (netns {net.netns})")
+        return found
+
+    async def leaked(self, sandbox_id: str, key: str | None = None) -> list[str]:
+        """What is left of a sandbox's network (record, namespace file, nft objects)."""
+        found = self.leaked_files(sandbox_id)
+        if key is not None:
+            names = await self._run(lambda: self._present(key))
+            found += [f"nft {n}" for n in sorted(names)]
+            assert self._ip is not None
+            if await self._run(lambda: links.link_names(self._ip, self.t.if_prefix + key)):
+                found.append(f"link {self.t.if_prefix + key}")
+        return found

@@ -1,0 +1,172 @@
+"""The nftables text of an edge's table and of each sandbox's chains and sets.
+
+One ``inet`` table per edge, in the gateway namespace (where the veth host ends live)::
+
+    forward (hook, prio -10): iifname vmap @egress  -> out_<k>   (per sandbox)
+                              oifname vmap @ingress -> in_<k>
+                              any other sandbox interface: reject / drop
+    input   (hook):           from a sandbox: only its DNS queries to the resolver
+    output  (hook):           to a sandbox: only replies
+    prerouting (nat):         sandbox UDP :53 -> the resolver's port
+    postrouting (nat):        masquerade the pool towards everything but sandboxes
+
+``out_<k>`` checks, in order: spoofed source (drop), deny CIDRs and deny CIDR.proto.ports
+(reject: deny wins, even on established flows), established (accept), allow CIDRs, allow
+CIDR.proto.ports, addresses the resolver returned for allowed names (a set with timeouts),
+and rejects the rest with ICMP admin-prohibited so denied connections fail at once.
+``in_<k>`` accepts replies only. Named counters per sandbox count what passed and what not.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dsec.core.netpolicy import CidrRule, NetworkPolicy
+
+REJECT = "reject with icmpx type admin-prohibited"
+COUNTERS = ("ok", "deny", "new_ok", "new_deny")
+
+
+def table_name(edge_id: str) -> str:
+    return "dsec_" + re.sub(r"[^A-Za-z0-9_]", "_", edge_id)[:48]
+
+
+@dataclass(frozen=True, slots=True)
+class TableSpec:
+    family_table: str  # "inet dsec_<edge>"
+    if_prefix: str  # host ends are "<prefix><key>"
+    pool: str  # "10.213.0.0/16"
+    dns_port: int
+
+
+def base(t: TableSpec) -> str:
+    """Commands creating the table (callers run it only when the table is missing)."""
+    ft, pfx = t.family_table, t.if_prefix
+    return f"""
+add table {ft}
+add map {ft} egress {{ type ifname : verdict; }}
+add map {ft} ingress {{ type ifname : verdict; }}
+add chain {ft} forward {{ type filter hook forward priority -10; policy accept; }}
+add rule {ft} forward iifname vmap @egress
+add rule {ft} forward oifname vmap @ingress
+add rule {ft} forward iifname "{pfx}*" {REJECT}
+add rule {ft} forward oifname "{pfx}*" drop
+add chain {ft} input {{ type filter hook input priority -10; policy accept; }}
+add rule {ft} input iifname "{pfx}*" ct state established,related accept
+add rule {ft} input iifname "{pfx}*" meta l4proto udp th dport {t.dns_port} accept
+add rule {ft} input iifname "{pfx}*" {REJECT}
+add chain {ft} output {{ type filter hook output priority -10; policy accept; }}
+add rule {ft} output oifname "{pfx}*" ct state established,related accept
+add rule {ft} output oifname "{pfx}*" drop
+add chain {ft} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}
+add rule {ft} prerouting iifname "{pfx}*" udp dport 53 redirect to :{t.dns_port}
+add chain {ft} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
+add rule {ft} postrouting ip saddr {t.pool} oifname != "{pfx}*" masquerade
+"""
+
+
+def _cidr_elements(rules: list[CidrRule], ported: bool) -> list[str]:
+    out = []
+    for r in rules:
+        if ported and r.proto:
+            ports = str(r.port_lo) if r.port_lo == r.port_hi else f"{r.port_lo}-{r.port_hi}"
+            out.append(f"{r.network} . {r.proto} . {ports}")
+        elif not ported and not r.proto:
+            out.append(r.network)
+    return out
+
+
+def policy_elements(ft: str, key: str, policy: NetworkPolicy) -> str:
+    """Commands that fill the four rule sets of sandbox ``key`` (after they were flushed)."""
+    lines = []
+    for which, prefix in (("allow", "a"), ("deny", "d")):
+        rules = policy.cidrs(which)
+        plain = _cidr_elements(rules, ported=False)
+        ported = _cidr_elements(rules, ported=True)
+        if plain:
+            lines.append(f"add element {ft} {prefix}_{key} {{ {', '.join(plain)} }}")
+        if ported:
+            lines.append(f"add element {ft} {prefix}p_{key} {{ {', '.join(ported)} }}")
+    return "\n".join(lines) + "\n"
+
+
+def add_sandbox(t: TableSpec, key: str, address: str, policy: NetworkPolicy) -> str:
+    """Commands adding sandbox ``key`` (host end ``<prefix><key>``, address ``address``)."""
+    return add_slot(t, key, address) + attach(t, key, policy)
+
+
+def attach(t: TableSpec, key: str, policy: NetworkPolicy) -> str:
+    """Commands that hand a prepared slot to a sandbox: its policy, then its traffic."""
+    ft = t.family_table
+    ifname = t.if_prefix + key
+    return (
+        policy_elements(ft, key, policy)
+        + "\n".join(
+            [
+                f'add element {ft} egress {{ "{ifname}" : jump out_{key} }}',
+                f'add element {ft} ingress {{ "{ifname}" : jump in_{key} }}',
+            ]
+        )
+        + "\n"
+    )
+
+
+def add_slot(t: TableSpec, key: str, address: str) -> str:
+    """Commands making slot ``key``'s counters, sets and chains; no traffic reaches them
+    until :func:`attach` adds its interface to the dispatch maps."""
+    ft = t.family_table
+    c = {n: f"counter name {n}_{key}" for n in COUNTERS}
+    cmds = [f"add counter {ft} {n}_{key}" for n in COUNTERS]
+    cidr = "type ipv4_addr; flags interval; auto-merge;"
+    ported = "type ipv4_addr . inet_proto . inet_service; flags interval;"
+    cmds += [
+        f"add set {ft} a_{key} {{ {cidr} }}",
+        f"add set {ft} d_{key} {{ {cidr} }}",
+        f"add set {ft} ap_{key} {{ {ported} }}",
+        f"add set {ft} dp_{key} {{ {ported} }}",
+        f"add set {ft} dns_{key} {{ type ipv4_addr; flags timeout; }}",
+        f"add chain {ft} out_{key}",
+        f"add rule {ft} out_{key} ip saddr != {address} {c['deny']} drop",
+        f"add rule {ft} out_{key} ip daddr @d_{key} {c['deny']} {c['new_deny']} {REJECT}",
+        f"add rule {ft} out_{key} ip daddr . meta l4proto . th dport @dp_{key} "
+        f"{c['deny']} {c['new_deny']} {REJECT}",
+        f"add rule {ft} out_{key} ct state established,related {c['ok']} accept",
+        f"add rule {ft} out_{key} ip daddr @a_{key} {c['ok']} {c['new_ok']} accept",
+        f"add rule {ft} out_{key} ip daddr . meta l4proto . th dport @ap_{key} "
+        f"{c['ok']} {c['new_ok']} accept",
+        f"add rule {ft} out_{key} ip daddr @dns_{key} {c['ok']} {c['new_ok']} accept",
+        f"add rule {ft} out_{key} {c['deny']} {c['new_deny']} {REJECT}",
+        f"add chain {ft} in_{key}",
+        f"add rule {ft} in_{key} ct state established,related {c['ok']} accept",
+        f"add rule {ft} in_{key} {c['deny']} {c['new_deny']} drop",
+    ]
+    return "\n".join(cmds) + "\n"
+
+
+def replace_policy(ft: str, key: str, policy: NetworkPolicy, dns_keep: list[str]) -> str:
+    """One transaction swapping the rule sets; ``dns_keep`` are "ip timeout Ns" entries
+    of resolved names that stay allowed."""
+    cmds = [f"flush set {ft} {s}_{key}" for s in ("a", "d", "ap", "dp", "dns")]
+    text = "\n".join(cmds) + "\n" + policy_elements(ft, key, policy)
+    if dns_keep:
+        text += f"add element {ft} dns_{key} {{ {', '.join(dns_keep)} }}\n"
+    return text
+
+
+def remove_sandbox(t: TableSpec, key: str, present: set[str] | None = None) -> str:
+    """Commands deleting sandbox ``key``; with ``present`` (the table's object names and
+    map keys) only what exists is deleted, so a half-made sandbox can be removed too."""
+    ft = t.family_table
+    ifname = t.if_prefix + key
+    cmds: list[tuple[str, str]] = [
+        (f"egress:{ifname}", f'delete element {ft} egress {{ "{ifname}" }}'),
+        (f"ingress:{ifname}", f'delete element {ft} ingress {{ "{ifname}" }}'),
+        (f"out_{key}", f"delete chain {ft} out_{key}"),
+        (f"in_{key}", f"delete chain {ft} in_{key}"),
+    ]
+    cmds += [(f"{s}_{key}", f"delete set {ft} {s}_{key}") for s in ("a", "d", "ap", "dp", "dns")]
+    cmds += [(f"{n}_{key}", f"delete counter {ft} {n}_{key}") for n in COUNTERS]
+    chains = [(name, f"flush chain {ft} {name}") for name in (f"out_{key}", f"in_{key}")]
+    ordered = cmds[:2] + chains + cmds[2:]
+    return "\n".join(c for name, c in ordered if present is None or name in present) + "\n"

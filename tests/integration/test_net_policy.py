@@ -1,0 +1,317 @@
+"""Sandbox networks against a fake internet made of namespaces on this machine (root only).
+
+The "sandbox" here is the namespace the edge network makes, probed with nsenter; the
+container backend's use of it is tested in test_net_container.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from dsec.core.errors import InvalidArgument, SandboxFailed
+from dsec.core.netpolicy import NetworkPolicy
+from dsec.edge.net import ruleset
+from dsec.edge.net.config import NetConfig
+from dsec.edge.net.edgenet import EdgeNetwork
+from tests.integration.fakenet import DNS_IP, UDP_PORT, WEB1, WEB2, WEB3, FakeInternet, probe
+
+pytestmark = [pytest.mark.root]
+
+
+LISTEN = "import socket,time;s=socket.socket();s.bind(('',7000));s.listen();time.sleep(30)"
+
+
+def denied(outcome: str) -> bool:
+    return outcome.startswith(("refused", "OSError", "TimeoutError", "timeout"))
+
+
+@pytest.fixture(scope="module")
+def internet() -> Iterator[FakeInternet]:
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    inet = FakeInternet().start()
+    try:
+        yield inet
+    finally:
+        inet.close()
+
+
+@pytest_asyncio.fixture
+async def edgenet(internet: FakeInternet, tmp_path: Path) -> AsyncIterator[EdgeNetwork]:
+    cfg = NetConfig(
+        pool="10.213.0.0/16",
+        upstream_dns=f"{DNS_IP}:53",
+        state_dir=tmp_path / "netstate",
+        netns_dir=tmp_path / "netns",
+        gateway_netns=internet.gw_path,
+    )
+    net = EdgeNetwork(f"test-{tmp_path.name[-12:]}", cfg)
+    await net.start()
+    try:
+        yield net
+    finally:
+        for sid in list(net._nets):
+            await net.destroy(sid)
+        await net.release()
+
+
+async def aprobe(ns: Path, *args: object, **kw: object) -> str:
+    return await asyncio.to_thread(probe, ns, *args, **kw)  # type: ignore[arg-type]
+
+
+def test_policy_parsing() -> None:
+    p = NetworkPolicy.from_dict(
+        {"allow": ["10.0.0.0/8", "1.2.3.4:443", "1.2.3.0/24:1000-2000/udp", "*.ex.com", "ex.org"]}
+    )
+    cidrs = p.cidrs("allow")
+    assert [c.proto for c in cidrs] == ["", "tcp", "udp"]
+    assert p.name_allowed("a.ex.com")
+    assert not p.name_allowed("ex.com")
+    assert p.name_allowed("ex.org")
+    for bad in ["10.0.0.0/33", "1.2.3.4:0", "1.2.3.4:9-8", "::1/128", "no dots", "a:b", "x.y:80"]:
+        with pytest.raises(InvalidArgument):
+            NetworkPolicy.from_dict({"allow": [bad]})
+    with pytest.raises(InvalidArgument):
+        NetworkPolicy.from_dict({"allow": "1.2.3.4"})
+    with pytest.raises(InvalidArgument):
+        NetworkPolicy.from_dict({"permit": []})
+    d = NetworkPolicy.from_dict({"allow": ["*.ex.com"], "deny": ["bad.ex.com"]})
+    assert d.name_allowed("ok.ex.com")
+    assert not d.name_allowed("bad.ex.com")
+
+
+@pytest.mark.asyncio
+async def test_default_deny(edgenet: EdgeNetwork, internet: FakeInternet) -> None:
+    net = await edgenet.create("sbx-deny", NetworkPolicy())
+    ns = net.netns
+    assert denied(await aprobe(ns, "tcp", WEB1, 80))
+    assert denied(await aprobe(ns, "udp", WEB1, UDP_PORT))
+    # ICMP: ping (the namespace is the edge's, so raw sockets work here as root)
+    ping = await asyncio.to_thread(
+        subprocess.run,
+        ["nsenter", f"--net={ns}", "ping", "-c1", "-W1", WEB1],
+        capture_output=True,
+        timeout=10,
+    )
+    assert ping.returncode != 0
+    # DNS to an outside resolver is answered by the edge's (port 53 is redirected), so
+    # a name the policy does not allow never leaves the gateway
+    before = len(internet.dns_queries())
+    out = await aprobe(ns, "dns", "web1.test.example", server=DNS_IP, timeout=1)
+    assert out.startswith("NXDOMAIN")
+    assert len(internet.dns_queries()) == before
+    assert (await aprobe(ns, "dns", "web1.test.example", server=net.gateway)).startswith("NXDOMAIN")
+    # the gateway's own services (here: anything but the resolver) are closed
+    assert denied(await aprobe(ns, "tcp", net.gateway, 22))
+    # ingress: the internet cannot connect in, even to a listening port
+    srv = subprocess.Popen(
+        [
+            "nsenter",
+            f"--net={ns}",
+            "python3",
+            "-c",
+            LISTEN,
+        ],
+    )
+    try:
+        time.sleep(0.3)
+        assert denied(
+            await aprobe(Path(f"/run/netns/{internet.inet}"), "tcp", net.address, 7000, 1.0)
+        )
+        assert denied(await aprobe(Path(internet.gw_path), "tcp", net.address, 7000, 1.0))
+    finally:
+        srv.kill()
+        srv.wait()
+    c = (await edgenet.counters())["sbx-deny"]
+    assert c["denied_connections"] >= 3, c
+    assert c["allowed_connections"] == 0
+    # no IPv6 at all
+    ip6 = subprocess.run(
+        ["nsenter", f"--net={ns}", "ip", "-6", "addr"], capture_output=True, text=True
+    )
+    assert "inet6" not in ip6.stdout
+
+
+@pytest.mark.asyncio
+async def test_cidr_port_and_deny_wins(edgenet: EdgeNetwork) -> None:
+    pol = NetworkPolicy.from_dict(
+        {
+            "allow": [f"{WEB1}/32", f"{WEB2}:8080", f"{WEB3}:{UDP_PORT}/udp", "198.18.1.0/24:443"],
+            "deny": [f"{WEB3}:443"],
+        }
+    )
+    net = await edgenet.create("sbx-cidr", pol)
+    ns = net.netns
+    assert (await aprobe(ns, "tcp", WEB1, 80)) == f"hello {WEB1}:80"
+    assert (await aprobe(ns, "tcp", WEB1, 8080)) == f"hello {WEB1}:8080"
+    assert (await aprobe(ns, "udp", WEB1, UDP_PORT)) == "ping"
+    assert (await aprobe(ns, "tcp", WEB2, 8080)) == f"hello {WEB2}:8080"
+    assert denied(await aprobe(ns, "tcp", WEB2, 80))
+    assert denied(await aprobe(ns, "udp", WEB2, UDP_PORT))
+    assert (await aprobe(ns, "udp", WEB3, UDP_PORT)) == "ping"
+    assert denied(await aprobe(ns, "tcp", WEB3, 80))
+    assert (await aprobe(ns, "tcp", WEB2, 443)) == f"hello {WEB2}:443"
+    assert denied(await aprobe(ns, "tcp", WEB3, 443))  # deny wins over the /24 allow
+    c = (await edgenet.counters())["sbx-cidr"]
+    assert c["allowed_connections"] >= 5, c
+    assert c["allowed_bytes"] > 0
+    assert c["denied_connections"] >= 4
+
+
+@pytest.mark.asyncio
+async def test_domains_and_ttl(edgenet: EdgeNetwork, internet: FakeInternet) -> None:
+    pol = NetworkPolicy.from_dict({"allow": ["web2.test.example", "*.svc.example"], "deny": []})
+    net = await edgenet.create("sbx-dns", pol)
+    ns, gw = net.netns, net.gateway
+    assert denied(await aprobe(ns, "tcp", WEB2, 80))  # never resolved: CIDR rules apply
+    out = await aprobe(ns, "dns", "web2.test.example", server=gw)
+    assert out == f"NOERROR {WEB2}"
+    assert (await aprobe(ns, "tcp", WEB2, 80)) == f"hello {WEB2}:80"
+    assert (await aprobe(ns, "dns", "api.svc.example", server=gw)) == f"NOERROR {WEB3}"
+    assert (await aprobe(ns, "tcp", WEB3, 443)) == f"hello {WEB3}:443"
+    before = len(internet.dns_queries())
+    for name in ("svc.example", "web1.test.example", "secret-data.evil.example"):
+        assert (await aprobe(ns, "dns", name, server=gw)).startswith("NXDOMAIN")
+    assert len(internet.dns_queries()) == before  # refused names never reach upstream
+    assert denied(await aprobe(ns, "tcp", WEB1, 80))
+    await asyncio.sleep(3.2)  # web2's TTL is 2 s
+    assert denied(await aprobe(ns, "tcp", WEB2, 80))
+    assert (await aprobe(ns, "tcp", WEB3, 80)) == f"hello {WEB3}:80"  # TTL 300 s
+
+
+@pytest.mark.asyncio
+async def test_live_policy_change_keeps_established(edgenet: EdgeNetwork) -> None:
+    net = await edgenet.create("sbx-live", NetworkPolicy.from_dict({"allow": [f"{WEB1}:80"]}))
+    ns = net.netns
+    script = (
+        "import socket,sys,time\n"
+        f"s=socket.create_connection(('{WEB1}',80),timeout=3); s.recv(100)\n"
+        "print('up',flush=True); sys.stdin.readline()\n"
+        "s.sendall(b'still'); print(s.recv(100).decode(),flush=True)\n"
+    )
+    p = subprocess.Popen(
+        ["nsenter", f"--net={ns}", "python3", "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None
+        assert p.stdin is not None
+        assert p.stdout.readline().strip() == "up"
+        await edgenet.set_policy(
+            "sbx-live", NetworkPolicy.from_dict({"allow": [f"{WEB1}:80", f"{WEB2}:80"]})
+        )
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "still"
+    finally:
+        p.kill()
+        p.wait()
+    assert (await aprobe(ns, "tcp", WEB2, 80)) == f"hello {WEB2}:80"
+    assert edgenet.get("sbx-live").policy.allow == (f"{WEB1}:80", f"{WEB2}:80")  # type: ignore[union-attr]
+    await edgenet.set_policy(
+        "sbx-live", NetworkPolicy.from_dict({"allow": [f"{WEB1}:80"], "deny": [f"{WEB1}/32"]})
+    )
+    assert denied(await aprobe(ns, "tcp", WEB1, 80))
+    assert denied(await aprobe(ns, "tcp", WEB2, 80))
+
+
+@pytest.mark.asyncio
+async def test_sandboxes_cannot_reach_each_other(edgenet: EdgeNetwork) -> None:
+    a = await edgenet.create("sbx-a", NetworkPolicy.from_dict({"allow": ["10.0.0.0/8"]}))
+    b = await edgenet.create("sbx-b", NetworkPolicy())
+    srv = subprocess.Popen(
+        [
+            "nsenter",
+            f"--net={b.netns}",
+            "python3",
+            "-c",
+            LISTEN,
+        ],
+    )
+    try:
+        time.sleep(0.3)
+        assert denied(await aprobe(a.netns, "tcp", b.address, 7000, 1.0))  # b's ingress
+        assert denied(await aprobe(b.netns, "tcp", a.address, 7000, 1.0))  # b's egress
+        assert denied(await aprobe(a.netns, "tcp", a.gateway, 22, 1.0))
+        assert denied(await aprobe(a.netns, "tcp", "169.254.169.254", 80, 1.0))
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+@pytest.mark.asyncio
+async def test_restart_adopts_and_destroy_leaves_nothing(
+    edgenet: EdgeNetwork, internet: FakeInternet
+) -> None:
+    net = await edgenet.create("sbx-adopt", NetworkPolicy.from_dict({"allow": [f"{WEB1}:80"]}))
+    await edgenet.close()  # as after kill -9: nothing is removed
+    again = EdgeNetwork(edgenet.edge_id, edgenet.config)
+    await again.start()
+    try:
+        assert again.get("sbx-adopt") == net
+        assert (await aprobe(net.netns, "tcp", WEB1, 80)) == f"hello {WEB1}:80"
+        await again.destroy("sbx-adopt")
+        assert await again.leaked("sbx-adopt", net.key) == []
+        other = await again.create("sbx-after", NetworkPolicy())
+        await again.destroy("sbx-after")
+        assert await again.leaked("sbx-after", other.key) == []
+    finally:
+        await again.release()
+    await edgenet.start()  # so the fixture can release it
+
+
+@pytest.mark.asyncio
+async def test_failed_create_leaves_nothing(
+    edgenet: EdgeNetwork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nft fails after the namespace and the veth exist: create must remove both
+    monkeypatch.setattr(ruleset, "add_slot", lambda *a: "add rule inet nosuch x drop\n")
+    with pytest.raises(SandboxFailed):
+        await edgenet.create("sbx-fail", NetworkPolicy())
+    assert edgenet.get("sbx-fail") is None
+    assert await edgenet.leaked("sbx-fail", "1") == []
+
+
+@pytest.mark.asyncio
+async def test_warm_pool(internet: FakeInternet, tmp_path: Path) -> None:
+    cfg = NetConfig(
+        pool="10.213.0.0/16",
+        upstream_dns=f"{DNS_IP}:53",
+        state_dir=tmp_path / "netstate",
+        netns_dir=tmp_path / "netns",
+        gateway_netns=internet.gw_path,
+        warm=2,
+    )
+    net = EdgeNetwork(f"warm-{tmp_path.name[-8:]}", cfg)
+    await net.start()
+    try:
+        for _ in range(100):
+            if len(net._warm) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(net._warm) == 2
+        t = time.perf_counter()
+        a = await net.create("sbx-warm", NetworkPolicy.from_dict({"allow": [f"{WEB1}:80"]}))
+        assert time.perf_counter() - t < 0.05
+        assert (await aprobe(a.netns, "tcp", WEB1, 80)) == f"hello {WEB1}:80"
+        assert denied(await aprobe(a.netns, "tcp", WEB2, 80))
+        await net.destroy("sbx-warm")
+        assert await net.leaked("sbx-warm", a.key) == []
+        # a restart drops the warm slots of the old run and makes new ones
+        await net.close()
+        net = EdgeNetwork(net.edge_id, cfg)
+        await net.start()
+    finally:
+        await net.release()
+    assert not any((tmp_path / "netns").glob("*"))
