@@ -279,3 +279,15 @@ def test_large_streamed_and_gzip_uploads(sbx: Sandbox) -> None:
     assert sbx.files.read("/tmp/z.txt") == "zipped " * 1000
     sbx.files.write("/tmp/o.txt", b"octets", use_octet_stream=True)
     assert sbx.files.read("/tmp/o.txt") == "octets"
+
+
+def test_sandbox_killed_during_a_command(e2b_env: str) -> None:
+    from e2b import SandboxNotRunningException
+
+    s = Sandbox.create(timeout=60)
+    h = s.commands.run("sleep 30", background=True)
+    assert Sandbox.kill(s.sandbox_id) is True
+    with pytest.raises(SandboxNotRunningException):
+        h.wait()
+    with pytest.raises(SandboxNotRunningException):
+        s.commands.run("echo too late")

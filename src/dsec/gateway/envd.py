@@ -18,7 +18,13 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from dsec.agent.protocol import CHUNK
-from dsec.core.errors import DsecError, InvalidArgument, SandboxNotFound, Unauthenticated
+from dsec.core.errors import (
+    DsecError,
+    InvalidArgument,
+    InvalidState,
+    SandboxNotFound,
+    Unauthenticated,
+)
 from dsec.gateway import filesystem, process
 from dsec.gateway.connect import (
     STREAM_TYPE,
@@ -92,10 +98,13 @@ async def rpc(
             await server[method](c, msg, stream)
             return await stream.end()
         return unary_ok(await unary[method](c, msg))
-    except SandboxNotFound:
-        if stream.started:
-            return await stream.end(ConnectError("unavailable", NOT_FOUND_MESSAGE))
-        return sandbox_gone(sandbox_id)
+    except (SandboxNotFound, InvalidState) as exc:
+        if isinstance(exc, SandboxNotFound) or await _ended(request, sandbox_id):
+            if stream.started:
+                return await stream.end(ConnectError("unavailable", NOT_FOUND_MESSAGE))
+            return sandbox_gone(sandbox_id)
+        err = connect_error(exc)
+        return await stream.end(err) if streaming or stream.started else unary_error(err)
     except (DsecError, ConnectError) as exc:
         err = connect_error(exc)
         if streaming or stream.started:
@@ -103,6 +112,15 @@ async def rpc(
         return unary_error(err)
     except ConnectionError:
         return stream.response_or_empty()
+
+
+async def _ended(request: web.Request, sandbox_id: str) -> bool:
+    """Whether the sandbox has stopped (OpenDsec answers calls to it with invalid_state)."""
+    try:
+        info = await gw(request).clients.get(access_token(request)).get_sandbox(sandbox_id)
+    except DsecError:
+        return False
+    return info.state not in LIVE_STATES
 
 
 def http_error(exc: DsecError) -> web.Response:
@@ -230,4 +248,6 @@ async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.Stre
     except SandboxNotFound:
         return sandbox_gone(sandbox_id)
     except DsecError as exc:
+        if isinstance(exc, InvalidState) and await _ended(request, sandbox_id):
+            return sandbox_gone(sandbox_id)
         return http_error(exc)
