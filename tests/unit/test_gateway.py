@@ -168,3 +168,26 @@ async def test_envd_rejects_bad_frames_tokens_and_methods(gateway: tuple[str, Fa
 def test_connect_error_type() -> None:
     err = ConnectError("not_found", "x")
     assert err.to_json() == {"code": "not_found", "message": "x"}
+
+
+def test_cli_e2b_env_prints_exports(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+
+    from click.testing import CliRunner
+
+    from dsec.cli.main import cli
+    from dsec.supervisor import Layout
+
+    lay = Layout.from_port_base(9100)
+    lay.save(tmp_path / "platform.json")
+    monkeypatch.setenv("DSEC_HOME", str(tmp_path))
+    monkeypatch.setenv("DSEC_API_KEY", "dsk_test key")
+    res = CliRunner().invoke(cli, ["e2b", "env"])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines() == [
+        "export E2B_API_URL=http://127.0.0.1:9107",
+        "export E2B_SANDBOX_URL=http://127.0.0.1:9107",
+        "export E2B_API_KEY='dsk_test key'",
+    ]
+    res = CliRunner().invoke(cli, ["e2b", "env", "--home", str(tmp_path / "none")])
+    assert res.exit_code == 1
+    assert "no E2B gateway" in res.output
