@@ -291,3 +291,28 @@ def test_sandbox_killed_during_a_command(e2b_env: str) -> None:
         h.wait()
     with pytest.raises(SandboxNotRunningException):
         s.commands.run("echo too late")
+
+
+def test_sandbox_ports_by_header_and_host(e2b_env: str, sbx: Sandbox) -> None:
+    import httpx
+
+    sbx.files.write("/tmp/www/hello.txt", "served")
+    server = sbx.commands.run("cd /tmp/www && exec python3 -m http.server 8123", background=True)
+    try:
+        token = sbx._envd_access_token or ""
+        by_header = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8123"}
+        by_host = {"Host": f"8123-{sbx.sandbox_id}.localhost"}
+        with httpx.Client(base_url=e2b_env, timeout=30) as h:
+            deadline = time.monotonic() + 15
+            while True:
+                r = h.get("/hello.txt", headers={**by_header, "X-Access-Token": token})
+                if r.status_code != 502 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert (r.status_code, r.text) == (200, "served")
+            r = h.get("/hello.txt", headers={**by_host, "X-Access-Token": token})
+            assert (r.status_code, r.text) == (200, "served")
+            r = h.get("/hello.txt", headers=by_header)
+            assert r.status_code == 401
+    finally:
+        server.kill()

@@ -157,7 +157,9 @@ async def test_envd_rejects_bad_frames_tokens_and_methods(gateway: tuple[str, Fa
         # routing by Host (<port>-<sandbox id>.<domain>) when the headers are absent
         host = {"Host": f"49983-{sid}.sbx.test", "X-Access-Token": FAKE_KEY}
         assert (await h.get("/health", headers=host)).status_code == 204
-        r = await h.get("/health", headers={**host, "Host": f"8080-{sid}.sbx.test"})
+        r = await h.get("/x?q=1", headers={**host, "Host": f"8080-{sid}.sbx.test"})
+        assert (r.status_code, r.json()["path"], r.json()["query"]) == (201, "/x", "q=1")
+        r = await h.get("/", headers={**host, "Host": f"9-{sid}.sbx.test"})
         assert r.status_code == 502
         assert "port is not open" in r.json()["message"]
         # internal envd routes are not served

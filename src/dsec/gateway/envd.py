@@ -24,6 +24,7 @@ from dsec.core.errors import (
     InvalidState,
     SandboxNotFound,
     Unauthenticated,
+    Unavailable,
 )
 from dsec.gateway import filesystem, process
 from dsec.gateway.connect import (
@@ -230,11 +231,55 @@ HTTP_ROUTES = {
 }
 
 
+_HOP = frozenset(
+    (
+        "host",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "upgrade",
+        "te",
+        "trailer",
+        "x-access-token",
+        "e2b-sandbox-id",
+        "e2b-sandbox-port",
+    )
+)
+MAX_PORT_BODY = 64 * 1024 * 1024
+
+
+async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.Response:
+    """Forward a request to a server on ``port`` inside the sandbox (buffered, HTTP only).
+
+    It is authenticated by ``X-Access-Token`` like envd calls (E2B's traffic token mode)."""
+    client = gw(request).clients.get(access_token(request))
+    body = await request.content.read(MAX_PORT_BODY + 1)
+    if len(body) > MAX_PORT_BODY:
+        raise InvalidArgument(f"request bodies to sandbox ports are limited to {MAX_PORT_BODY}")
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    req = rc.port_request(
+        sandbox_id, port, request.method, request.path_qs, headers, body or None, timeout=300
+    )
+    try:
+        resp = await client.transport.port(req)
+    except Unavailable:
+        msg = {"sandboxId": sandbox_id, "message": PORT_CLOSED_MESSAGE, "port": port, "code": 502}
+        return web.json_response(msg, status=502)
+    out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+    out.pop("content-encoding", None)  # the platform hands over the decoded body
+    return web.Response(status=resp.status, body=resp.body, headers=out)
+
+
 async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
     """Serve one sandbox-bound request."""
     if port != ENVD_PORT:
-        body = {"sandboxId": sandbox_id, "message": PORT_CLOSED_MESSAGE, "port": port, "code": 502}
-        return web.json_response(body, status=502)
+        try:
+            return await port_proxy(request, sandbox_id, port)
+        except SandboxNotFound:
+            return sandbox_gone(sandbox_id)
+        except DsecError as exc:
+            return http_error(exc)
     path = request.path
     for service in ("process.Process", "filesystem.Filesystem"):
         prefix = f"/{service}/"
