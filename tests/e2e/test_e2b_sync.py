@@ -316,3 +316,22 @@ def test_sandbox_ports_by_header_and_host(e2b_env: str, sbx: Sandbox) -> None:
             assert r.status_code == 401
     finally:
         server.kill()
+
+
+def test_watch_dir_sync(sbx: Sandbox) -> None:
+    from e2b import FilesystemEventType
+
+    base = f"/tmp/watch-{uuid.uuid4().hex[:6]}"
+    sbx.files.make_dir(base)
+    handle = sbx.files.watch_dir(base, recursive=True)
+    sbx.files.write(f"{base}/new.txt", "1")
+    sbx.files.write(f"{base}/sub/deep.txt", "2")
+    events = {(e.name, e.type) for e in handle.get_new_events()}
+    assert ("new.txt", FilesystemEventType.CREATE) in events
+    assert ("sub/deep.txt", FilesystemEventType.CREATE) in events
+    sbx.files.remove(f"{base}/new.txt")
+    assert ("new.txt", FilesystemEventType.REMOVE) in {
+        (e.name, e.type) for e in handle.get_new_events()
+    }
+    handle.stop()
+    assert not any(".e2b-watchers" in e.name for e in sbx.files.list("/tmp"))
