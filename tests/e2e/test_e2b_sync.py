@@ -279,3 +279,59 @@ def test_large_streamed_and_gzip_uploads(sbx: Sandbox) -> None:
     assert sbx.files.read("/tmp/z.txt") == "zipped " * 1000
     sbx.files.write("/tmp/o.txt", b"octets", use_octet_stream=True)
     assert sbx.files.read("/tmp/o.txt") == "octets"
+
+
+def test_sandbox_killed_during_a_command(e2b_env: str) -> None:
+    from e2b import SandboxNotRunningException
+
+    s = Sandbox.create(timeout=60)
+    h = s.commands.run("sleep 30", background=True)
+    assert Sandbox.kill(s.sandbox_id) is True
+    with pytest.raises(SandboxNotRunningException):
+        h.wait()
+    with pytest.raises(SandboxNotRunningException):
+        s.commands.run("echo too late")
+
+
+def test_sandbox_ports_by_header_and_host(e2b_env: str, sbx: Sandbox) -> None:
+    import httpx
+
+    sbx.files.write("/tmp/www/hello.txt", "served")
+    server = sbx.commands.run("cd /tmp/www && exec python3 -m http.server 8123", background=True)
+    try:
+        token = sbx._envd_access_token or ""
+        by_header = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8123"}
+        by_host = {"Host": f"8123-{sbx.sandbox_id}.localhost"}
+        with httpx.Client(base_url=e2b_env, timeout=30) as h:
+            deadline = time.monotonic() + 15
+            while True:
+                r = h.get("/hello.txt", headers={**by_header, "X-Access-Token": token})
+                if r.status_code != 502 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert (r.status_code, r.text) == (200, "served")
+            r = h.get("/hello.txt", headers={**by_host, "X-Access-Token": token})
+            assert (r.status_code, r.text) == (200, "served")
+            r = h.get("/hello.txt", headers=by_header)
+            assert r.status_code == 401
+    finally:
+        server.kill()
+
+
+def test_watch_dir_sync(sbx: Sandbox) -> None:
+    from e2b import FilesystemEventType
+
+    base = f"/tmp/watch-{uuid.uuid4().hex[:6]}"
+    sbx.files.make_dir(base)
+    handle = sbx.files.watch_dir(base, recursive=True)
+    sbx.files.write(f"{base}/new.txt", "1")
+    sbx.files.write(f"{base}/sub/deep.txt", "2")
+    events = {(e.name, e.type) for e in handle.get_new_events()}
+    assert ("new.txt", FilesystemEventType.CREATE) in events
+    assert ("sub/deep.txt", FilesystemEventType.CREATE) in events
+    sbx.files.remove(f"{base}/new.txt")
+    assert ("new.txt", FilesystemEventType.REMOVE) in {
+        (e.name, e.type) for e in handle.get_new_events()
+    }
+    handle.stop()
+    assert not any(".e2b-watchers" in e.name for e in sbx.files.list("/tmp"))

@@ -157,7 +157,9 @@ async def test_envd_rejects_bad_frames_tokens_and_methods(gateway: tuple[str, Fa
         # routing by Host (<port>-<sandbox id>.<domain>) when the headers are absent
         host = {"Host": f"49983-{sid}.sbx.test", "X-Access-Token": FAKE_KEY}
         assert (await h.get("/health", headers=host)).status_code == 204
-        r = await h.get("/health", headers={**host, "Host": f"8080-{sid}.sbx.test"})
+        r = await h.get("/x?q=1", headers={**host, "Host": f"8080-{sid}.sbx.test"})
+        assert (r.status_code, r.json()["path"], r.json()["query"]) == (201, "/x", "q=1")
+        r = await h.get("/", headers={**host, "Host": f"9-{sid}.sbx.test"})
         assert r.status_code == 502
         assert "port is not open" in r.json()["message"]
         # internal envd routes are not served
@@ -168,3 +170,26 @@ async def test_envd_rejects_bad_frames_tokens_and_methods(gateway: tuple[str, Fa
 def test_connect_error_type() -> None:
     err = ConnectError("not_found", "x")
     assert err.to_json() == {"code": "not_found", "message": "x"}
+
+
+def test_cli_e2b_env_prints_exports(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+
+    from click.testing import CliRunner
+
+    from dsec.cli.main import cli
+    from dsec.supervisor import Layout
+
+    lay = Layout.from_port_base(9100)
+    lay.save(tmp_path / "platform.json")
+    monkeypatch.setenv("DSEC_HOME", str(tmp_path))
+    monkeypatch.setenv("DSEC_API_KEY", "dsk_test key")
+    res = CliRunner().invoke(cli, ["e2b", "env"])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines() == [
+        "export E2B_API_URL=http://127.0.0.1:9107",
+        "export E2B_SANDBOX_URL=http://127.0.0.1:9107",
+        "export E2B_API_KEY='dsk_test key'",
+    ]
+    res = CliRunner().invoke(cli, ["e2b", "env", "--home", str(tmp_path / "none")])
+    assert res.exit_code == 1
+    assert "no E2B gateway" in res.output

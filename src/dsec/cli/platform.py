@@ -64,7 +64,7 @@ def setup(data: Path | None) -> None:
 def _ready_message(paths: Paths, lay: Layout) -> None:
     _err.print(
         f"[green]OpenDsec is up[/green]: API http://{lay.apiserver} · edge {lay.edge_id} · "
-        f"admin key in {paths.home / 'admin.key'}"
+        f"E2B gateway http://{lay.gateway} · admin key in {paths.home / 'admin.key'}"
     )
 
 
@@ -76,7 +76,7 @@ def _ready_message(paths: Paths, lay: Layout) -> None:
     type=int,
     default=8420,
     show_default=True,
-    help="apiserver on this port; iam, watcher, edge and metrics on the next six.",
+    help="apiserver on this port; iam, watcher, edge, metrics, E2B gateway on the next seven.",
 )
 @click.option(
     "--keep-sandboxes",

@@ -78,6 +78,7 @@ def _templates(pairs: list[str]) -> dict[str, str]:
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call: too much
     gateway = Gateway(
         Clients(args.api_url),
         domain=args.domain,

@@ -27,6 +27,7 @@ from dsec.core.errors import (
     PayloadTooLarge,
     PermissionDenied,
     QuotaExceeded,
+    SandboxNotFound,
     Unauthenticated,
     Unavailable,
 )
@@ -86,6 +87,8 @@ def connect_error(exc: BaseException) -> ConnectError:
     """The Connect error for an OpenDsec error (or anything else: ``internal``)."""
     if isinstance(exc, ConnectError):
         return exc
+    if isinstance(exc, SandboxNotFound):  # as E2B's proxy says it: the SDK keys on the text
+        return ConnectError("unavailable", f"The sandbox was not found ({exc.message})")
     if isinstance(exc, DsecError):
         for cls, code in _BY_CLASS:
             if isinstance(exc, cls):

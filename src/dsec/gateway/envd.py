@@ -18,7 +18,14 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from dsec.agent.protocol import CHUNK
-from dsec.core.errors import DsecError, InvalidArgument, SandboxNotFound, Unauthenticated
+from dsec.core.errors import (
+    DsecError,
+    InvalidArgument,
+    InvalidState,
+    SandboxNotFound,
+    Unauthenticated,
+    Unavailable,
+)
 from dsec.gateway import filesystem, process
 from dsec.gateway.connect import (
     STREAM_TYPE,
@@ -92,10 +99,13 @@ async def rpc(
             await server[method](c, msg, stream)
             return await stream.end()
         return unary_ok(await unary[method](c, msg))
-    except SandboxNotFound:
-        if stream.started:
-            return await stream.end(ConnectError("unavailable", NOT_FOUND_MESSAGE))
-        return sandbox_gone(sandbox_id)
+    except (SandboxNotFound, InvalidState) as exc:
+        if isinstance(exc, SandboxNotFound) or await _ended(request, sandbox_id):
+            if stream.started:
+                return await stream.end(ConnectError("unavailable", NOT_FOUND_MESSAGE))
+            return sandbox_gone(sandbox_id)
+        err = connect_error(exc)
+        return await stream.end(err) if streaming or stream.started else unary_error(err)
     except (DsecError, ConnectError) as exc:
         err = connect_error(exc)
         if streaming or stream.started:
@@ -103,6 +113,15 @@ async def rpc(
         return unary_error(err)
     except ConnectionError:
         return stream.response_or_empty()
+
+
+async def _ended(request: web.Request, sandbox_id: str) -> bool:
+    """Whether the sandbox has stopped (OpenDsec answers calls to it with invalid_state)."""
+    try:
+        info = await gw(request).clients.get(access_token(request)).get_sandbox(sandbox_id)
+    except DsecError:
+        return False
+    return info.state not in LIVE_STATES
 
 
 def http_error(exc: DsecError) -> web.Response:
@@ -212,11 +231,55 @@ HTTP_ROUTES = {
 }
 
 
+_HOP = frozenset(
+    (
+        "host",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "upgrade",
+        "te",
+        "trailer",
+        "x-access-token",
+        "e2b-sandbox-id",
+        "e2b-sandbox-port",
+    )
+)
+MAX_PORT_BODY = 64 * 1024 * 1024
+
+
+async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.Response:
+    """Forward a request to a server on ``port`` inside the sandbox (buffered, HTTP only).
+
+    It is authenticated by ``X-Access-Token`` like envd calls (E2B's traffic token mode)."""
+    client = gw(request).clients.get(access_token(request))
+    body = await request.content.read(MAX_PORT_BODY + 1)
+    if len(body) > MAX_PORT_BODY:
+        raise InvalidArgument(f"request bodies to sandbox ports are limited to {MAX_PORT_BODY}")
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    req = rc.port_request(
+        sandbox_id, port, request.method, request.path_qs, headers, body or None, timeout=300
+    )
+    try:
+        resp = await client.transport.port(req)
+    except Unavailable:
+        msg = {"sandboxId": sandbox_id, "message": PORT_CLOSED_MESSAGE, "port": port, "code": 502}
+        return web.json_response(msg, status=502)
+    out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+    out.pop("content-encoding", None)  # the platform hands over the decoded body
+    return web.Response(status=resp.status, body=resp.body, headers=out)
+
+
 async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
     """Serve one sandbox-bound request."""
     if port != ENVD_PORT:
-        body = {"sandboxId": sandbox_id, "message": PORT_CLOSED_MESSAGE, "port": port, "code": 502}
-        return web.json_response(body, status=502)
+        try:
+            return await port_proxy(request, sandbox_id, port)
+        except SandboxNotFound:
+            return sandbox_gone(sandbox_id)
+        except DsecError as exc:
+            return http_error(exc)
     path = request.path
     for service in ("process.Process", "filesystem.Filesystem"):
         prefix = f"/{service}/"
@@ -230,4 +293,6 @@ async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.Stre
     except SandboxNotFound:
         return sandbox_gone(sandbox_id)
     except DsecError as exc:
+        if isinstance(exc, InvalidState) and await _ended(request, sandbox_id):
+            return sandbox_gone(sandbox_id)
         return http_error(exc)

@@ -2,8 +2,9 @@
 
 ``WatchDir`` is served by polling the directory (every :data:`WATCH_POLL_S`) and diffing:
 it reports creations, writes (size or mtime changed) and removals; a rename shows as a
-removal plus a creation. The polling watchers of the sync SDK (``CreateWatcher``...) would
-need state in the gateway and are not served.
+removal plus a creation. The sync SDK's watchers (``CreateWatcher``, ``GetWatcherEvents``,
+``RemoveWatcher``) diff the same way between two polls; their last snapshot is kept as a
+file inside the sandbox (under :data:`WATCHER_DIR`), so the gateway still keeps no state.
 
 Entries are translated to envd's ``EntryInfo`` (proto3 JSON: camelCase, int64 as a
 string, enums by name, RFC 3339 time, Go-style mode bits and permission string).
@@ -12,7 +13,10 @@ string, enums by name, RFC 3339 time, Go-style mode bits and permission string).
 from __future__ import annotations
 
 import asyncio
+import json
 import posixpath
+import re
+import secrets
 import stat
 import time
 from datetime import UTC
@@ -115,10 +119,15 @@ WATCH_POLL_S = 0.2
 Snapshot = dict[str, tuple[str, int, float]]
 
 
+WATCHER_DIR = "/tmp/.e2b-watchers"
+
+
 async def _snapshot(c: Call, path: str, depth: int) -> Snapshot:
     entries = await c.client.transport.call(rc.list_files(c.sandbox_id, path, depth))
     out: Snapshot = {}
     for e in entries:
+        if e.path == WATCHER_DIR or e.path.startswith(WATCHER_DIR + "/"):
+            continue
         mtime = e.mtime.timestamp() if e.mtime else 0.0
         out[posixpath.relpath(e.path, path)] = (e.type, e.size, mtime)
     return out
@@ -166,5 +175,64 @@ async def watch_dir(c: Call, msg: dict[str, Any], stream: ServerStream) -> None:
             last_sent = time.monotonic()
 
 
+def _watcher_file(msg: dict[str, Any]) -> str:
+    wid = msg.get("watcherId", msg.get("watcher_id"))
+    if not isinstance(wid, str) or not re.fullmatch(r"[0-9a-f]{32}", wid):
+        raise NotFound(f"watcher {wid!r} not found")
+    return f"{WATCHER_DIR}/{wid}.json"
+
+
+async def _save_watcher(c: Call, file: str, path: str, depth: int, snap: Snapshot) -> None:
+    state = json.dumps({"path": path, "depth": depth, "snap": snap}).encode()
+    await c.client.transport.call(rc.write_file(c.sandbox_id, file, mode=0o600), state)
+
+
+async def create_watcher(c: Call, msg: dict[str, Any]) -> dict[str, Any]:
+    path = _path(msg)
+    info = await c.client.transport.call(rc.stat_file(c.sandbox_id, path))
+    if info.type != "dir":
+        raise InvalidArgument(f"path {path} is not a directory")
+    depth = MAX_DEPTH if msg.get("recursive") else 1
+    wid = secrets.token_hex(16)
+    snap = await _snapshot(c, info.path, depth)
+    await _save_watcher(c, f"{WATCHER_DIR}/{wid}.json", info.path, depth, snap)
+    return {"watcherId": wid}
+
+
+async def get_watcher_events(c: Call, msg: dict[str, Any]) -> dict[str, Any]:
+    file = _watcher_file(msg)
+    try:
+        raw = await c.client.transport.fetch(rc.read_file(c.sandbox_id, file))
+        state = json.loads(raw)
+        path, depth = str(state["path"]), int(state["depth"])
+        old = {k: (str(v[0]), int(v[1]), float(v[2])) for k, v in state["snap"].items()}
+    except NotFound:
+        raise NotFound(f"watcher {file} not found") from None
+    except (ValueError, KeyError, TypeError, IndexError):
+        raise InvalidArgument("the watcher's state in the sandbox is corrupt") from None
+    new = await _snapshot(c, path, depth)
+    await _save_watcher(c, file, path, depth, new)
+    return {"events": _events(old, new)}
+
+
+async def remove_watcher(c: Call, msg: dict[str, Any]) -> dict[str, Any]:
+    try:
+        await c.client.transport.call(rc.remove_file(c.sandbox_id, _watcher_file(msg)))
+        # the directory goes with the last watcher (not empty: another watcher still runs)
+        await c.client.transport.call(rc.remove_file(c.sandbox_id, WATCHER_DIR))
+    except (NotFound, InvalidArgument):
+        pass
+    return {}
+
+
 SERVER_STREAM = {"WatchDir": watch_dir}
-UNARY = {"Stat": stat_, "ListDir": list_dir, "MakeDir": make_dir, "Move": move, "Remove": remove}
+UNARY = {
+    "Stat": stat_,
+    "ListDir": list_dir,
+    "MakeDir": make_dir,
+    "Move": move,
+    "Remove": remove,
+    "CreateWatcher": create_watcher,
+    "GetWatcherEvents": get_watcher_events,
+    "RemoveWatcher": remove_watcher,
+}
