@@ -335,3 +335,17 @@ def test_watch_dir_sync(sbx: Sandbox) -> None:
     }
     handle.stop()
     assert not any(".e2b-watchers" in e.name for e in sbx.files.list("/tmp"))
+
+
+def test_pause_and_resume_on_connect(e2b_env: str) -> None:
+    s = Sandbox.create(timeout=120)
+    try:
+        s.commands.run("echo 1 > /tmp/state")
+        assert s.pause() is True
+        assert Sandbox.pause(s.sandbox_id) is False  # already paused
+        assert s.get_info().state == "paused"
+        again = Sandbox.connect(s.sandbox_id)  # resumes it
+        assert again.get_info().state == "running"
+        assert again.commands.run("cat /tmp/state").stdout == "1\n"
+    finally:
+        s.kill()

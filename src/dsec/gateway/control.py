@@ -198,12 +198,27 @@ async def connect(request: web.Request) -> web.Response:
     sid = request.match_info["sandbox_id"]
     body = await _json(request)
     info = await _live(client, sid)
+    status = 200
+    if info.state == "paused":  # connect resumes a paused sandbox, as on E2B
+        info = await client.transport.call(wire.resume_sandbox(sid))
+        status = 201
     timeout = _timeout(body, None)
     if timeout is not None:
         remaining = (info.expires_at - datetime.now(UTC)).total_seconds() if info.expires_at else 0
         if remaining < timeout:
             info = await client.transport.call(wire.set_timeout(sid, timeout))
-    return web.json_response(sandbox_json(g, info, key), status=200)
+    return web.json_response(sandbox_json(g, info, key), status=status)
+
+
+async def pause(request: web.Request) -> web.Response:
+    """Freeze the sandbox (every process stops; memory is kept); 409 if already paused."""
+    client, _ = _client(request)
+    sid = request.match_info["sandbox_id"]
+    info = await _live(client, sid)
+    if info.state == "paused":
+        return error_response(409, f"sandbox {sid} is already paused", retry=False)
+    await client.transport.call(wire.pause_sandbox(sid))
+    return web.Response(status=204)
 
 
 async def get_info(request: web.Request) -> web.Response:
@@ -312,7 +327,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/sandboxes/{sandbox_id}/connect", connect),
     ("POST", "/v2/sandboxes/{sandbox_id}/connect", connect),
     ("POST", "/sandboxes/{sandbox_id}/resume", connect),
-    ("POST", "/sandboxes/{sandbox_id}/pause", unsupported),
+    ("POST", "/sandboxes/{sandbox_id}/pause", pause),
     ("POST", "/sandboxes/{sandbox_id}/snapshots", unsupported),
     ("POST", "/sandboxes/{sandbox_id}/fork", unsupported),
     ("PUT", "/sandboxes/{sandbox_id}/network", unsupported),
