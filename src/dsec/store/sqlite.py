@@ -5,6 +5,10 @@ Every statement runs on a single worker thread with its own connection, writes i
 The ``changes`` table is the history behind ``range(revision=...)`` and ``watch``; compaction
 drops what no revision at or after the compaction point can see. Watchers in this process are
 fed after each commit; a lease reaper task deletes the keys of expired leases.
+
+One process should own the file. A second opener (another process, or a second store in
+this one) still gets serial, correct transactions, but its live watches see only its own
+writes; they see everyone's when they start or resume from a revision.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class SqliteStore(StoreHelpers):
         self._loop = asyncio.get_running_loop()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
+        self._pending: list[WatchBatch] = []  # committed batches to publish (store thread)
 
     @classmethod
     async def open(cls, path: Path, *, synchronous: str = "FULL") -> SqliteStore:
@@ -136,10 +141,15 @@ class SqliteStore(StoreHelpers):
         db.execute("BEGIN IMMEDIATE")
         try:
             out = body(db)
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            self._pending.clear()
+            if db.in_transaction:
+                db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
+        for batch in self._pending:
+            self._loop.call_soon_threadsafe(self._hub.publish, batch)
+        self._pending.clear()
         return out
 
     def _get(self, key: bytes) -> KeyValue | None:
@@ -226,8 +236,7 @@ class SqliteStore(StoreHelpers):
             ],
         )  # fmt: skip
         db.execute("UPDATE meta SET value = ? WHERE name = 'rev'", (rev,))
-        batch = WatchBatch(rev, tuple(e for _, e in changed))
-        self._loop.call_soon_threadsafe(self._hub.publish, batch)
+        self._pending.append(WatchBatch(rev, tuple(e for _, e in changed)))
         return rev, deleted
 
     def _txn(
