@@ -89,9 +89,13 @@ def _where_range(col: str, start: bytes, prefix: bool) -> tuple[str, list[bytes]
 class SqliteStore(StoreHelpers):
     """Open with :meth:`open`; close with :meth:`aclose`."""
 
-    def __init__(self, path: Path, synchronous: str) -> None:
+    def __init__(
+        self, path: Path, synchronous: str, retain_revisions: int, compact_every_s: float
+    ) -> None:
         self._path = path
         self._synchronous = synchronous
+        self._retain = retain_revisions
+        self._compact_every_s = compact_every_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store")
         self._db: sqlite3.Connection | None = None
         self._hub = WatchHub()
@@ -101,10 +105,24 @@ class SqliteStore(StoreHelpers):
         self._pending: list[WatchBatch] = []  # committed batches to publish (store thread)
 
     @classmethod
-    async def open(cls, path: Path, *, synchronous: str = "FULL") -> SqliteStore:
+    async def open(
+        cls,
+        path: Path,
+        *,
+        synchronous: str = "FULL",
+        retain_revisions: int = 0,
+        compact_every_s: float = 60.0,
+    ) -> SqliteStore:
+        """Open (or create) the store at ``path``.
+
+        ``retain_revisions`` > 0 turns on automatic compaction: every ``compact_every_s`` the
+        history is compacted to the current revision minus ``retain_revisions``.
+        """
         if synchronous not in ("FULL", "NORMAL"):
             raise InvalidArgument("synchronous must be FULL or NORMAL")
-        store = cls(path, synchronous)
+        if retain_revisions < 0:
+            raise InvalidArgument("retain_revisions must be >= 0")
+        store = cls(path, synchronous, retain_revisions, compact_every_s)
         await store._run(store._connect)
         store._reaper = asyncio.create_task(store._reap())
         return store
@@ -360,12 +378,21 @@ class SqliteStore(StoreHelpers):
     def watch(self, prefix: bytes, *, start_revision: int) -> AsyncGenerator[WatchBatch, None]:
         return self._hub.stream(prefix, start_revision, self._history_async)
 
+    def _auto_compact(self) -> None:
+        target = self._meta("rev") - self._retain
+        if target > self._meta("compact_rev"):
+            self._compact(target)
+
     async def _reap(self) -> None:
+        next_compact = time.monotonic() + self._compact_every_s
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
             try:
                 for lease in await self._run(self._expired):
                     await self._run(lambda lease=lease: self._revoke(lease, missing_ok=True))
+                if self._retain and time.monotonic() >= next_compact:
+                    next_compact = time.monotonic() + self._compact_every_s
+                    await self._run(self._auto_compact)
             except StoreUnavailable:
                 continue
 
