@@ -28,6 +28,7 @@ from dsec.store.api import (
     Target,
     WatchBatch,
 )
+from dsec.store.leases import kept_alive
 
 Check = Callable[[StateStore, bytes], Awaitable[None]]
 WAIT_S = 10.0
@@ -195,6 +196,14 @@ async def check_lease_expiry(s: StateStore, p: bytes) -> None:
     await _raises(LeaseNotFound, s.lease_keepalive(lease))
 
 
+async def check_kept_alive(s: StateStore, p: bytes) -> None:
+    async with kept_alive(s, 2) as lease:
+        await s.put(p + b"k", b"1", lease=lease)
+        await asyncio.sleep(3.5)  # longer than the TTL: renewals keep the key
+        assert await s.get(p + b"k") is not None
+    assert await s.get(p + b"k") is None  # revoked on exit
+
+
 async def check_watch(s: StateStore, p: bytes) -> None:
     r1 = await s.put(p + b"w/a", b"1")
     await s.put(p + b"other", b"x")
@@ -313,6 +322,7 @@ CHECKS: dict[str, Check] = {
     "create_if_absent": check_create_if_absent,
     "leases": check_leases,
     "lease_expiry": check_lease_expiry,
+    "kept_alive": check_kept_alive,
     "watch": check_watch,
     "compaction": check_compaction,
     "limits": check_limits,
