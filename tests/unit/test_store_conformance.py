@@ -107,15 +107,14 @@ async def test_sqlite_compacts_history_on_its_own(tmp_path: Path) -> None:
             await s.put(b"/a/%d" % (i % 3), b"%d" % i)
         last = (await s.range(b"/a/")).revision
         deadline = asyncio.get_running_loop().time() + 5
-        while True:
+        compacted_at = 0
+        while compacted_at != last - 5:  # it may have compacted during the writes, then again
             try:
                 await s.range(b"/a/", revision=first)
             except Compacted as exc:
                 compacted_at = exc.compact_revision
-                break
             assert asyncio.get_running_loop().time() < deadline, "no automatic compaction"
             await asyncio.sleep(0.05)
-        assert compacted_at == last - 5
         # The retained revisions still answer ranges and watches.
         old = await s.range(b"/a/", revision=last - 5)
         assert len(old.kvs) == 3

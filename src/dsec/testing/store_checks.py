@@ -233,11 +233,17 @@ async def check_watch(s: StateStore, p: bytes) -> None:
         b5 = await _next(w)
         assert b5.revision == live
     # start_revision=0 means from when the iteration starts: nothing from before.
+    before = await s.put(p + b"w/f", b"6")
     async with aclosing(s.watch(p + b"w/", start_revision=0)) as w:
         first = asyncio.ensure_future(_next(w))
-        await asyncio.sleep(0.3)  # the watch is established by its first anext()
-        later = await s.put(p + b"w/f", b"6")
-        assert (await first).revision == later
+        for i in range(100):  # the watch starts at its first anext(): write until it sees one
+            await asyncio.sleep(0.05)
+            if first.done():
+                break
+            await s.put(p + b"w/g%d" % i, b"7")
+        got = await first
+        assert got.revision > before
+        assert all(e.kv.key != p + b"w/f" for e in got.events)
 
 
 async def check_compaction(s: StateStore, p: bytes) -> None:
