@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from dsec.core.errors import StoreUnavailable
+from dsec.core.errors import Compacted, StoreUnavailable
 from dsec.store.api import StateStore
 from dsec.store.memory import MemoryStore
 from dsec.store.sqlite import SqliteStore
@@ -96,3 +96,51 @@ async def test_closed_store_is_unavailable(tmp_path: Path) -> None:
         await s.aclose()
         with pytest.raises(StoreUnavailable):
             await s.get(b"k")
+
+
+@pytest.mark.asyncio
+async def test_sqlite_compacts_history_on_its_own(tmp_path: Path) -> None:
+    s = await SqliteStore.open(tmp_path / "s.db", retain_revisions=5, compact_every_s=0.1)
+    try:
+        first = await s.put(b"/a/0", b"0")
+        for i in range(1, 20):
+            await s.put(b"/a/%d" % (i % 3), b"%d" % i)
+        last = (await s.range(b"/a/")).revision
+        deadline = asyncio.get_running_loop().time() + 5
+        compacted_at = 0
+        while compacted_at != last - 5:  # it may have compacted during the writes, then again
+            try:
+                await s.range(b"/a/", revision=first)
+            except Compacted as exc:
+                compacted_at = exc.compact_revision
+            assert asyncio.get_running_loop().time() < deadline, "no automatic compaction"
+            await asyncio.sleep(0.05)
+        # The retained revisions still answer ranges and watches.
+        old = await s.range(b"/a/", revision=last - 5)
+        assert len(old.kvs) == 3
+        async with aclosing(s.watch(b"/a/", start_revision=last - 5)) as w:
+            assert (await asyncio.wait_for(anext(w), 5)).revision == last - 5
+    finally:
+        await s.aclose()
+
+
+@pytest.mark.asyncio
+async def test_store_protos_are_generated_from_the_checked_in_proto(tmp_path: Path) -> None:
+    from grpc_tools import protoc  # type: ignore[import-untyped]
+
+    src = Path(__file__).parents[2] / "src" / "dsec" / "store"
+    inc = tmp_path / "in" / "dsec" / "store" / "_gen"
+    inc.mkdir(parents=True)
+    (inc / "etcd_v3_subset.proto").write_bytes(
+        (src / "protos" / "etcd_v3_subset.proto").read_bytes()
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = protoc.main(
+        ["protoc", f"-I{tmp_path / 'in'}", f"--python_out={out}", str(inc / "etcd_v3_subset.proto")]
+    )
+    assert rc == 0
+    generated = (out / "dsec" / "store" / "_gen" / "etcd_v3_subset_pb2.py").read_text()
+    assert generated == (src / "_gen" / "etcd_v3_subset_pb2.py").read_text(), (
+        "src/dsec/store/_gen is stale: run scripts/gen-etcd-protos"
+    )

@@ -14,7 +14,8 @@ Semantics every backend keeps (and ``dsec.testing.check_state_store`` checks):
 - Limits mirror etcd's defaults: at most :data:`MAX_TXN_OPS` compares and ops on each branch,
   values up to :data:`MAX_VALUE_BYTES`.
 - A lease deletes all its keys in one revision when it expires or is revoked.
-- :meth:`StateStore.watch` yields batches (one per revision) from ``start_revision`` on;
+- :meth:`StateStore.watch` yields batches (one per revision) from ``start_revision`` on (0:
+  from when iteration starts; the watch is set up by the first ``anext``);
   history older than the compaction point raises :class:`~dsec.core.errors.Compacted`, and the
   caller then lists at a revision R and watches from R + 1.
 """
@@ -205,6 +206,11 @@ def check_txn(
             raise InvalidArgument(f"key of {len(op.key)} bytes (at most {MAX_KEY_BYTES})")
         if isinstance(op, Put) and len(op.value) > MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value of {len(op.value)} bytes (at most {MAX_VALUE_BYTES})")
+    for c in compare:
+        if isinstance(c.operand, bytes) != (c.target is Target.VALUE):
+            raise InvalidArgument(
+                "a value compare takes bytes, a revision or version compare an int"
+            )
     for branch in (success, failure):
         puts = [op.key for op in branch if isinstance(op, Put)]
         if len(set(puts)) != len(puts):

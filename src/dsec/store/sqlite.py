@@ -5,6 +5,10 @@ Every statement runs on a single worker thread with its own connection, writes i
 The ``changes`` table is the history behind ``range(revision=...)`` and ``watch``; compaction
 drops what no revision at or after the compaction point can see. Watchers in this process are
 fed after each commit; a lease reaper task deletes the keys of expired leases.
+
+One process should own the file. A second opener (another process, or a second store in
+this one) still gets serial, correct transactions, but its live watches see only its own
+writes; they see everyone's when they start or resume from a revision.
 """
 
 from __future__ import annotations
@@ -85,21 +89,40 @@ def _where_range(col: str, start: bytes, prefix: bool) -> tuple[str, list[bytes]
 class SqliteStore(StoreHelpers):
     """Open with :meth:`open`; close with :meth:`aclose`."""
 
-    def __init__(self, path: Path, synchronous: str) -> None:
+    def __init__(
+        self, path: Path, synchronous: str, retain_revisions: int, compact_every_s: float
+    ) -> None:
         self._path = path
         self._synchronous = synchronous
+        self._retain = retain_revisions
+        self._compact_every_s = compact_every_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store")
         self._db: sqlite3.Connection | None = None
         self._hub = WatchHub()
         self._loop = asyncio.get_running_loop()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
+        self._pending: list[WatchBatch] = []  # committed batches to publish (store thread)
 
     @classmethod
-    async def open(cls, path: Path, *, synchronous: str = "FULL") -> SqliteStore:
+    async def open(
+        cls,
+        path: Path,
+        *,
+        synchronous: str = "FULL",
+        retain_revisions: int = 0,
+        compact_every_s: float = 60.0,
+    ) -> SqliteStore:
+        """Open (or create) the store at ``path``.
+
+        ``retain_revisions`` > 0 turns on automatic compaction: every ``compact_every_s`` the
+        history is compacted to the current revision minus ``retain_revisions``.
+        """
         if synchronous not in ("FULL", "NORMAL"):
             raise InvalidArgument("synchronous must be FULL or NORMAL")
-        store = cls(path, synchronous)
+        if retain_revisions < 0:
+            raise InvalidArgument("retain_revisions must be >= 0")
+        store = cls(path, synchronous, retain_revisions, compact_every_s)
         await store._run(store._connect)
         store._reaper = asyncio.create_task(store._reap())
         return store
@@ -136,10 +159,15 @@ class SqliteStore(StoreHelpers):
         db.execute("BEGIN IMMEDIATE")
         try:
             out = body(db)
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            self._pending.clear()
+            if db.in_transaction:
+                db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
+        for batch in self._pending:
+            self._loop.call_soon_threadsafe(self._hub.publish, batch)
+        self._pending.clear()
         return out
 
     def _get(self, key: bytes) -> KeyValue | None:
@@ -226,8 +254,7 @@ class SqliteStore(StoreHelpers):
             ],
         )  # fmt: skip
         db.execute("UPDATE meta SET value = ? WHERE name = 'rev'", (rev,))
-        batch = WatchBatch(rev, tuple(e for _, e in changed))
-        self._loop.call_soon_threadsafe(self._hub.publish, batch)
+        self._pending.append(WatchBatch(rev, tuple(e for _, e in changed)))
         return rev, deleted
 
     def _txn(
@@ -351,12 +378,21 @@ class SqliteStore(StoreHelpers):
     def watch(self, prefix: bytes, *, start_revision: int) -> AsyncGenerator[WatchBatch, None]:
         return self._hub.stream(prefix, start_revision, self._history_async)
 
+    def _auto_compact(self) -> None:
+        target = self._meta("rev") - self._retain
+        if target > self._meta("compact_rev"):
+            self._compact(target)
+
     async def _reap(self) -> None:
+        next_compact = time.monotonic() + self._compact_every_s
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
             try:
                 for lease in await self._run(self._expired):
                     await self._run(lambda lease=lease: self._revoke(lease, missing_ok=True))
+                if self._retain and time.monotonic() >= next_compact:
+                    next_compact = time.monotonic() + self._compact_every_s
+                    await self._run(self._auto_compact)
             except StoreUnavailable:
                 continue
 

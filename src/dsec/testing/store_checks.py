@@ -28,6 +28,7 @@ from dsec.store.api import (
     Target,
     WatchBatch,
 )
+from dsec.store.leases import kept_alive
 
 Check = Callable[[StateStore, bytes], Awaitable[None]]
 WAIT_S = 10.0
@@ -88,6 +89,7 @@ async def check_range(s: StateStore, p: bytes) -> None:
     now = await s.range(p + b"r/")
     assert [kv.value for kv in now.kvs] == [b"new", b"c", b"c\xff"]
     assert now.revision == old + 2
+    await _raises(InvalidArgument, s.range(p + b"r/", revision=now.revision + 1000))
 
 
 async def check_txn(s: StateStore, p: bytes) -> None:
@@ -134,6 +136,9 @@ async def check_txn(s: StateStore, p: bytes) -> None:
     await s.put(p + b"t3", b"3")
     stale = await s.txn([Compare(p + b"t", Target.MOD, Op.LT, r + 2, prefix=True)], [])
     assert not stale.succeeded
+    # A compare's operand must fit its target.
+    await _raises(InvalidArgument, s.txn([Compare(k, Target.VALUE, Op.EQ, 1)], []))
+    await _raises(InvalidArgument, s.txn([Compare(k, Target.MOD, Op.EQ, b"1")], []))
     # Putting one key twice in one transaction is refused.
     await _raises(InvalidArgument, s.txn([], [Put(p + b"d", b"1"), Put(p + b"d", b"2")]))
 
@@ -191,6 +196,14 @@ async def check_lease_expiry(s: StateStore, p: bytes) -> None:
     await _raises(LeaseNotFound, s.lease_keepalive(lease))
 
 
+async def check_kept_alive(s: StateStore, p: bytes) -> None:
+    async with kept_alive(s, 2) as lease:
+        await s.put(p + b"k", b"1", lease=lease)
+        await asyncio.sleep(3.5)  # longer than the TTL: renewals keep the key
+        assert await s.get(p + b"k") is not None
+    assert await s.get(p + b"k") is None  # revoked on exit
+
+
 async def check_watch(s: StateStore, p: bytes) -> None:
     r1 = await s.put(p + b"w/a", b"1")
     await s.put(p + b"other", b"x")
@@ -219,6 +232,18 @@ async def check_watch(s: StateStore, p: bytes) -> None:
         live = await s.put(p + b"w/e", b"5")
         b5 = await _next(w)
         assert b5.revision == live
+    # start_revision=0 means from when the iteration starts: nothing from before.
+    before = await s.put(p + b"w/f", b"6")
+    async with aclosing(s.watch(p + b"w/", start_revision=0)) as w:
+        first = asyncio.ensure_future(_next(w))
+        for i in range(100):  # the watch starts at its first anext(): write until it sees one
+            await asyncio.sleep(0.05)
+            if first.done():
+                break
+            await s.put(p + b"w/g%d" % i, b"7")
+        got = await first
+        assert got.revision > before
+        assert all(e.kv.key != p + b"w/f" for e in got.events)
 
 
 async def check_compaction(s: StateStore, p: bytes) -> None:
@@ -235,6 +260,7 @@ async def check_compaction(s: StateStore, p: bytes) -> None:
     at = await s.range(p + b"c/", revision=r3)
     assert [kv.value for kv in at.kvs] == [b"2", b"3"]
     await _raises(Compacted, s.compact(r1))
+    await _raises(InvalidArgument, s.compact(r3 + 1000))
     r4 = await s.put(p + b"c/c", b"4")
     async with aclosing(s.watch(p + b"c/", start_revision=r4)) as w:
         assert (await _next(w)).revision == r4
@@ -278,6 +304,23 @@ async def check_admission(s: StateStore, p: bytes) -> None:
     assert admitted == 300
 
 
+async def check_nested_quotas(s: StateStore, p: bytes) -> None:
+    org, a, b = p + b"org/", p + b"org/a/", p + b"org/b/"
+    adm = Admitter(s)
+
+    async def admit(child: bytes, name: bytes, amount: int) -> bool:
+        limits = [Limit(org, 6), Limit(child, 4)]
+        return await adm.admit(child + name, b"%d" % amount, amount, limits)
+
+    assert await admit(a, b"1", 3)
+    assert not await admit(a, b"2", 2)  # the child's limit: 3 + 2 > 4
+    assert await admit(b, b"1", 2)
+    assert not await admit(b, b"2", 2)  # the parent's limit: 3 + 2 + 2 > 6
+    assert await admit(a, b"1", 3)  # an admission that exists is not counted twice
+    await s.delete(a + b"1")  # freeing frees the parent too
+    assert await admit(b, b"2", 2)
+
+
 CHECKS: dict[str, Check] = {
     "revisions": check_revisions,
     "range": check_range,
@@ -285,10 +328,12 @@ CHECKS: dict[str, Check] = {
     "create_if_absent": check_create_if_absent,
     "leases": check_leases,
     "lease_expiry": check_lease_expiry,
+    "kept_alive": check_kept_alive,
     "watch": check_watch,
     "compaction": check_compaction,
     "limits": check_limits,
     "admission": check_admission,
+    "nested_quotas": check_nested_quotas,
 }
 
 
