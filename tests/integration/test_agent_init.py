@@ -67,7 +67,14 @@ def test_init_serves_and_restarts_aether(ns_init: NamespacedInit):
     assert stat_of(init_pid) is not None
     seen = {first["pid"]}
     for _ in range(3):  # quick successive crashes: restarted with backoff each time
-        os.kill(aether_host_pid(init_pid), signal.SIGKILL)
+        victim = aether_host_pid(init_pid)
+        os.kill(victim, signal.SIGKILL)
+        # kill() returns before the process is gone; a call made meanwhile could be
+        # accepted by the dying aether and then reset.
+        deadline = time.monotonic() + 5
+        while (st := stat_of(victim)) is not None and st[1] not in ("Z", "X"):
+            assert time.monotonic() < deadline, "aether did not die"
+            time.sleep(0.005)
         again = ns_init.call({"op": "ping"}, timeout=10).result
         assert again["pid"] not in seen
         assert again["uptime_s"] < 5
