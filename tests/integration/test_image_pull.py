@@ -212,14 +212,20 @@ def test_auth_required_and_credentials(
     assert Puller(other, creds).pull(ref, INSECURE).diff_ids == image.diff_ids
 
 
-def test_gc_keeps_shared_layers(reg: LocalRegistry, store: ImageStore) -> None:
+def test_gc_keeps_shared_and_mounted_layers(
+    reg: LocalRegistry, store: ImageStore, tmp_path: Path
+) -> None:
     shared = base_layer()
     push_image(reg, "t/gc1:v1", [shared, TarBuilder().file("one", b"1").build()])
     push_image(reg, "t/gc2:v1", [shared, TarBuilder().file("two", b"2").build()])
     one = Puller(store).pull(f"{reg.host}/t/gc1:v1", INSECURE)
     two = Puller(store).pull(f"{reg.host}/t/gc2:v1", INSECURE)
     assert one.layer_dirs[1] == two.layer_dirs[1]
+    view = _mounted_view(tmp_path, store, one.name)  # a "running sandbox" of image one
+    next(view)
     store.remove(one.name)
+    assert store.gc().layers == 0  # its layers are under a mounted overlay: kept
+    next(view, None)  # unmounted
     result = store.gc()
     assert result.layers == 1
     assert not one.layer_dirs[0].exists()
