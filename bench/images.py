@@ -105,6 +105,20 @@ def time_skopeo(reg: LocalRegistry, name: str, dest: Path) -> float:
     return time.perf_counter() - start
 
 
+def time_gnu_tar(reg: LocalRegistry, digests: list[str], dest: Path) -> float:
+    """The unpack floor: GNU ``tar -xzpf`` of the same blobs (no download, no checks)."""
+    start = time.perf_counter()
+    for d in digests:
+        layer = dest / d[7:19]
+        layer.mkdir()
+        subprocess.run(
+            ["tar", "-xzpf", str(reg.blob_file(d)), "-C", str(layer), "--numeric-owner"],
+            check=True,
+            capture_output=True,
+        )
+    return time.perf_counter() - start
+
+
 def bench_pull(runs: int, base_layer: Path) -> dict[str, Any]:
     tars = layer_tars(base_layer)
     result: dict[str, Any] = {"layers_mb": [round(len(t) / 1e6, 1) for t in tars]}
@@ -113,7 +127,7 @@ def bench_pull(runs: int, base_layer: Path) -> dict[str, Any]:
         result["compressed_mb"] = round(
             sum(reg.blob_file(d).stat().st_size for d in pushed.layer_digests) / 1e6, 1
         )
-        samples: dict[str, list[float]] = {"download": [], "pull": [], "skopeo": []}
+        samples: dict[str, list[float]] = {"download": [], "pull": [], "skopeo": [], "tar": []}
         for _ in range(runs):
             for kind, fn in (
                 ("skopeo", time_skopeo),
@@ -125,6 +139,11 @@ def bench_pull(runs: int, base_layer: Path) -> dict[str, Any]:
                     samples[kind].append(fn(reg, "bench/layered:v1", d))
                 finally:
                     shutil.rmtree(d, ignore_errors=True)
+            d = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
+            try:
+                samples["tar"].append(time_gnu_tar(reg, list(pushed.layer_digests), d))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
     result.update({f"{k}_s": round(statistics.median(v), 2) for k, v in samples.items()})
     result["samples"] = samples
     return result
@@ -211,6 +230,7 @@ def main() -> None:
     )
     print(f"| same: our download, verified (no unpack) | {p['download_s']} s |")
     print(f"| same: our full pull (download + confined unpack) | {p['pull_s']} s |")
+    print(f"| same blobs: GNU tar -xzpf only (unpack floor) | {p['tar_s']} s |")
     print(f"| {s['sandboxes']} sandboxes of one image: create all | {s['create_all_s']} s |")
     print(f"| same: disk growth | {s['disk_growth_mib']} MiB ({s['per_sandbox_kib']} KiB each) |")
     print(f"| pack a {k['change_mib']} MiB change | {k['pack_s']} s ({k['layer_mb']} MB gz) |")

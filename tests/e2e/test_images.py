@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from dsec.core.errors import InvalidArgument, Unauthenticated
+from dsec.core.errors import ImageNotFound, InvalidArgument, Unauthenticated
 from dsec.edge.images.store import ImageStore
 from dsec.paths import Paths
 from dsec.sdk import Client, Sandbox
@@ -106,8 +107,18 @@ def test_sdk_pull_then_sandbox(
         finally:
             sbx.kill()
             sbx.close()
+        plain = httpx.post(  # without "stream": one JSON answer at the end
+            f"{platform.api_url}/v1/images/pull",
+            json={"reference": ref, "insecure": True},
+            headers={"Authorization": f"Bearer {platform.admin_key}"},
+            timeout=120,
+        )
+        assert plain.status_code == 200, plain.text
+        assert [i["name"] for i in plain.json()["images"]] == [ref]
         client.remove_image(ref)
         assert ref not in [i["name"] for i in client.list_images()]
+        with pytest.raises(ImageNotFound):
+            client.remove_image(ref)
         gc = client.gc_images()
         assert gc["edges"][0]["layers"] == 2
 

@@ -6,12 +6,19 @@ import base64
 import json
 import os
 import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from dsec.core.errors import ImageNotFound, InvalidArgument, Unauthenticated, Unavailable
+from dsec.core.errors import (
+    ImageNotFound,
+    Internal,
+    InvalidArgument,
+    Unauthenticated,
+    Unavailable,
+)
 from dsec.edge.backends.container import overlay
 from dsec.edge.images.credentials import RegistryCredentials, RegistrySettings
 from dsec.edge.images.pull import LayerProgress, Puller, PullOptions
@@ -123,21 +130,19 @@ def test_whiteouts_and_opaque_dirs_give_the_overlay_view(
         assert sorted(os.listdir(root / "opt/app")) == ["new"]
 
 
-def test_index_platform_selection_docker_types(reg: LocalRegistry, store: ImageStore) -> None:
-    push_image(
-        reg, "t/multi:v1", [base_layer()], docker=True, platforms=("linux/amd64", "linux/arm64")
-    )
-    amd = Puller(store).pull(f"{reg.host}/t/multi:v1", INSECURE)
+@pytest.mark.parametrize("docker", [True, False], ids=["docker-list", "oci-index"])
+def test_index_platform_selection(reg: LocalRegistry, store: ImageStore, docker: bool) -> None:
+    name = f"t/multi-{'docker' if docker else 'oci'}:v1"
+    push_image(reg, name, [base_layer()], docker=docker, platforms=("linux/amd64", "linux/arm64"))
+    amd = Puller(store).pull(f"{reg.host}/{name}", INSECURE)
     assert (amd.layer_dirs[0] / "platform").read_text() == "linux/amd64"
     arm = Puller(store).pull(
-        f"{reg.host}/t/multi:v1", PullOptions(insecure=True, platform="linux/arm64")
+        f"{reg.host}/{name}", PullOptions(insecure=True, platform="linux/arm64")
     )
     assert (arm.layer_dirs[0] / "platform").read_text() == "linux/arm64"
     assert arm.layer_dirs[1] == amd.layer_dirs[1]  # the shared base layer is stored once
     with pytest.raises(ImageNotFound, match=r"linux/s390x.*available: linux/amd64, linux/arm64"):
-        Puller(store).pull(
-            f"{reg.host}/t/multi:v1", PullOptions(insecure=True, platform="linux/s390x")
-        )
+        Puller(store).pull(f"{reg.host}/{name}", PullOptions(insecure=True, platform="linux/s390x"))
 
 
 def test_oci_uncompressed_layers_and_missing_tag(reg: LocalRegistry, store: ImageStore) -> None:
@@ -207,14 +212,20 @@ def test_auth_required_and_credentials(
     assert Puller(other, creds).pull(ref, INSECURE).diff_ids == image.diff_ids
 
 
-def test_gc_keeps_shared_layers(reg: LocalRegistry, store: ImageStore) -> None:
+def test_gc_keeps_shared_and_mounted_layers(
+    reg: LocalRegistry, store: ImageStore, tmp_path: Path
+) -> None:
     shared = base_layer()
     push_image(reg, "t/gc1:v1", [shared, TarBuilder().file("one", b"1").build()])
     push_image(reg, "t/gc2:v1", [shared, TarBuilder().file("two", b"2").build()])
     one = Puller(store).pull(f"{reg.host}/t/gc1:v1", INSECURE)
     two = Puller(store).pull(f"{reg.host}/t/gc2:v1", INSECURE)
     assert one.layer_dirs[1] == two.layer_dirs[1]
+    view = _mounted_view(tmp_path, store, one.name)  # a "running sandbox" of image one
+    next(view)
     store.remove(one.name)
+    assert store.gc().layers == 0  # its layers are under a mounted overlay: kept
+    next(view, None)  # unmounted
     result = store.gc()
     assert result.layers == 1
     assert not one.layer_dirs[0].exists()
@@ -239,3 +250,22 @@ def test_htpasswd_over_tls_with_a_private_ca(store: ImageStore, tmp_path: Path) 
             Puller(ImageStore(tmp_path / "x")).pull(
                 ref, PullOptions(username="carol", password="tls-pw")
             )
+
+
+def test_disk_full_mid_pull_is_a_clear_error(reg: LocalRegistry, tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        store = ImageStore(small / "images")
+        pushed = push_image(
+            reg, "t/big:v1", [TarBuilder().file("big", os.urandom(3 << 20)).build()]
+        )
+        with pytest.raises(Internal, match="No space left"):
+            Puller(store).pull(f"{reg.host}/t/big:v1", INSECURE)
+        assert store.list() == []
+        assert not store.layers_dir.exists() or not any(store.layers_dir.iterdir())
+        assert not store.blob_path(pushed.layer_digests[0]).exists()
+        assert not list(store.blobs_dir.glob("*.part"))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

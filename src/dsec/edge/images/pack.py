@@ -10,7 +10,7 @@ The upper dir is walked in sorted order (never following symlinks):
 - other device nodes, FIFOs and sockets are skipped (images carry none).
 
 The tar's sha256 is the layer's diff_id; it is stored gzip'd (``gzip -1 -n``) as a blob
-and unpacked into the layer store like any pulled layer, then a ref is written with the
+and unpacked (confined, like any pulled layer) into the layer store, then a ref is written with the
 base image's layers plus this one and the base image's config.
 """
 
@@ -30,6 +30,7 @@ from dsec.edge.images.store import Image, ImageStore, LayerBlob
 from dsec.edge.images.unpack import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX, XATTR_PAX
 
 LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,18 +123,26 @@ def write_diff_tar(upper: Path, out: IO[bytes]) -> tuple[str, int, int, int]:
 
 
 def pack_upper(store: ImageStore, upper: Path) -> PackedLayer:
-    """Turn ``upper`` into a gzip'd layer blob in the store and unpack it as a layer."""
+    """Turn ``upper`` into a gzip'd layer blob in the store and unpack it as a layer.
+
+    The tar is compressed (``gzip -1 -n``, its own process) while the same tar is unpacked
+    into the layer store, so the two costs overlap.
+    """
     with store.scratch_dir() as scratch:
         tar_path = scratch / "layer.tar"
         with tar_path.open("wb") as f:
             diff_id, entries, wh, opq = write_diff_tar(upper, f)
         gz_path = scratch / "layer.tar.gz"
         with tar_path.open("rb") as src, gz_path.open("wb") as dst:
-            proc = subprocess.run(
+            gzip = subprocess.Popen(
                 ["gzip", "-1", "-n", "-c"], stdin=src, stdout=dst, stderr=subprocess.PIPE
             )
-        if proc.returncode != 0:
-            raise Internal(f"gzip failed: {proc.stderr.decode(errors='replace').strip()}")
+        try:
+            store.import_layer_blob(tar_path, LAYER_TAR, diff_id)
+        finally:
+            _, err = gzip.communicate()
+        if gzip.returncode != 0:
+            raise Internal(f"gzip failed: {err.decode(errors='replace').strip()}")
         h = hashlib.sha256()
         with gz_path.open("rb") as f:
             while chunk := f.read(1 << 20):
@@ -143,7 +152,6 @@ def pack_upper(store: ImageStore, upper: Path) -> PackedLayer:
         blob.parent.mkdir(parents=True, exist_ok=True)
         size = gz_path.stat().st_size
         os.replace(gz_path, blob)
-    store.import_layer_blob(blob, LAYER_GZIP, diff_id)
     return PackedLayer(diff_id, digest, size, entries, wh, opq)
 
 

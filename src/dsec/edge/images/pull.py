@@ -19,7 +19,7 @@ from typing import Any
 
 from dsec.core.errors import ImageNotFound, Internal, InvalidArgument
 from dsec.edge.images.credentials import RegistryCredentials
-from dsec.edge.images.reference import Reference, parse_reference
+from dsec.edge.images.reference import parse_reference
 from dsec.edge.images.registry import INDEX_TYPES, Manifest, RegistryClient
 from dsec.edge.images.store import Image, ImageConfig, ImageStore, LayerBlob
 
@@ -151,7 +151,7 @@ class Puller:
                 for f in futures:
                     f.result()
         return self.store.write_ref(
-            _store_name(ref, reference),
+            ref.name,
             diff_ids,
             _config_from(config),
             blobs=blobs,
@@ -228,9 +228,3 @@ class Puller:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(data)
         tmp.replace(path)
-
-
-def _store_name(ref: Reference, given: str) -> str:
-    """The ref name to record: the canonical reference (``docker.io/library/x:tag``)."""
-    del given
-    return ref.name

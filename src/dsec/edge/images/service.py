@@ -2,12 +2,14 @@
 
 Pulls run in a worker thread (the registry client and the unpacker are blocking); their
 progress reaches the gRPC stream through an asyncio queue, at most a few reports a second
-per layer plus every change of state.
+per layer plus every change of state. Pulls, packs and pushes run concurrently (layers are
+locked one by one inside the puller); a gc waits for them and has the store to itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -43,7 +45,39 @@ class EdgeImages:
         self.store = store
         self.edge_id = edge_id
         self.puller = Puller(store, RegistryCredentials(settings_file, default_docker_configs()))
-        self._gc_lock = asyncio.Lock()
+        self._cond = asyncio.Condition()
+        self._users = 0  # pulls, packs and pushes in flight (they may run together)
+        self._collecting = False  # a gc runs: it needs the store to itself
+        self._gc_waiting = 0  # queued gcs go before newer pulls (no starvation)
+
+    @contextlib.asynccontextmanager
+    async def _shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._collecting and not self._gc_waiting)
+            self._users += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._users -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._gc_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._collecting and self._users == 0)
+            finally:
+                self._gc_waiting -= 1
+                self._cond.notify_all()  # matters when this wait was cancelled
+            self._collecting = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._collecting = False
+                self._cond.notify_all()
 
     async def pull(self, req: pb.PullImageRequest) -> AsyncIterator[pb.PullImageEvent]:
         """Pull ``req.reference``; yield progress events, then the image."""
@@ -72,7 +106,7 @@ class EdgeImages:
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
-        async with self._gc_lock:  # no gc while layers are being added
+        async with self._shared():  # no gc while layers are being added
             task = asyncio.ensure_future(asyncio.to_thread(work))
             try:
                 while (item := await queue.get()) is not None:
@@ -94,14 +128,14 @@ class EdgeImages:
 
         validate_name(name)
         base_image = self.store.resolve(base)
-        async with self._gc_lock:
+        async with self._shared():
             return await asyncio.to_thread(pack_image, self.store, upper, base_image, name)
 
     async def push(self, name: str, req: pb.PackSandboxRequest) -> str:
         """Push the stored image ``name`` to the registry reference ``name``."""
         from dsec.edge.images.push import push_image
 
-        async with self._gc_lock:
+        async with self._shared():
             return await asyncio.to_thread(
                 push_image,
                 self.store,
@@ -120,5 +154,5 @@ class EdgeImages:
         self.store.remove(name)
 
     async def gc(self) -> GcResult:
-        async with self._gc_lock:
+        async with self._exclusive():
             return await asyncio.to_thread(self.store.gc)
