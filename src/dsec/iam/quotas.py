@@ -1,0 +1,314 @@
+"""Projects, quotas and admission: the part of :class:`dsec.iam.db.IamDb` that decides
+whether a sandbox may start.
+
+Usage is never a counter: it is the sum of ``allocations`` rows beneath a project, read and
+written inside one ``BEGIN IMMEDIATE`` transaction, and a quota on a project bounds its
+whole subtree, so admission checks every ancestor (see ``dsec.core.projects``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from dsec.core import projects
+from dsec.core.audit import AuditEvent
+from dsec.core.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+    PermissionDenied,
+    QuotaExceeded,
+    Unavailable,
+)
+from dsec.core.ids import edge_of, is_sandbox_id, validate_edge_id
+from dsec.iam import audit
+from dsec.iam.records import Admission, Allocation, Project, Usage, milli
+
+
+class QuotasMixin:
+    """Needs the connection, clock and transaction helpers of :class:`IamDb`."""
+
+    _db: sqlite3.Connection
+    _clock: Callable[[], float]
+
+    def _write(self) -> AbstractContextManager[sqlite3.Connection]:
+        raise NotImplementedError
+
+    def _read(self, sql: str, args: Sequence[object] = ()) -> list[Any]:
+        raise NotImplementedError
+
+    # -- projects --------------------------------------------------------------------------
+
+    def put_project(self, project: Project, *, actor: str = "iam", request_id: str = "") -> Project:
+        """Create ``project`` or replace its quota (existing allocations are kept)."""
+        projects.validate(project.name)
+        if project.max_sandboxes < 0 or project.max_cpu < 0 or project.max_memory_mb < 0:
+            raise InvalidArgument("quota limits must be >= 0 (0 means no limit)")
+        with self._write() as db:
+            now = self._clock()
+            up = projects.parent(project.name)
+            if up and not db.execute("SELECT 1 FROM projects WHERE name = ?", (up,)).fetchone():
+                raise NotFound(f"no parent project {up!r}: create it first")
+            self._upsert_project(db, project, now)
+            audit.append(db, AuditEvent(
+                ts=now, actor=actor, action="project.put", project=project.name,
+                target=project.name, request_id=request_id,
+                details=f"max_sandboxes={project.max_sandboxes} max_cpu={project.max_cpu:g} "
+                        f"max_memory_mb={project.max_memory_mb}",
+            ))  # fmt: skip
+        return self.get_project(project.name)
+
+    def _upsert_project(self, db: sqlite3.Connection, p: Project, now: float) -> None:
+        db.execute(
+            "INSERT INTO projects VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+            "max_sandboxes = excluded.max_sandboxes, max_cpu_milli = excluded.max_cpu_milli, "
+            "max_memory_mb = excluded.max_memory_mb",
+            (p.name, p.max_sandboxes, milli(p.max_cpu), p.max_memory_mb, now),
+        )
+
+    def get_project(self, name: str) -> Project:
+        """Raises NotFound if there is no such project."""
+        rows = self._read(
+            "SELECT name, max_sandboxes, max_cpu_milli, max_memory_mb FROM projects WHERE name = ?",
+            (name,),
+        )
+        if not rows:
+            raise NotFound(f"no project {name!r}")
+        return _project(rows[0])
+
+    def list_projects(self) -> list[Project]:
+        rows = self._read(
+            "SELECT name, max_sandboxes, max_cpu_milli, max_memory_mb FROM projects ORDER BY name"
+        )
+        return [_project(r) for r in rows]
+
+    # -- allocations -----------------------------------------------------------------------
+
+    def admit(
+        self, project: str, sandbox_id: str, cpu: float, memory_mb: int, edge_id: str = ""
+    ) -> bool:
+        """Record an allocation if the project's quota allows it, atomically.
+
+        Admitting the same sandbox id to the same project again is a no-op.
+
+        Returns:
+            True if a new allocation was recorded, False if it already existed.
+
+        Raises:
+            InvalidArgument: bad sandbox id, edge id or amounts.
+            NotFound: no such project.
+            AlreadyExists: the sandbox id is allocated to another project.
+            QuotaExceeded: a limit would be exceeded; the message names it.
+        """
+        (result,) = self.admit_many([Admission(project, sandbox_id, cpu, memory_mb, edge_id)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def admit_many(self, batch: Sequence[Admission]) -> list[bool | Exception]:
+        """Admit several requests in one transaction, so they share one disk sync.
+
+        Each is decided on its own, in order, seeing the ones before it; the answer for each
+        is what :meth:`admit` would return or raise. If the commit itself fails, this raises
+        (nothing was admitted).
+        """
+        out: list[bool | Exception] = []
+        with self._write() as db:
+            for a in batch:
+                db.execute("SAVEPOINT admit")
+                try:
+                    out.append(self._admit_one(db, a))
+                except Exception as exc:
+                    db.execute("ROLLBACK TO admit")
+                    out.append(exc)
+                db.execute("RELEASE admit")
+        return out
+
+    def _admit_one(self, db: sqlite3.Connection, a: Admission) -> bool:
+        if not is_sandbox_id(a.sandbox_id):
+            raise InvalidArgument(f"malformed sandbox id {a.sandbox_id!r}")
+        owner = edge_of(a.sandbox_id)
+        if a.edge_id and validate_edge_id(a.edge_id) != owner:
+            raise InvalidArgument(
+                f"sandbox {a.sandbox_id} belongs to edge {owner}, not {a.edge_id}"
+            )
+        if a.cpu < 0 or a.memory_mb < 0:
+            raise InvalidArgument("cpu and memory_mb must be >= 0")
+        cpu_milli = milli(a.cpu)
+        chain = []
+        for level in projects.ancestors(a.project):
+            row = db.execute(
+                "SELECT max_sandboxes, max_cpu_milli, max_memory_mb FROM projects WHERE name = ?",
+                (level,),
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"no project {level!r}")
+            chain.append((level, row))
+        have = db.execute(
+            "SELECT project FROM allocations WHERE sandbox_id = ?", (a.sandbox_id,)
+        ).fetchone()
+        if have is not None:
+            if have[0] != a.project:
+                raise AlreadyExists(f"sandbox {a.sandbox_id} is allocated to another project")
+            return False
+        for level, row in chain:  # a quota bounds everything beneath its project
+            if row == (0, 0, 0):
+                continue
+            _check_quota(level, row, _subtree_usage(db, level), cpu_milli, a.memory_mb)
+        db.execute(
+            "INSERT INTO allocations VALUES (?, ?, ?, ?, ?, ?)",
+            (a.sandbox_id, a.project, owner, cpu_milli, a.memory_mb, self._clock()),
+        )
+        return True
+
+    def release(self, sandbox_id: str, *, edge_id: str = "") -> Allocation | None:
+        """Drop a sandbox's allocation; returns it, or None if there was none (idempotent).
+
+        With ``edge_id`` (the caller is that edge) only that edge's allocations may go.
+
+        Raises:
+            PermissionDenied: the allocation belongs to another edge.
+        """
+        with self._write() as db:
+            row = db.execute(f"{_ALLOC_SELECT} WHERE sandbox_id = ?", (sandbox_id,)).fetchone()
+            if row is None:
+                return None
+            alloc = _alloc(row)
+            if edge_id and alloc.edge_id != edge_id:
+                raise PermissionDenied(f"edge {edge_id} may not release {sandbox_id}")
+            db.execute("DELETE FROM allocations WHERE sandbox_id = ?", (sandbox_id,))
+        return alloc
+
+    def reconcile(self, edge_id: str, live: Sequence[str], grace_s: float) -> list[str]:
+        """Drop allocations of ``edge_id`` whose sandbox is not in ``live``.
+
+        Allocations younger than ``grace_s`` are kept: the edge may not have received the
+        create call yet when it took its list.
+
+        Returns:
+            The sandbox ids released.
+        """
+        validate_edge_id(edge_id)
+        keep = set(live)
+        cutoff = self._clock() - grace_s
+        with self._write() as db:
+            rows = db.execute(
+                "SELECT sandbox_id FROM allocations WHERE edge_id = ? AND created_at <= ?",
+                (edge_id, cutoff),
+            ).fetchall()
+            gone = [str(r[0]) for r in rows if r[0] not in keep]
+            db.executemany("DELETE FROM allocations WHERE sandbox_id = ?", [(s,) for s in gone])
+        return gone
+
+    def usage(self, project: str) -> Usage:
+        """Current usage of ``project``, summed from its allocations. Raises NotFound."""
+        p = self.get_project(project)
+        try:
+            count, used_milli, mem = _subtree_usage(self._db, project)
+        except sqlite3.Error as e:
+            raise Unavailable(f"IAM database read failed: {e}") from e
+        return Usage(p, count, used_milli / 1000, mem)
+
+    def delete_project(self, name: str, *, actor: str = "iam", request_id: str = "") -> None:
+        """Delete an empty leaf project and revoke its keys.
+
+        Raises:
+            NotFound: no such project.
+            InvalidState: it has sub-projects or live sandboxes.
+        """
+        with self._write() as db:
+            if not db.execute("SELECT 1 FROM projects WHERE name = ?", (name,)).fetchone():
+                raise NotFound(f"no project {name!r}")
+            children = db.execute(
+                "SELECT count(*) FROM projects WHERE substr(name, 1, ?) = ?",
+                (len(name) + 1, name + "/"),
+            ).fetchone()[0]
+            if children:
+                raise InvalidState(
+                    f"project {name!r} has {children} sub-projects; delete them first"
+                )
+            live = _subtree_usage(db, name)[0]
+            if live:
+                raise InvalidState(
+                    f"project {name!r} still has {live} live sandboxes; kill them first"
+                )
+            now = self._clock()
+            for (k,) in db.execute(
+                "SELECT key_id FROM api_keys WHERE project = ? AND revoked_at IS NULL", (name,)
+            ).fetchall():
+                db.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ?", (now, k))
+                db.execute(
+                    "INSERT INTO revocations (kind, value, at) VALUES ('key', ?, ?)", (k, now)
+                )
+            db.execute("DELETE FROM api_keys WHERE project = ?", (name,))  # all revoked above
+            db.execute("DELETE FROM projects WHERE name = ?", (name,))
+            audit.append(
+                db,
+                AuditEvent(
+                    ts=now,
+                    actor=actor,
+                    action="project.delete",
+                    project=name,
+                    target=name,
+                    request_id=request_id,
+                ),
+            )
+
+    def allocations(self, *, edge_id: str = "") -> list[Allocation]:
+        if edge_id:
+            rows = self._read(f"{_ALLOC_SELECT} WHERE edge_id = ? ORDER BY created_at", (edge_id,))
+        else:
+            rows = self._read(f"{_ALLOC_SELECT} ORDER BY created_at")
+        return [_alloc(r) for r in rows]
+
+
+_ALLOC_SELECT = (
+    "SELECT sandbox_id, project, edge_id, cpu_milli, memory_mb, created_at FROM allocations"
+)
+
+
+def _subtree_usage(db: sqlite3.Connection, project: str) -> tuple[int, int, int]:
+    """(sandboxes, cpu millicores, memory MiB) allocated in ``project`` and beneath it."""
+    row = db.execute(
+        "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
+        "FROM allocations WHERE project = ? OR substr(project, 1, ?) = ?",
+        (project, len(project) + 1, project + "/"),
+    ).fetchone()
+    return int(row[0]), int(row[1]), int(row[2])
+
+
+def _check_quota(
+    project: str,
+    limits: tuple[int, int, int],
+    used: tuple[int, int, int],
+    cpu_milli: int,
+    memory_mb: int,
+) -> None:
+    max_sbx, max_milli, max_mem = limits
+    count, used_milli, used_mem = used
+    if max_sbx and count + 1 > max_sbx:
+        raise QuotaExceeded(
+            f"project {project!r}: max_sandboxes {max_sbx} reached ({count} in use)"
+        )
+    if max_milli and used_milli + cpu_milli > max_milli:
+        raise QuotaExceeded(
+            f"project {project!r}: max_cpu {max_milli / 1000:g} exceeded "
+            f"({used_milli / 1000:g} in use + {cpu_milli / 1000:g} requested)"
+        )
+    if max_mem and used_mem + memory_mb > max_mem:
+        raise QuotaExceeded(
+            f"project {project!r}: max_memory_mb {max_mem} exceeded "
+            f"({used_mem} in use + {memory_mb} requested)"
+        )
+
+
+def _project(r: Any) -> Project:
+    return Project(str(r[0]), int(r[1]), int(r[2]) / 1000, int(r[3]))
+
+
+def _alloc(r: Any) -> Allocation:
+    return Allocation(str(r[0]), str(r[1]), str(r[2]), int(r[3]) / 1000, int(r[4]), float(r[5]))
