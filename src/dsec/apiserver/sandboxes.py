@@ -163,45 +163,35 @@ async def list_(request: web.Request) -> web.Response:
     return ok({"sandboxes": items})
 
 
-async def get(request: web.Request) -> web.Response:
+async def _on_sandbox(request: web.Request, role: str, verb: str) -> web.Response:
+    """Apply one of the edge's SandboxRef calls (GetSandbox, KillSandbox, ...) to the
+    sandbox named in the path and answer its SandboxInfo."""
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
-    p.require("viewer")
+    p.require(role)
     stub = await c.upstream.edge_for(sid)
-    info = await rpc(
-        "edge", stub.GetSandbox(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=10)
-    )
+    call = getattr(stub, verb)
+    info = await call(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=60)
     return ok(info_json(info))
+
+
+async def get(request: web.Request) -> web.Response:
+    """One sandbox."""
+    return await _on_sandbox(request, "viewer", "GetSandbox")
 
 
 async def kill(request: web.Request) -> web.Response:
-    c, p, sid = ctx(request), principal(request), sandbox_id(request)
-    p.require("member")
-    stub = await c.upstream.edge_for(sid)
-    info = await rpc(
-        "edge", stub.KillSandbox(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=60)
-    )
-    return ok(info_json(info))
+    """Stop a sandbox and remove everything it had."""
+    return await _on_sandbox(request, "member", "KillSandbox")
 
 
 async def pause(request: web.Request) -> web.Response:
     """Freeze every process of a running sandbox."""
-    c, p, sid = ctx(request), principal(request), sandbox_id(request)
-    p.require("member")
-    stub = await c.upstream.edge_for(sid)
-    ref = pb.SandboxRef(sandbox_id=sid)
-    info = await stub.PauseSandbox(ref, metadata=p.metadata(), timeout=60)
-    return ok(info_json(info))
+    return await _on_sandbox(request, "member", "PauseSandbox")
 
 
 async def resume(request: web.Request) -> web.Response:
     """Thaw a paused sandbox."""
-    c, p, sid = ctx(request), principal(request), sandbox_id(request)
-    p.require("member")
-    stub = await c.upstream.edge_for(sid)
-    info = await stub.ResumeSandbox(
-        pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=60
-    )
-    return ok(info_json(info))
+    return await _on_sandbox(request, "member", "ResumeSandbox")
 
 
 async def set_timeout(request: web.Request) -> web.Response:
