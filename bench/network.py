@@ -129,6 +129,13 @@ async def run(n: int, scale: int) -> dict[str, Any]:
             out[f"create_{scale}_total_s"] = round(time.perf_counter() - t, 2)
             extra = [await timed(net.create(f"extra-{i}", POLICY)) for i in range(5)]
             out[f"create_with_{scale}_present"] = summary(extra)
+            opens = [
+                await timed(net._open_resolved("scale-0", "web1.test.example", [(WEB1, 60)]))
+                for _ in range(20)
+            ]
+            out[f"dns_open_addresses_with_{scale}_present"] = summary(opens)
+            pols = [await timed(net.set_policy("scale-0", POLICY)) for _ in range(5)]
+            out[f"set_policy_with_{scale}_present"] = summary(pols)
             t = time.perf_counter()
             for sid in list(net._nets):
                 await net.destroy(sid)
