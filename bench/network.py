@@ -30,7 +30,7 @@ from typing import Any
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
-from tests.integration.fakenet import DNS_IP, WEB1, WEB2, FakeInternet
+from tests.integration.fakenet import DNS_IP, SINK_PORT, WEB1, WEB2, FakeInternet
 
 POLICY = NetworkPolicy(
     allow=(f"{WEB1}/32", f"{WEB2}:80", "198.18.2.0/24:1000-2000/udp", "web1.test.example"),
@@ -52,6 +52,41 @@ async def timed(fn: Any) -> float:
     t = time.perf_counter()
     await fn
     return time.perf_counter() - t
+
+
+BULK = (
+    "import socket,sys,time\n"
+    "s=socket.create_connection((sys.argv[1],int(sys.argv[2])));buf=b'x'*(1<<20);n=int(sys.argv[3])\n"
+    "t=time.perf_counter()\n"
+    "for _ in range(n): s.sendall(buf)\n"
+    "s.shutdown(socket.SHUT_WR);got=int(s.makefile().readline())\n"
+    "assert got==n<<20, got\n"
+    "print(n/(time.perf_counter()-t))"
+)
+
+
+async def bulk_mbps(netns: Path, mib: int = 1024) -> float:
+    """MiB/s of one TCP stream of ``mib`` MiB from ``netns`` to the sink (best of 3)."""
+    best = 0.0
+    for _ in range(3):
+        res = await asyncio.to_thread(
+            subprocess.run,
+            [
+                "nsenter",
+                f"--net={netns}",
+                sys.executable,
+                "-c",
+                BULK,
+                WEB1,
+                str(SINK_PORT),
+                str(mib),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        best = max(best, float(res.stdout))
+    return round(best, 1)
 
 
 async def run(n: int, scale: int) -> dict[str, Any]:
@@ -104,6 +139,13 @@ async def run(n: int, scale: int) -> dict[str, Any]:
             out["create_warm"] = summary(warm)
         finally:
             await warm_net.release()
+        # bulk TCP throughput: a sandbox with an allow rule vs the gateway itself (no rules,
+        # one veth hop fewer), to the same sink in the fake internet
+        bulk = await net.create("bench-bulk", NetworkPolicy(allow=(f"{WEB1}:{SINK_PORT}",)))
+        out["bulk_tcp_sandbox_MBps"] = await bulk_mbps(bulk.netns)
+        out["bulk_tcp_plain_MBps"] = await bulk_mbps(Path(inet.gw_path))
+        out["bulk_tcp_ratio"] = round(out["bulk_tcp_sandbox_MBps"] / out["bulk_tcp_plain_MBps"], 3)
+        await net.destroy("bench-bulk")
         # end to end DNS through the resolver from inside a sandbox namespace
         probe = await net.create("bench-dns", POLICY)
         code = (
@@ -129,6 +171,13 @@ async def run(n: int, scale: int) -> dict[str, Any]:
             out[f"create_{scale}_total_s"] = round(time.perf_counter() - t, 2)
             extra = [await timed(net.create(f"extra-{i}", POLICY)) for i in range(5)]
             out[f"create_with_{scale}_present"] = summary(extra)
+            opens = [
+                await timed(net._open_resolved("scale-0", "web1.test.example", [(WEB1, 60)]))
+                for _ in range(20)
+            ]
+            out[f"dns_open_addresses_with_{scale}_present"] = summary(opens)
+            pols = [await timed(net.set_policy("scale-0", POLICY)) for _ in range(5)]
+            out[f"set_policy_with_{scale}_present"] = summary(pols)
             t = time.perf_counter()
             for sid in list(net._nets):
                 await net.destroy(sid)

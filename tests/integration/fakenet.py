@@ -29,6 +29,7 @@ ZONE = {
 }
 TCP_PORTS = (80, 443, 8080)
 UDP_PORT = 5353
+SINK_PORT = 9000
 POOL = "10.213.0.0/16"
 
 
@@ -84,6 +85,7 @@ class FakeInternet:
         cfg = {
             "tcp": [[ip, p] for ip in (WEB1, WEB2, WEB3) for p in TCP_PORTS],
             "udp": [[ip, UDP_PORT] for ip in (WEB1, WEB2, WEB3)],
+            "sink": [[WEB1, SINK_PORT]],
             "dns": [DNS_IP, 53],
             "zone": ZONE,
             "log": str(self.dns_log),

@@ -1,6 +1,7 @@
 """Servers of the fake internet (run inside its namespace by fakenet.FakeInternet).
 
 argv[1] is a JSON object: {"tcp": [[ip, port], ...], "udp": [[ip, port], ...],
+"sink": [[ip, port], ...] (read everything, answer the byte count),
 "dns": [ip, port], "zone": {name: [ip, ttl]}}. TCP servers answer "hello <ip>:<port>\\n"
 and then echo; UDP servers echo; the DNS server is authoritative for the zone's names.
 """
@@ -31,6 +32,17 @@ async def main() -> None:
 
     for ip, port in cfg["tcp"]:
         await asyncio.start_server(tcp_handler(ip, port), ip, port)
+
+    async def sink(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        total = 0
+        while data := await r.read(1 << 20):
+            total += len(data)
+        w.write(f"{total}\n".encode())
+        await w.drain()
+        w.close()
+
+    for ip, port in cfg.get("sink", []):
+        await asyncio.start_server(sink, ip, port)
 
     class Echo(asyncio.DatagramProtocol):
         def connection_made(self, transport):

@@ -1,0 +1,76 @@
+"""Network policy parsing, its place in SandboxSpec and the nft text it becomes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsec.core.errors import InvalidArgument
+from dsec.core.netpolicy import CidrRule, DomainRule, NetworkPolicy, parse_rule
+from dsec.core.spec import SandboxSpec
+from dsec.edge.backends.container import ocispec
+from dsec.edge.net import ruleset
+from dsec.edge.net.config import NetConfig
+
+
+def test_rules() -> None:
+    assert parse_rule("10.1.2.3") == CidrRule("10.1.2.3/32")
+    assert parse_rule("10.1.2.0/24:443") == CidrRule("10.1.2.0/24", "tcp", 443, 443)
+    assert parse_rule("10.1.2.0/24:1000-2000/udp") == CidrRule("10.1.2.0/24", "udp", 1000, 2000)
+    assert parse_rule("*.Example.COM.") == DomainRule("example.com", True)
+    assert parse_rule("api.example.com") == DomainRule("api.example.com", False)
+    for bad in ["10.0.0.0/33", "1.2.3.4:0", "1.2.3.4:9-8", "::1/128", "no dots", "a:b", "x.y:80"]:
+        with pytest.raises(InvalidArgument):
+            parse_rule(bad)
+
+
+def test_policy() -> None:
+    p = NetworkPolicy.from_dict({"allow": ["*.ex.com", "ex.org"], "deny": ["bad.ex.com"]})
+    assert p.name_allowed("a.ex.com")
+    assert not p.name_allowed("ex.com")
+    assert p.name_allowed("EX.org.")
+    assert not p.name_allowed("bad.ex.com")
+    with pytest.raises(InvalidArgument):
+        NetworkPolicy.from_dict({"allow": "1.2.3.4"})
+    with pytest.raises(InvalidArgument):
+        NetworkPolicy.from_dict({"permit": []})
+
+
+def test_spec_round_trip() -> None:
+    spec = SandboxSpec.from_dict({"network": {"allow": ["10.0.0.0/8:22"]}})
+    assert spec.network == NetworkPolicy(allow=("10.0.0.0/8:22",))
+    assert SandboxSpec.from_dict(spec.to_dict()) == spec
+    assert SandboxSpec().network == NetworkPolicy()
+    with pytest.raises(InvalidArgument):
+        SandboxSpec.from_dict({"network": {"allow": ["nope:1"]}})
+
+
+def test_nft_text() -> None:
+    t = ruleset.TableSpec("inet dsec_e1", "dxab", "10.213.0.0/16", 53)
+    pol = NetworkPolicy(allow=("10.1.0.0/16", "10.2.0.0/16:80-90/udp"), deny=("10.1.2.3:22",))
+    text = ruleset.add_sandbox(t, "5", "10.213.0.22", pol)
+    assert "add element inet dsec_e1 a_5 { 10.1.0.0/16 }" in text
+    assert "add element inet dsec_e1 ap_5 { 10.2.0.0/16 . udp . 80-90 }" in text
+    assert "add element inet dsec_e1 dp_5 { 10.1.2.3/32 . tcp . 22 }" in text
+    assert 'add element inet dsec_e1 egress { "dxab5" : jump out_5 }' in text
+    assert "ip saddr != 10.213.0.22" in text
+    gone = ruleset.remove_sandbox(t, "5", present={"out_5", "a_5"})
+    assert gone.splitlines() == [
+        "flush chain inet dsec_e1 out_5",
+        "delete chain inet dsec_e1 out_5",
+        "delete set inet dsec_e1 a_5",
+    ]
+
+
+def test_config_and_oci(tmp_path: Path) -> None:
+    cfg = NetConfig("10.213.0.0/16", "198.18.1.53:53", tmp_path, tmp_path)
+    assert cfg.addresses(1) == ("10.213.0.5", "10.213.0.6")
+    assert cfg.capacity() == 16383
+    with pytest.raises(InvalidArgument):
+        NetConfig("8.8.0.0/16", "198.18.1.53:53", tmp_path, tmp_path)
+    with pytest.raises(InvalidArgument):
+        NetConfig("10.0.0.0/16", "resolver", tmp_path, tmp_path)
+    files = ocispec.etc_files("s1", "nameserver 10.213.0.5\n")
+    assert files["resolv.conf"] == "nameserver 10.213.0.5\n"
+    assert "resolv.conf" not in ocispec.etc_files("s1")
