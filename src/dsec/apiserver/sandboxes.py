@@ -26,12 +26,12 @@ from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc.convert import spec_from_pb, spec_to_pb
 
 MAX_EDGE_TRIES = 3
 
 
 def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
-    spec = info.spec
     return {
         "id": info.id,
         "project": info.project,
@@ -42,17 +42,7 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
         "started_at": info.started_at,
         "expires_at": info.expires_at,
         "error": info.error,
-        "spec": {
-            "backend": spec.backend,
-            "image": spec.image,
-            "cpu": spec.cpu,
-            "memory_mb": spec.memory_mb,
-            "pids": spec.pids,
-            "timeout_s": spec.timeout_s,
-            "env": dict(spec.env),
-            "metadata": dict(spec.metadata),
-            "network": {"allow": list(spec.network.allow), "deny": list(spec.network.deny)},
-        },
+        "spec": spec_from_pb(info.spec).to_dict(),
         "network_stats": dict(info.network_stats),
     }
 
@@ -88,17 +78,7 @@ async def create(request: web.Request) -> web.Response:
         raise PermissionDenied(f"project {project!r} is outside your project {p.project!r}")
     request["audit_project"] = project
     spec = SandboxSpec.from_dict(body)
-    req_spec = pb.SandboxSpec(
-        backend=spec.backend,
-        image=spec.image,
-        cpu=spec.cpu,
-        memory_mb=spec.memory_mb,
-        pids=spec.pids,
-        timeout_s=spec.timeout_s,
-        env=spec.env,
-        metadata=spec.metadata,
-        network=pb.NetworkPolicy(allow=spec.network.allow, deny=spec.network.deny),
-    )
+    req_spec = spec_to_pb(spec)
     last: DsecError = NodeFull("every edge is full")
     for entry in _placement(await c.upstream.edges(), spec.backend)[:MAX_EDGE_TRIES]:
         sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))

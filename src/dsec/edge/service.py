@@ -25,8 +25,6 @@ from dsec.core.errors import (
     Unavailable,
 )
 from dsec.core.lifecycle import State
-from dsec.core.netpolicy import NetworkPolicy
-from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
 from dsec.edge.images.reference import parse_reference
 from dsec.edge.images.service import EdgeImages, image_to_pb
@@ -34,6 +32,7 @@ from dsec.edge.manager import Caller, SandboxManager
 from dsec.edge.records import SandboxRecord
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+from dsec.rpc.convert import policy_from_pb, spec_from_pb, spec_to_pb
 
 REPLY_LIMIT = 32 * 1024 * 1024
 
@@ -45,38 +44,6 @@ def caller_of(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
         project=md.get("x-dsec-project", ""),
         subject=md.get("x-dsec-subject", ""),
         admin=role == "admin",
-    )
-
-
-def spec_from_pb(msg: pb.SandboxSpec) -> SandboxSpec:
-    return SandboxSpec(
-        backend=msg.backend or "container",
-        image=msg.image or "base",
-        cpu=msg.cpu or 1.0,
-        memory_mb=msg.memory_mb or 512,
-        pids=msg.pids or 1024,
-        timeout_s=msg.timeout_s or 300,
-        env=dict(msg.env),
-        metadata=dict(msg.metadata),
-        network=policy_from_pb(msg.network),
-    )
-
-
-def policy_from_pb(msg: pb.NetworkPolicy) -> NetworkPolicy:
-    return NetworkPolicy(allow=tuple(msg.allow), deny=tuple(msg.deny))
-
-
-def spec_to_pb(spec: SandboxSpec) -> pb.SandboxSpec:
-    return pb.SandboxSpec(
-        backend=spec.backend,
-        image=spec.image,
-        cpu=spec.cpu,
-        memory_mb=spec.memory_mb,
-        pids=spec.pids,
-        timeout_s=spec.timeout_s,
-        env=spec.env,
-        metadata=spec.metadata,
-        network=pb.NetworkPolicy(allow=spec.network.allow, deny=spec.network.deny),
     )
 
 
