@@ -325,3 +325,31 @@ async def test_crun_create_then_start(cenv: ContainerTestEnv, backend: Container
         assert (await sh(backend, sid, "readlink /proc/1/fd/3")).startswith("socket:")
     finally:
         await destroy_and_check(backend, sid, paths)
+
+
+def test_parent_cgroup_is_removed_only_when_empty() -> None:
+    if reason := testkit.skip_reason():
+        pytest.skip(reason)
+
+    from dsec.edge.backends.container import cgroups
+
+    layout = cgroups.detect()
+    parent = f"/dsectest-parent-{os.urandom(3).hex()}"
+    made = []
+    for d in cgroups.sandbox_cgroups(layout, "/"):  # the hierarchy roots
+        child = d / parent.strip("/") / "child"
+        child.mkdir(parents=True)
+        made.append(child)
+    try:
+        assert cgroups.remove_if_empty(layout, parent) is False
+        assert all(c.exists() for c in made)  # nothing under a busy parent is touched
+        for c in made:
+            c.rmdir()
+        assert cgroups.remove_if_empty(layout, parent) is True
+        assert cgroups.sandbox_cgroups(layout, parent) == []
+    finally:
+        for c in made:
+            if c.exists():
+                c.rmdir()
+            if c.parent.exists():
+                c.parent.rmdir()

@@ -143,6 +143,7 @@ class ContainerBackend:
         self._setup_done = False
         if self.layout().crun_needs_private_ns:
             self._crun_namespace().release()
+        cgroups.remove_if_empty(self.layout(), "/" + self.cgroup_parent)
 
     def _crun_namespace(self) -> mntns.CrunNamespace:
         return mntns.CrunNamespace(self.paths.run / "crun.mntns", self.sandboxes_dir)

@@ -261,6 +261,21 @@ def _procs(d: Path) -> list[int]:
         return []
 
 
+def remove_if_empty(layout: CgroupLayout, cgroup_path: str) -> bool:
+    """Remove a parent cgroup from every hierarchy if nothing is in it; never kills.
+
+    rmdir(2) of a cgroup fails while it has child cgroups or tasks, so another edge's
+    sandboxes under the same parent are never touched. Returns whether it is gone.
+    """
+    gone = True
+    for d in sandbox_cgroups(layout, cgroup_path):
+        try:
+            os.rmdir(d)
+        except OSError:
+            gone = False
+    return gone
+
+
 def remove(layout: CgroupLayout, cgroup_path: str, *, timeout: float = 5.0) -> list[Path]:
     """Kill what is left in a sandbox cgroup and remove it from every hierarchy.
 
