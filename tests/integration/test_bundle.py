@@ -168,3 +168,40 @@ def test_startup_time_and_idle_memory(bundle: Path):
     finally:
         agent.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="chroot and pid namespaces need root")
+@pytest.mark.skipif(not SYSTEM_PYTHON.exists(), reason="no Debian system python3 here")
+@pytest.mark.timeout(300)
+def test_bundle_from_the_system_python_runs_in_an_empty_root(tmp_path: Path):
+    """A newcomer's venv uses Debian's python3 (CI's may not): its bundle must work too."""
+    src = Path(bundle_mod.__file__).resolve().parents[2]
+    dest = tmp_path / "agent"
+    subprocess.run(
+        [str(SYSTEM_PYTHON), "-m", "dsec.agent.bundle", str(dest)],
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(src)},
+        check=True, capture_output=True, timeout=240,
+    )  # fmt: skip
+    root = Path(tempfile.mkdtemp(prefix="dsr-", dir="/tmp"))
+    workdir = Path(tempfile.mkdtemp(prefix="dsw-", dir="/tmp"))
+    try:
+        shutil.copytree(dest, root / ".dsec", symlinks=True)
+        (root / "dev").mkdir()
+        (root / "proc").mkdir()
+        os.mknod(root / "dev" / "null", 0o666 | 0o020000, os.makedev(1, 3))
+        init = NamespacedInit(workdir, root=root).start()
+        try:
+            assert init.call({"op": "ping"}).result["pid"] == 2
+            reply = init.call({"op": "exec", "cmd": ["/.dsec/lib/ld.so", "--version"]})
+            assert reply.result["exit_code"] == 0
+            started = init.call({"op": "process.start", "cmd": ["/.dsec/lib/ld.so", "--help"]})
+            assert started.result["pid"] > 0  # chronus runs from this bundle too
+        finally:
+            assert init.stop() == 0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
