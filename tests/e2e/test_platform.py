@@ -355,3 +355,49 @@ def test_audit_log_records_and_detects_tampering(platform: RunningPlatform, api:
     assert verdict["intact"] is False
     assert verdict["broken_at"] == 2
     assert _cli(platform, "audit", "verify", check=False).returncode == 1
+
+
+def test_raw_tcp_to_a_sandbox_port_over_the_runtime_websocket(
+    sbx: Sandbox, platform: RunningPlatform
+) -> None:
+    from websockets.sync.client import connect
+
+    server = (
+        "import socket\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('127.0.0.1', 7007)); s.listen()\n"
+        "c, _ = s.accept()\n"
+        "data = b''\n"
+        "while chunk := c.recv(65536):\n"
+        "    data += chunk\n"
+        "c.sendall(data.upper()); c.close()\n"
+    )
+    sbx.files.write("/root/echo.py", server)
+    sbx.processes.start(["python3", "/root/echo.py"])
+    ws_url = platform.api_url.replace("http://", "ws://") + f"/v1/sandboxes/{sbx.id}/runtime"
+    headers = {"Authorization": f"Bearer {platform.admin_key}"}
+    payload = b"hello over tcp \x00\xff" * 1000
+    deadline = time.monotonic() + 10
+    while True:
+        with connect(ws_url, additional_headers=headers) as ws:
+            ws.send(b"J" + json.dumps({"op": "tcp", "port": 7007}).encode())
+            for i in range(0, len(payload), 4096):
+                ws.send(b"I" + payload[i : i + 4096])
+            ws.send(b"C")
+            got, final = b"", {}
+            for msg in ws:
+                assert isinstance(msg, bytes)
+                if msg[:1] == b"O":
+                    got += msg[1:]
+                elif msg[:1] == b"J":
+                    final = json.loads(msg[1:])
+                    if "result" in final or "error" in final:
+                        break
+        if "error" in final and final["error"]["code"] == "unavailable":
+            assert time.monotonic() < deadline, final  # the server is not listening yet
+            time.sleep(0.2)
+            continue
+        break
+    assert "result" in final, final
+    assert final["result"] == {"sent": len(payload), "received": len(payload)}
+    assert got == payload.upper()

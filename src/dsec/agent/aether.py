@@ -36,6 +36,7 @@ OPS: dict[str, tuple[str, str]] = {
     "files.remove": ("fileops", "op_remove"),
     "files.rename": ("fileops", "op_rename"),
     "http": ("httpop", "op_http"),
+    "tcp": ("tcpop", "op_tcp"),
 }
 FORWARDED_PREFIXES = ("process.", "pty.", "shell.")
 
