@@ -10,7 +10,6 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +23,6 @@ from dsec.edge.backends.container.backend import ContainerBackend
 from dsec.edge.backends.container.testkit import ContainerTestEnv
 
 pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module")
-def cenv() -> Iterator[ContainerTestEnv]:
-    reason = testkit.skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with testkit.container_test_env() as env:
-        yield env
-
-
-@pytest.fixture
-def backend(cenv: ContainerTestEnv) -> ContainerBackend:
-    return cenv.backend()
 
 
 async def sh(backend: ContainerBackend, sid: str, script: str, limit: float = 30) -> str:

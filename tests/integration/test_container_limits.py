@@ -9,31 +9,16 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import RuntimeState
-from dsec.edge.backends.container import cgroups, testkit
+from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.container.backend import ContainerBackend
 from dsec.edge.backends.container.testkit import ContainerTestEnv
 
 pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module")
-def cenv() -> Iterator[ContainerTestEnv]:
-    reason = testkit.skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with testkit.container_test_env() as env:
-        yield env
-
-
-@pytest.fixture
-def backend(cenv: ContainerTestEnv) -> ContainerBackend:
-    return cenv.backend()
 
 
 @pytest.mark.asyncio

@@ -12,7 +12,6 @@ import pytest_asyncio
 from dsec.core.errors import InvalidArgument
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
-from dsec.edge.backends.container import testkit
 from dsec.edge.backends.container.backend import ContainerBackend
 from dsec.edge.backends.container.testkit import ContainerTestEnv
 from dsec.edge.net.config import NetConfig
@@ -20,15 +19,6 @@ from dsec.edge.net.edgenet import EdgeNetwork
 from tests.integration.fakenet import DNS_IP, WEB1, WEB2, WEB3, FakeInternet
 
 pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module")
-def cenv() -> Iterator[ContainerTestEnv]:
-    reason = testkit.skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with testkit.container_test_env() as env:
-        yield env
 
 
 @pytest.fixture(scope="module")
