@@ -1,0 +1,1 @@
+"""microVM backend: QEMU microvm and Firecracker drivers behind one ``Vmm`` interface."""
