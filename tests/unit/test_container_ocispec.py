@@ -193,3 +193,17 @@ def test_write_config(tmp_path: Path) -> None:
     assert path == tmp_path / "config.json"
     assert (path.stat().st_mode & 0o777) == 0o600
     assert json.loads(path.read_text())["hostname"] == SID
+
+
+def test_image_user_and_workdir_reach_the_agent_only_when_set() -> None:
+    env = ocispec.build_env("sbx-e0a1-x", (), {}, image_user="app:app", image_workdir="/srv")
+    assert "DSEC_IMAGE_USER=app:app" in env
+    assert "DSEC_IMAGE_WORKDIR=/srv" in env
+    plain = ocispec.build_env("sbx-e0a1-x", (), {})
+    assert not [e for e in plain if e.startswith("DSEC_IMAGE_")]
+
+
+def test_main_command_is_entrypoint_plus_cmd_only_with_an_entrypoint() -> None:
+    assert ImageConfig(cmd=("/bin/bash",)).main_command() == ()
+    cfg = ImageConfig(entrypoint=("python3", "-m", "srv"), cmd=("--port", "1"))
+    assert cfg.main_command() == ("python3", "-m", "srv", "--port", "1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # `signal` would import enum
 
+from dsec.agent.users import image_user
 from dsec.agent.wire import AgentError
 
 TYPE_CHECKING = False
@@ -108,7 +109,10 @@ def env(req: dict[str, Any]) -> dict[str, str]:
 
 
 def user(req: dict[str, Any]) -> str | int | None:
+    """The requested user, else the image's ``User`` (``None``: the agent's own)."""
     value = req.get("user")
+    if value is None or value == "":
+        return image_user()
     if (
         value is None
         or isinstance(value, str)

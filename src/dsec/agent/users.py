@@ -17,7 +17,15 @@ if TYPE_CHECKING:
 
 # Variables of the agent itself, never passed on to commands.
 AGENT_VARS = frozenset(
-    {"PYTHONHOME", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "DSEC_LISTEN_FD", "DSEC_AGENT_RUN_DIR"}
+    {
+        "PYTHONHOME",
+        "PYTHONPATH",
+        "PYTHONDONTWRITEBYTECODE",
+        "DSEC_LISTEN_FD",
+        "DSEC_AGENT_RUN_DIR",
+        "DSEC_IMAGE_USER",
+        "DSEC_IMAGE_WORKDIR",
+    }
 )
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ETC = os.environ.get("DSEC_AGENT_ETC", "/etc")
@@ -86,8 +94,27 @@ def resolve(spec: str | int | None) -> User:
     return User(uid, gid, str(uid), home)
 
 
+def image_user() -> str | None:
+    """The image's ``User`` (the default for every command), or ``None``.
+
+    ``name``, ``uid``, ``name:group`` and ``uid:gid`` are accepted; the group part is not
+    used (the user's own primary group applies).
+    """
+    value = os.environ.get("DSEC_IMAGE_USER", "").partition(":")[0]
+    return value or None
+
+
+def image_workdir() -> str | None:
+    """The image's ``WorkingDir`` when it names a directory other than ``/``."""
+    value = os.environ.get("DSEC_IMAGE_WORKDIR", "")
+    return value if value.startswith("/") and value != "/" else None
+
+
 def default_cwd(user: User) -> str:
-    """The user's home when it exists, else ``/``."""
+    """The image's working directory, else the user's home when it exists, else ``/``."""
+    workdir = image_workdir()
+    if workdir is not None:
+        return workdir
     return user.home if os.path.isdir(user.home) else "/"
 
 

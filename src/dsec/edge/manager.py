@@ -184,6 +184,8 @@ class SandboxManager:
                 await agent_client.call(
                     paths.agent_socket, {"op": "ping"}, timeout=AGENT_READY_TIMEOUT_S
                 )
+                if started.main:
+                    await _start_main(paths.agent_socket, started.main)
             except BaseException as exc:
                 if self._stop_requested(sandbox_id):
                     await self._finish_stop(self._live[sandbox_id], "killed while creating")
@@ -442,3 +444,20 @@ class SandboxManager:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+async def _start_main(socket: Path, argv: tuple[str, ...]) -> None:
+    """Start the image's Entrypoint + Cmd as the background process tagged ``main``.
+
+    Raises:
+        SandboxFailed: the agent could not start it (the create fails and is undone).
+    """
+    res = await agent_client.call(
+        socket,
+        {"op": "process.start", "cmd": list(argv), "tag": "main"},
+        timeout=AGENT_READY_TIMEOUT_S,
+    )
+    if res.final.get("error"):
+        err = res.final["error"]
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        raise SandboxFailed(f"the image's entrypoint {list(argv)} did not start: {msg}")

@@ -33,6 +33,9 @@ class SandboxPaths:
 @dataclass(frozen=True, slots=True)
 class Started:
     pid: int  # host pid of the sandbox's init (for pidfd watching)
+    # The image's Entrypoint + Cmd when it has an Entrypoint: the edge starts it as the
+    # background process tagged "main" once the agent answers (see docs/images.md).
+    main: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

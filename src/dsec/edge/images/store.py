@@ -48,6 +48,15 @@ class ImageConfig:
     workdir: str = ""
     user: str = ""
 
+    def main_command(self) -> tuple[str, ...]:
+        """What a sandbox of this image starts at create: Entrypoint + Cmd, if Entrypoint.
+
+        An image without an Entrypoint starts nothing: its Cmd is almost always an
+        interactive shell or interpreter (``/bin/bash``, ``python3``), and a sandbox is
+        driven by exec calls instead. The Cmd stays recorded and shown.
+        """
+        return (*self.entrypoint, *self.cmd) if self.entrypoint else ()
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "env": list(self.env),

@@ -226,7 +226,7 @@ class ContainerBackend:
             if sock is not None:
                 sock.close()  # the container holds its own copy as fd 3
         log(_log, "container started", sandbox_id=sandbox_id, pid=pid, edge=self.edge_id)
-        return Started(pid=pid)
+        return Started(pid=pid, main=image.config.main_command())
 
     async def _rollback(self, sandbox_id: str, paths: SandboxPaths) -> None:
         try:

@@ -97,12 +97,19 @@ def capability_mask(names: list[str] | None = None) -> int:
 
 
 def build_env(
-    sandbox_id: str, image_env: tuple[str, ...], spec_env: Mapping[str, str]
+    sandbox_id: str,
+    image_env: tuple[str, ...],
+    spec_env: Mapping[str, str],
+    *,
+    image_user: str = "",
+    image_workdir: str = "",
 ) -> list[str]:
     """The init's environment: defaults, then the image's, then the user's.
 
     Later sources override earlier ones; ``DSEC_SANDBOX_ID`` and ``HOSTNAME`` always name
-    the sandbox.
+    the sandbox. The image's ``User`` and ``WorkingDir`` reach the agent as
+    ``DSEC_IMAGE_USER``/``DSEC_IMAGE_WORKDIR`` (its defaults for every command; the agent
+    does not pass them on).
     """
     env: dict[str, str] = {
         "PATH": DEFAULT_PATH,
@@ -119,6 +126,10 @@ def build_env(
     env.update(spec_env)
     env["DSEC_SANDBOX_ID"] = sandbox_id
     env["HOSTNAME"] = sandbox_id
+    if image_user:
+        env["DSEC_IMAGE_USER"] = image_user
+    if image_workdir:
+        env["DSEC_IMAGE_WORKDIR"] = image_workdir
     return [f"{k}={v}" for k, v in env.items()]
 
 
@@ -258,7 +269,13 @@ def build_config(
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
             "args": [INIT_PATH],
-            "env": build_env(sandbox_id, image.env, spec.env),
+            "env": build_env(
+                sandbox_id,
+                image.env,
+                spec.env,
+                image_user=image.user,
+                image_workdir=image.workdir,
+            ),
             "cwd": image.workdir or "/",
             "capabilities": {
                 "bounding": caps,
