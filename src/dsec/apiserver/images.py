@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
-from dsec.apiserver.context import ctx, json_body, ok, principal, query, sandbox_id
+from dsec.apiserver.context import ctx, flag, json_body, ok, principal, query, sandbox_id
 from dsec.apiserver.upstream import EdgeEntry, rpc
 from dsec.core.errors import DsecError, InvalidArgument, Unavailable
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -223,7 +224,87 @@ async def pack(request: web.Request) -> web.Response:
     return ok(image_json(info), status=201)
 
 
+BUILD_CHUNK = 1 << 20
+
+
+def _build_options(request: web.Request) -> pb.BuildImageOptions:
+    tag = query(request, "tag")
+    build_args: dict[str, str] = {}
+    for item in request.query.getall("build_arg", []):
+        key, sep, value = item.partition("=")
+        if not key or not sep:
+            raise InvalidArgument(f"build_arg must be NAME=value, got {item!r}")
+        build_args[key] = value
+    numbers: dict[str, int] = {}
+    for key in ("memory_mb", "timeout_s"):
+        raw = query(request, key, required=False, default="0")
+        if not raw.isdigit():
+            raise InvalidArgument(f"{key!r} must be a whole number")
+        numbers[key] = int(raw)
+    return pb.BuildImageOptions(
+        tag=tag,
+        dockerfile=query(request, "dockerfile", required=False, default="Dockerfile"),
+        build_args=build_args,
+        no_cache=flag(request, "no_cache"),
+        **numbers,
+    )
+
+
+async def build(request: web.Request) -> web.StreamResponse:
+    """Build an image from a Dockerfile on one edge; the body is the context tar.
+
+    Answers NDJSON: ``{"step": {index, total, instruction, line}}``, ``{"cached": true}``,
+    ``{"log": "..."}`` lines, then ``{"image": {...}}`` or ``{"error": {code, message}}``.
+    """
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    opts = _build_options(request)
+    edge = (await _edges(request, query(request, "edge_id", required=False)))[0]
+
+    async def requests() -> AsyncIterator[pb.BuildImageRequest]:
+        yield pb.BuildImageRequest(options=opts)
+        async for chunk in request.content.iter_chunked(BUILD_CHUNK):
+            yield pb.BuildImageRequest(context=chunk)
+
+    call = c.upstream.edge_stub(edge).BuildImage(
+        requests(), metadata=p.metadata(), timeout=PULL_TIMEOUT_S
+    )
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+
+    async def relay() -> None:
+        async for ev in call:
+            which = ev.WhichOneof("event")
+            if which == "step":
+                st = ev.step
+                line: dict[str, Any] = {
+                    "step": {
+                        "index": st.index,
+                        "total": st.total,
+                        "instruction": st.instruction,
+                        "line": st.line,
+                    }
+                }
+            elif which == "image":
+                line = {"image": image_json(ev.image)}
+            elif which == "cached":
+                line = {"cached": True}
+            else:
+                line = {"log": ev.log}
+            await resp.write(_line(line))
+
+    try:
+        await rpc(f"edge {edge.edge_id}", relay())
+    except DsecError as exc:
+        await resp.write(_line({"error": exc.to_wire()}))
+    finally:
+        call.cancel()
+    await resp.write_eof()
+    return resp
+
+
 ROUTES: list[tuple[str, str, Any]] = [
+    ("POST", "/v1/images/build", build),
     ("POST", "/v1/sandboxes/{sandbox_id}/pack", pack),
     ("POST", "/v1/images/pull", pull),
     ("GET", "/v1/images", list_images),

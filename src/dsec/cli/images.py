@@ -36,7 +36,7 @@ def credentials() -> RegistryCredentials:
 
 @click.group("image")
 def image_group() -> None:
-    """Images on the edges: pull from registries, list, remove, gc."""
+    """Images on the edges: pull from registries, build, list, remove, gc."""
 
 
 @image_group.command("pull")
@@ -91,6 +91,65 @@ def pull(
         return
     for img in images:
         click.echo(f"{img['edge_id']}: {img['name']} ({len(img['layers'])} layers)")
+
+
+@image_group.command("build")
+@click.argument("context", type=click.Path(exists=True, file_okay=False))
+@click.option("-t", "--tag", required=True, help="Name of the built image.")
+@click.option("-f", "--file", "dockerfile", default=None, help="Dockerfile [CONTEXT/Dockerfile].")
+@click.option("--build-arg", "build_args", multiple=True, help="NAME=value for an ARG.")
+@click.option("--no-cache", is_flag=True, help="Run every step again.")
+@click.option("--edge", "edge_id", default="", help="Build on this edge.")
+@click.option("--quiet", "-q", is_flag=True, help="No step output, only the result.")
+@json_option
+def build(
+    context: str,
+    tag: str,
+    dockerfile: str | None,
+    build_args: tuple[str, ...],
+    no_cache: bool,
+    edge_id: str,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Build image TAG from a Dockerfile; RUN steps run in sandboxes on an edge."""
+    args: dict[str, str] = {}
+    for item in build_args:
+        key, sep, value = item.partition("=")
+        if not key or not sep:
+            raise click.BadParameter(f"expected NAME=value, got {item!r}", param_hint="--build-arg")
+        args[key] = value
+    err = stderr()
+
+    def report(ev: dict[str, Any]) -> None:
+        if quiet or as_json:
+            return
+        if "step" in ev:
+            st = ev["step"]
+            err.print(f"Step {st['index']}/{st['total']} : {st['instruction']}", markup=False)
+        elif ev.get("cached"):
+            err.print(" ---> CACHED", markup=False)
+        elif "log" in ev:
+            err.file.write(str(ev["log"]))
+            err.file.flush()
+
+    image = (
+        state()
+        .client()
+        .build_image(
+            context,
+            tag,
+            dockerfile=dockerfile,
+            build_args=args,
+            no_cache=no_cache,
+            edge_id=edge_id,
+            progress=report,
+        )
+    )
+    if as_json:
+        print_json(image)
+        return
+    click.echo(f"Built {image['name']} on {image['edge_id']} ({len(image['layers'])} layers)")
 
 
 @image_group.command("ls")

@@ -125,6 +125,15 @@ class EdgeService(pb_grpc.EdgeServicer):
             await images.push(image.name, request)
         return image_to_pb(image, self._m.edge_id)
 
+    async def BuildImage(
+        self,
+        request_iterator: AsyncIterator[pb.BuildImageRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.BuildImageEvent]:
+        images = self._image_service()
+        async for event in images.build(request_iterator, self._m, caller_of(context)):
+            yield event
+
     async def GcImages(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GcImagesReply:

@@ -7,15 +7,17 @@ work in ``upload``/``download``/``write`` runs in a worker thread.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 from collections.abc import AsyncGenerator, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import httpx
 
 from dsec.core.errors import NotFound
-from dsec.sdk import images, streams, wire
+from dsec.sdk import build, images, streams, wire
 from dsec.sdk import runtime_calls as rc
 from dsec.sdk.async_io import AsyncStdin, AsyncTransport
 from dsec.sdk.async_sandbox_runtime import AsyncFiles, AsyncProcesses, AsyncPtys, AsyncShell
@@ -156,6 +158,40 @@ class AsyncClient:
             edge_id=edge_id,
         )
         reader = images.PullReader(progress)
+        async with self.transport.download(req) as chunks:
+            async for chunk in chunks:
+                reader.feed(chunk)
+        return reader.result()
+
+    async def build_image(
+        self,
+        context: str | Path,
+        tag: str,
+        *,
+        dockerfile: str | Path | None = None,
+        build_args: dict[str, str] | None = None,
+        no_cache: bool = False,
+        edge_id: str = "",
+        progress: build.BuildProgress | None = None,
+    ) -> dict[str, Any]:
+        """Build ``tag`` from a Dockerfile on one edge (``dsec image build``).
+
+        ``progress`` gets ``{"step": {index, total, instruction, line}}``,
+        ``{"cached": True}`` and ``{"log": text}`` (RUN output) reports.
+
+        Raises:
+            InvalidArgument: a bad Dockerfile or a failed RUN (the message names the line).
+        """
+        tar, df_name = await asyncio.to_thread(build.context_tar, context, dockerfile)
+        req = build.build_request(
+            tar,
+            tag,
+            dockerfile=df_name,
+            build_args=build_args,
+            no_cache=no_cache,
+            edge_id=edge_id,
+        )
+        reader = build.BuildReader(progress)
         async with self.transport.download(req) as chunks:
             async for chunk in chunks:
                 reader.feed(chunk)

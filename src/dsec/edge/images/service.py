@@ -14,10 +14,15 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from dsec.core.errors import InvalidArgument
 from dsec.edge.images.credentials import RegistryCredentials, default_docker_configs
 from dsec.edge.images.pull import DEFAULT_PLATFORM, LayerProgress, Puller, PullOptions
 from dsec.edge.images.store import GcResult, Image, ImageStore
 from dsec.rpc._gen import dsec_pb2 as pb
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from dsec.edge.manager import Caller, SandboxManager
 
 PROGRESS_INTERVAL_S = 0.25
 
@@ -146,6 +151,65 @@ class EdgeImages:
                 username=req.username,
                 password=req.password,
             )
+
+    async def build(
+        self,
+        requests: AsyncIterator[pb.BuildImageRequest],
+        manager: SandboxManager,
+        caller: Caller,
+    ) -> AsyncIterator[pb.BuildImageEvent]:
+        """Receive the options and the context tar, build, and stream the progress."""
+        from dsec.edge.images.build import (
+            MAX_CONTEXT_BYTES,
+            Builder,
+            BuildOptions,
+            unpack_context,
+        )
+        from dsec.edge.images.build_step import SandboxSteps
+        from dsec.edge.images.store import validate_name
+
+        first = await anext(aiter(requests), None)
+        if first is None or not first.HasField("options") or not first.options.tag:
+            raise InvalidArgument("a build starts with its options (at least a tag)")
+        o = first.options
+        opts = BuildOptions(
+            tag=validate_name(o.tag),
+            dockerfile=o.dockerfile or "Dockerfile",
+            build_args=dict(o.build_args),
+            no_cache=o.no_cache,
+            memory_mb=o.memory_mb or 2048,
+            timeout_s=o.timeout_s or 3600,
+        )
+        with self.store.scratch_dir() as scratch:
+            tar = scratch / "context.tar"
+            size = 0
+            with tar.open("wb") as f:
+                f.write(first.context)
+                size += len(first.context)
+                async for req in requests:
+                    size += len(req.context)
+                    if size > MAX_CONTEXT_BYTES:
+                        raise InvalidArgument(
+                            f"the build context is larger than {MAX_CONTEXT_BYTES >> 20} MiB"
+                        )
+                    f.write(req.context)
+            context = scratch / "context"
+            context.mkdir()
+            await asyncio.to_thread(unpack_context, tar, context)
+            builder = Builder(self.store, SandboxSteps(manager, caller, opts))
+            async with self._shared():
+                async for ev in builder.build(context, opts):
+                    if isinstance(ev, Image):
+                        yield pb.BuildImageEvent(image=image_to_pb(ev, self.edge_id))
+                    elif ev.kind == "step":
+                        step = pb.BuildStep(
+                            index=ev.index, total=ev.total, instruction=ev.text, line=ev.line
+                        )
+                        yield pb.BuildImageEvent(step=step)
+                    elif ev.kind == "cached":
+                        yield pb.BuildImageEvent(cached=True)
+                    else:
+                        yield pb.BuildImageEvent(log=ev.text)
 
     def list(self) -> pb.ImageList:
         return pb.ImageList(images=[image_to_pb(i, self.edge_id) for i in self.store.list()])

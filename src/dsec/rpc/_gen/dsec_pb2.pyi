@@ -673,6 +673,155 @@ class ImageRef(_message.Message):
 Global___ImageRef: _TypeAlias = ImageRef  # noqa: Y015
 
 @_typing.final
+class BuildImageOptions(_message.Message):
+    """A Dockerfile build: the first message carries the options, the following ones the
+    build context (a tar) in chunks; the client then half-closes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class BuildArgsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TAG_FIELD_NUMBER: _builtins.int
+    DOCKERFILE_FIELD_NUMBER: _builtins.int
+    BUILD_ARGS_FIELD_NUMBER: _builtins.int
+    NO_CACHE_FIELD_NUMBER: _builtins.int
+    MEMORY_MB_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    tag: _builtins.str
+    dockerfile: _builtins.str
+    """path inside the context"""
+    no_cache: _builtins.bool
+    memory_mb: _builtins.int
+    """each RUN sandbox; 0: the edge's default"""
+    timeout_s: _builtins.int
+    """each RUN step; 0: the edge's default"""
+    @_builtins.property
+    def build_args(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        tag: _builtins.str = ...,
+        dockerfile: _builtins.str = ...,
+        build_args: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        no_cache: _builtins.bool = ...,
+        memory_mb: _builtins.int = ...,
+        timeout_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build_args", b"build_args", "dockerfile", b"dockerfile", "memory_mb", b"memory_mb", "no_cache", b"no_cache", "tag", b"tag", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BuildImageOptions: _TypeAlias = BuildImageOptions  # noqa: Y015
+
+@_typing.final
+class BuildImageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
+    context: _builtins.bytes
+    @_builtins.property
+    def options(self) -> Global___BuildImageOptions: ...
+    def __init__(
+        self,
+        *,
+        options: Global___BuildImageOptions | None = ...,
+        context: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "options", b"options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BuildImageRequest: _TypeAlias = BuildImageRequest  # noqa: Y015
+
+@_typing.final
+class BuildStep(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    INSTRUCTION_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    total: _builtins.int
+    instruction: _builtins.str
+    line: _builtins.int
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        total: _builtins.int = ...,
+        instruction: _builtins.str = ...,
+        line: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "instruction", b"instruction", "line", b"line", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BuildStep: _TypeAlias = BuildStep  # noqa: Y015
+
+@_typing.final
+class BuildImageEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    CACHED_FIELD_NUMBER: _builtins.int
+    LOG_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
+    cached: _builtins.bool
+    """the step just announced reused a cached layer"""
+    log: _builtins.str
+    """RUN output"""
+    @_builtins.property
+    def step(self) -> Global___BuildStep: ...
+    @_builtins.property
+    def image(self) -> Global___ImageInfo:
+        """the result (last event)"""
+
+    def __init__(
+        self,
+        *,
+        step: Global___BuildStep | None = ...,
+        cached: _builtins.bool = ...,
+        log: _builtins.str = ...,
+        image: Global___ImageInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "event", b"event", "image", b"image", "log", b"log", "step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "event", b"event", "image", b"image", "log", b"log", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["step", "cached", "log", "image"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___BuildImageEvent: _TypeAlias = BuildImageEvent  # noqa: Y015
+
+@_typing.final
 class GcImagesReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

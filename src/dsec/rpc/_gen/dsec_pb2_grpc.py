@@ -114,6 +114,11 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.FromString,
                 _registered_method=True)
+        self.BuildImage = channel.stream_stream(
+                '/dsec.v1.Edge/BuildImage',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageEvent.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -218,6 +223,13 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BuildImage(self, request_iterator, context):
+        """Build an image from a Dockerfile (issue 4): RUN steps run in sandboxes of this edge.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -300,6 +312,11 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.PackSandbox,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.SerializeToString,
+            ),
+            'BuildImage': grpc.stream_stream_rpc_method_handler(
+                    servicer.BuildImage,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -734,6 +751,33 @@ class Edge:
             '/dsec.v1.Edge/PackSandbox',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BuildImage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.v1.Edge/BuildImage',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageEvent.FromString,
             options,
             channel_credentials,
             insecure,
