@@ -24,6 +24,7 @@ from dsec.edge.images.store import ImageStore
 from dsec.paths import Paths
 from dsec.sdk import Client, Sandbox
 from dsec.testing import registry as testreg
+from dsec.testing.image_data import private_data
 from dsec.testing.platform import RunningPlatform, requirements_missing, running_platform
 from dsec.testing.registry import (
     LocalRegistry,
@@ -40,26 +41,13 @@ pytestmark = [
 ]
 
 
-def _private_data(shared: Path, top: Path) -> Path:
-    """A data dir linking the shared agent bundle and base layer, with its own store."""
-    data = top / "data"
-    (data / "images" / "refs").mkdir(parents=True)
-    (data / "images" / "layers" / "sha256").mkdir(parents=True)
-    (data / "agent").symlink_to(shared / "agent")
-    base = ImageStore(shared / "images").resolve("base")
-    for d in base.layer_dirs:
-        (data / "images" / "layers" / "sha256" / d.name).symlink_to(d)
-    shutil.copy(shared / "images" / "refs" / "base.json", data / "images" / "refs")
-    return data
-
-
 @pytest.fixture(scope="module")
 def setup() -> Iterator[tuple[RunningPlatform, LocalRegistry, LocalRegistry, Path]]:
     shared = Paths.from_env().data
     top = Path(tempfile.mkdtemp(prefix="dsec-e2e-images-"))
     old = os.environ.get("DSEC_DATA")
     try:
-        os.environ["DSEC_DATA"] = str(_private_data(shared, top))
+        os.environ["DSEC_DATA"] = str(private_data(shared, top))
         with (
             local_registry() as reg,
             local_registry(username="bob", password="pw") as authreg,

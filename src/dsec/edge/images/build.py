@@ -205,7 +205,10 @@ def stage_copy(
     for src in sources:
         if src.is_dir() and not src.is_symlink():
             out = stage / str(target).lstrip("/")
+            new_dir = not out.exists() and _lower_entry(image_dirs, str(target)[1:]) is None
             _make_parents(stage, target, image_dirs)
+            if new_dir and str(target) != "/":
+                os.lchown(out, *owner)  # a directory COPY creates belongs to --chown
             for child in sorted(src.iterdir()):
                 dst = out / child.name
                 if child.is_dir() and not child.is_symlink():
