@@ -186,7 +186,7 @@ def test_failing_run_and_bad_dockerfiles_leave_nothing(client: Client, tmp_path:
 
 
 def test_cli_build_shows_steps_and_cached(platform: RunningPlatform, tmp_path: Path) -> None:
-    ctx = make_context(tmp_path, "FROM base\nCOPY note.txt /n.txt\nCMD [\"cat\", \"/n.txt\"]\n")
+    ctx = make_context(tmp_path, 'FROM base\nCOPY note.txt /n.txt\nCMD ["cat", "/n.txt"]\n')
     dsec = [sys.executable, "-m", "dsec.cli.main", "image", "build"]
     for _ in range(2):
         res = subprocess.run(
