@@ -53,11 +53,33 @@ def _setup(paths: Paths, *, quiet: bool = False) -> None:
     envvar="DSEC_DATA",
     help="Where images and the agent bundle live (default /var/lib/dsec).",
 )
-def setup(data: Path | None) -> None:
+@click.option(
+    "--code-interpreter",
+    is_flag=True,
+    help="Also build the code-interpreter-v1 image (pip installs its packages on this host).",
+)
+def setup(data: Path | None, code_interpreter: bool) -> None:
     """Build the agent bundle and the base image (cached; fast when already done)."""
     if data is not None:
         os.environ["DSEC_DATA"] = str(data)
-    _setup(Paths.from_env())
+    paths = Paths.from_env()
+    _setup(paths)
+    if code_interpreter:
+        from dsec.edge.images.store import ImageStore
+        from dsec.interpreter.image import build_image
+
+        with _err.status("building the code-interpreter image") as st:
+
+            def progress(msg: str) -> None:
+                st.update(msg)
+                _err.log(msg, markup=False)
+
+            image = build_image(
+                ImageStore(paths.images),
+                paths.data / "cache" / "code-interpreter",
+                progress=progress,
+            )
+        _err.print(f"image {image.name}: {len(image.diff_ids)} layers")
     _err.print("[green]setup complete[/green]")
 
 

@@ -7,10 +7,12 @@ sandbox was not found", which the SDK turns into ``SandboxNotRunningException``.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import os
 import re
+import time
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
@@ -242,11 +244,16 @@ _HOP = frozenset(
         "te",
         "trailer",
         "x-access-token",
+        "e2b-traffic-access-token",
         "e2b-sandbox-id",
         "e2b-sandbox-port",
     )
 )
 MAX_PORT_BODY = 64 * 1024 * 1024
+# The code interpreter's port (e2b_code_interpreter) is retried while closed: its server
+# starts with the sandbox (the image's Entrypoint) and may not listen yet. Other ports 502.
+CODE_INTERPRETER_PORT = 49999
+PORT_OPEN_WAIT_S = 30.0
 
 
 async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.Response:
@@ -261,11 +268,23 @@ async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.Re
     req = rc.port_request(
         sandbox_id, port, request.method, request.path_qs, headers, body or None, timeout=300
     )
-    try:
-        resp = await client.transport.port(req)
-    except Unavailable:
-        msg = {"sandboxId": sandbox_id, "message": PORT_CLOSED_MESSAGE, "port": port, "code": 502}
-        return web.json_response(msg, status=502)
+    deadline = time.monotonic() + (PORT_OPEN_WAIT_S if port == CODE_INTERPRETER_PORT else 0)
+    while True:
+        try:
+            resp = await client.transport.port(req)
+            break
+        except Unavailable:
+            # A server the image starts at create may still be opening its port.
+            if time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                continue
+            msg = {
+                "sandboxId": sandbox_id,
+                "message": PORT_CLOSED_MESSAGE,
+                "port": port,
+                "code": 502,
+            }
+            return web.json_response(msg, status=502)
     out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
     out.pop("content-encoding", None)  # the platform hands over the decoded body
     return web.Response(status=resp.status, body=resp.body, headers=out)

@@ -90,6 +90,8 @@ def api_key(request: web.Request) -> str:
 def access_token(request: web.Request) -> str:
     """The caller's key on a sandbox call: the ``X-Access-Token`` create returned."""
     token = request.headers.get("X-Access-Token", "").strip()
+    if not token:  # the same key, as e2b_code_interpreter's contexts calls send it
+        token = request.headers.get("E2B-Traffic-Access-Token", "").strip()
     if not token:
         raise Unauthenticated("missing X-Access-Token (the sandbox's envdAccessToken)")
     return token
