@@ -187,8 +187,16 @@ class Handler(BaseHTTPRequestHandler):
         self._json(status, {"error": message})
 
     def _body(self) -> dict[str, Any]:
-        size = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(size) if size else b"{}"
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raw = b""
+            while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                raw += self.rfile.read(size)
+                self.rfile.readline()
+            while self.rfile.readline().strip():  # trailers, then the blank line
+                pass
+        else:
+            size = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(size) if size else b"{}"
         value = json.loads(raw or b"{}")
         return value if isinstance(value, dict) else {}
 
