@@ -179,6 +179,9 @@ def test_failing_run_and_bad_dockerfiles_leave_nothing(client: Client, tmp_path:
     (ctx / "Dockerfile").write_text("FROM base\nCOPY ../etc/passwd /x\n")
     with pytest.raises(InvalidArgument, match="outside the build context"):
         client.build_image(ctx, "e2e/broken:v1")
+    (ctx / "Dockerfile").write_text("FROM base\nUSER ghost\nRUN true\n")
+    with pytest.raises(InvalidArgument, match=r"Dockerfile line 3: RUN could not run.*ghost"):
+        client.build_image(ctx, "e2e/broken:v1")
     (ctx / "Dockerfile").write_text("FROM nosuchimage\n")
     with pytest.raises(InvalidArgument, match=r"line 1.*nosuchimage"):
         client.build_image(ctx, "e2e/broken:v1")

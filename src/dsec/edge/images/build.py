@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
-from dsec.core.errors import ImageNotFound, InvalidArgument
+from dsec.core.errors import ClientError, ImageNotFound, InvalidArgument
 from dsec.edge.images import dockerfile as df
 from dsec.edge.images.pack import LAYER_GZIP, pack_upper
 from dsec.edge.images.store import Image, ImageConfig, ImageStore, LayerBlob, validate_name
@@ -477,6 +477,19 @@ class Builder:
                 self.store.remove(run_ref)
 
     async def _finish_run(
+        self,
+        runner: contextlib.AbstractAsyncContextManager[tuple[RunResult, Path]],
+        ins: df.Instruction,
+        state: _State,
+    ) -> None:
+        try:
+            await self._run_in(runner, ins, state)
+        except df.DockerfileError:
+            raise
+        except ClientError as exc:  # e.g. USER names nobody in /etc/passwd
+            raise ins.error(f"RUN could not run: {exc}") from None
+
+    async def _run_in(
         self,
         runner: contextlib.AbstractAsyncContextManager[tuple[RunResult, Path]],
         ins: df.Instruction,
