@@ -123,7 +123,7 @@ def _ioctl(step: str, fd: int, request: int, arg: int | bytearray = 0) -> int:
     """One ioctl and its return value; a bytearray argument is read and written in place."""
     try:
         if isinstance(arg, bytearray):
-            return fcntl.ioctl(fd, request, arg, True)
+            return int(fcntl.ioctl(fd, request, arg, True))
         return int(fcntl.ioctl(fd, request, arg))
     except OSError as exc:
         raise ProbeFailed(f"{step} failed: {exc.strerror or exc}") from None
