@@ -117,9 +117,10 @@ def info(sandbox_id: str, as_json: bool) -> None:
 
 
 def _batch(action: str, done: str, ids: tuple[str, ...], project: str | None,
-           as_json: bool) -> None:  # fmt: skip
-    """One batch call for ``ids`` or ``--project``; print each result, exit with the worst
-    failure's code."""
+           as_json: bool, *, single_object: bool = False) -> None:  # fmt: skip
+    """One batch call for ``ids`` or ``--project``. Successes print (``--json``: the list of
+    their SandboxInfo, or the one object when ``single_object`` and one id was given);
+    each failure is reported on stderr; the exit code is the worst failure's."""
     if bool(ids) == (project is not None):
         raise click.UsageError("give sandbox ids or --project, not both and not neither")
     results = state().client().batch_sandboxes(action, ids=list(ids) or None, project=project)
@@ -129,8 +130,12 @@ def _batch(action: str, done: str, ids: tuple[str, ...], project: str | None,
             worst = max(worst, report(r.error))
         elif not as_json:
             click.echo(f"{done} {r.id}")
-    if as_json:
-        print_json(results)
+    infos = [r.sandbox for r in results if r.sandbox is not None]
+    if as_json and single_object and len(ids) == 1:
+        if infos:
+            print_json(infos[0])
+    elif as_json:
+        print_json(infos)
     elif not results:
         stderr().print(f"no live sandboxes in project {project}")
     if worst:
@@ -155,7 +160,7 @@ def kill(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> No
 @json_option
 def pause(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> None:
     """Freeze every process of sandboxes (memory is kept; `resume` thaws them)."""
-    _batch("pause", "paused", sandbox_ids, project, as_json)
+    _batch("pause", "paused", sandbox_ids, project, as_json, single_object=True)
 
 
 @sandbox_group.command("resume")
@@ -164,7 +169,7 @@ def pause(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> N
 @json_option
 def resume(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> None:
     """Thaw paused sandboxes."""
-    _batch("resume", "resumed", sandbox_ids, project, as_json)
+    _batch("resume", "resumed", sandbox_ids, project, as_json, single_object=True)
 
 
 @sandbox_group.command("network")
