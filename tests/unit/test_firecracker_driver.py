@@ -405,3 +405,23 @@ async def test_calls_before_boot_are_refused(tmp_path: Path) -> None:
         await vmm.pause()
     with pytest.raises(InvalidState, match="no jailer"):
         FirecrackerVmm(tmp_path / "firecracker", jailer=None, use_jailer=True)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_boot_leaves_no_vmm(
+    fake: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_FC_MODE", "hang")
+    vmm = FirecrackerVmm(fake["firecracker"], use_jailer=False)
+    task = asyncio.create_task(vmm.boot(make_config(tmp_path), timeout_s=60))
+    for _ in range(500):
+        if vmm.pid:
+            break
+        await asyncio.sleep(0.01)
+    pid = vmm.pid
+    assert pid > 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert vmm.pid == 0
+    assert not alive(pid)

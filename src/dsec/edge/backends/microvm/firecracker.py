@@ -177,7 +177,7 @@ class FirecrackerVmm:
                 await step()
         except BaseException as exc:
             tail = self._log_tail()
-            await self.kill()
+            await asyncio.shield(self.kill())  # even when the boot itself is cancelled
             if isinstance(exc, TimeoutError):
                 raise DeadlineExceeded(
                     f"firecracker {what} did not finish within {timeout_s:g}s{tail}"
