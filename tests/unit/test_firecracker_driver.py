@@ -19,7 +19,7 @@ import pytest
 from dsec.core.errors import DeadlineExceeded, InvalidState, SandboxFailed
 from dsec.edge.backends.microvm import fc_api
 from dsec.edge.backends.microvm.fc_api import FirecrackerApi, FirecrackerApiError
-from dsec.edge.backends.microvm.firecracker import FirecrackerVmm
+from dsec.edge.backends.microvm.firecracker import FirecrackerVmm, pid_alive
 from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig
 from tests.fakes.swagger import Spec, find_spec
 
@@ -425,3 +425,35 @@ async def test_a_cancelled_boot_leaves_no_vmm(
         await task
     assert vmm.pid == 0
     assert not alive(pid)
+
+
+@pytest.mark.asyncio
+async def test_a_new_edge_adopts_the_running_vmm(fake: dict[str, Path], tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    first = FirecrackerVmm(fake["firecracker"], use_jailer=False)
+    await first.boot(config, timeout_s=30)
+    pid = first.pid
+    assert not await FirecrackerVmm(use_jailer=False).adopt(tmp_path / "elsewhere")
+
+    later = FirecrackerVmm(fake["firecracker"], use_jailer=False)  # the edge restarted
+    assert await later.adopt(config.run_dir)
+    assert later.pid == pid
+    with pytest.raises(InvalidState, match="already runs"):
+        await later.boot(config, timeout_s=5)
+    await later.pause()
+    snap = await later.snapshot(tmp_path / "snap")
+    assert snap.state.is_file()
+    assert await vsock_echo(config.agent_socket, b"still here") == b"still here"
+    await later.kill()
+    assert not pid_alive(pid)  # gone, or a zombie until the first edge's watcher reaps it
+    assert later.pid == 0
+    assert not (config.run_dir / "firecracker.sock").exists()
+    assert not (config.run_dir / "firecracker.json").exists()
+    assert not config.agent_socket.exists()
+    assert not await FirecrackerVmm(use_jailer=False).adopt(config.run_dir)
+    await first.kill()  # reaps its child; nothing else to do
+    seen = requests(fake["record"])
+    assert [e for r in seen for e in r["errors"]] == []
+    assert [(r["method"], r["path"]) for r in seen][len(BOOT):] == [
+        ("GET", "/"), ("PATCH", "/vm"), ("PUT", "/snapshot/create"),
+    ]  # fmt: skip

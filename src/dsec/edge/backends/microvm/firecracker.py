@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -28,9 +29,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from dsec.core.errors import DeadlineExceeded, InvalidState, SandboxFailed
+from dsec.core.errors import DeadlineExceeded, DsecError, InvalidState, SandboxFailed
 from dsec.edge.backends.microvm.fc_api import FirecrackerApi
-from dsec.edge.backends.microvm.vmm import Snapshot, VmConfig
+from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig
 from dsec.obs import log
 
 _log = logging.getLogger("dsec.edge.firecracker")
@@ -70,6 +71,7 @@ class FirecrackerVmm:
         self.use_jailer = use_jailer
         self.api_timeout_s = api_timeout_s
         self._proc: asyncio.subprocess.Process | None = None
+        self._adopted = 0  # pid of a Firecracker an earlier edge started (see adopt)
         self._config: VmConfig | None = None
         self._paused = False
         self._made: list[Path] = []  # files and dirs to remove on kill
@@ -79,7 +81,12 @@ class FirecrackerVmm:
     @property
     def pid(self) -> int:
         p = self._proc
-        return p.pid if p is not None and p.returncode is None else 0
+        if p is not None:
+            return p.pid if p.returncode is None else 0
+        return self._adopted if self._adopted and pid_alive(self._adopted) else 0
+
+    def alive(self) -> bool:
+        return self.pid != 0
 
     @property
     def returncode(self) -> int | None:
@@ -128,6 +135,7 @@ class FirecrackerVmm:
 
     async def kill(self) -> None:
         proc, self._proc = self._proc, None
+        adopted, self._adopted = self._adopted, 0
         if proc is not None:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -135,6 +143,13 @@ class FirecrackerVmm:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(10):
                     await proc.wait()
+        elif adopted and pid_alive(adopted):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(adopted, signal.SIGKILL)  # it leads its own process group
+            for _ in range(1000):  # not our child: poll until it is gone (or a zombie)
+                if not pid_alive(adopted):
+                    break
+                await asyncio.sleep(0.01)
         for path in reversed(self._made):
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
@@ -144,6 +159,28 @@ class FirecrackerVmm:
         self._paused = False
 
     # -- beyond the protocol ------------------------------------------------------------
+
+    async def adopt(self, run_dir: Path) -> bool:
+        """Re-attach to the Firecracker an earlier edge started in ``run_dir`` (it outlives
+        the edge); False when it is gone or does not answer on its API socket."""
+        if self.pid:
+            raise InvalidState(f"firecracker driver already runs pid {self.pid}")
+        try:
+            saved = load_state(run_dir)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        pid, config = saved
+        if not pid_alive(pid):
+            return False
+        self._config, self._adopted, self.use_jailer = config[0], pid, config[1]
+        try:
+            info = await self.describe()
+        except DsecError:
+            self._adopted = 0
+            return False
+        self._paused = info.get("state") == "Paused"
+        self._made = self._files_of(config[0])
+        return True
 
     async def set_balloon(self, amount_mib: int) -> None:
         """Inflate (or deflate) the balloon: the guest gives that much RAM back."""
@@ -168,8 +205,9 @@ class FirecrackerVmm:
     async def _guarded(
         self, config: VmConfig, timeout_s: float, what: str, step: Callable[[], Awaitable[None]]
     ) -> None:
-        if self._proc is not None:
-            raise InvalidState(f"firecracker driver already runs pid {self._proc.pid}")
+        if self.pid:
+            raise InvalidState(f"firecracker driver already runs pid {self.pid}")
+        self._proc, self._adopted, self._made = None, 0, []
         self._config = config
         start = time.monotonic()
         try:
@@ -278,11 +316,24 @@ class FirecrackerVmm:
             os.close(out)
         if config.cgroup is not None:
             (config.cgroup / "cgroup.procs").write_text(f"{self._proc.pid}\n")
+        save_state(config, self._proc.pid, self.use_jailer)
+        self._made.append(config.run_dir / STATE_FILE)
         await self._wait_socket(socket)
         if self.use_jailer and config.agent_socket != Path():
             # Firecracker binds the vsock socket in its chroot; the host's path points there
             config.agent_socket.symlink_to(self._jail_root() / config.agent_socket.name)
         return FirecrackerApi(socket, self.api_timeout_s)
+
+    def _files_of(self, config: VmConfig) -> list[Path]:
+        """What kill removes for a VM this driver adopted."""
+        made = [config.run_dir / STATE_FILE]
+        if self.use_jailer:
+            made.append(self._jail_root().parent)
+        else:
+            made.append(config.run_dir / API_SOCKET)
+        if config.agent_socket != Path():
+            made.append(config.agent_socket)
+        return made
 
     def command(self, config: VmConfig) -> list[str]:
         """The argv that starts Firecracker for ``config`` (jailed or not)."""
@@ -380,6 +431,53 @@ class FirecrackerVmm:
             return ""
         tail = [line for line in lines.splitlines() if line.strip()][-3:]
         return f" (log: {' | '.join(tail)[-400:]})" if tail else ""
+
+
+STATE_FILE = "firecracker.json"  # pid and config, for re-adoption after an edge restart
+
+
+def save_state(config: VmConfig, pid: int, jailed: bool) -> None:
+    data = {
+        "pid": pid,
+        "jailed": jailed,
+        "config": {
+            "vcpus": config.vcpus, "memory_mib": config.memory_mib, "kernel": str(config.kernel),
+            "cmdline": config.cmdline, "run_dir": str(config.run_dir),
+            "mem_file": str(config.mem_file), "agent_socket": str(config.agent_socket),
+            "drives": [[d.drive_id, str(d.path), d.read_only] for d in config.drives],
+            "net": [[n.iface_id, n.tap, n.mac] for n in config.net],
+            "netns": config.netns, "cgroup": str(config.cgroup) if config.cgroup else None,
+            "extra": dict(config.extra),
+        },
+    }  # fmt: skip
+    tmp = config.run_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(config.run_dir / STATE_FILE)
+
+
+def load_state(run_dir: Path) -> tuple[int, tuple[VmConfig, bool]]:
+    data = json.loads((run_dir / STATE_FILE).read_text())
+    c = data["config"]
+    config = VmConfig(
+        vcpus=int(c["vcpus"]), memory_mib=int(c["memory_mib"]), kernel=Path(c["kernel"]),
+        cmdline=str(c["cmdline"]), run_dir=Path(c["run_dir"]), mem_file=Path(c["mem_file"]),
+        drives=tuple(Drive(str(i), Path(p), bool(ro)) for i, p, ro in c["drives"]),
+        net=tuple(NetIface(str(i), str(t), str(m)) for i, t, m in c["net"]),
+        agent_socket=Path(c["agent_socket"]), netns=c["netns"],
+        cgroup=Path(c["cgroup"]) if c["cgroup"] else None,
+        extra={str(k): str(v) for k, v in c["extra"].items()},
+    )  # fmt: skip
+    return int(data["pid"]), (config, bool(data["jailed"]))
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _fresh_snapshot_dir(dest: Path) -> Snapshot:
