@@ -11,6 +11,8 @@ a page-fault handler (``Uffd``, when ``VmConfig.extra["uffd_socket"]`` names one
 
 Every step of a boot or restore runs under one deadline (the boot watchdog); on any
 failure the process group is killed and the driver's files are removed before raising.
+The pid and config are saved in ``run_dir`` so that a restarted edge can ``adopt`` the
+still-running VMM.
 The API is checked against Firecracker's published spec in tests (the version we test
 against is ``API_VERSION``).
 """
@@ -160,9 +162,17 @@ class FirecrackerVmm:
 
     # -- beyond the protocol ------------------------------------------------------------
 
-    async def adopt(self, run_dir: Path) -> bool:
+    @property
+    def run_dir(self) -> Path | None:
+        return None if self._config is None else self._config.run_dir
+
+    async def adopt(
+        self, run_dir: Path, mem_file: Path | None = None, shared_ram: bool = False
+    ) -> bool:
         """Re-attach to the Firecracker an earlier edge started in ``run_dir`` (it outlives
-        the edge); False when it is gone or does not answer on its API socket."""
+        the edge); False when it is gone or does not answer on its API socket. (``mem_file``
+        and ``shared_ram`` are accepted for the QEMU driver's signature; Firecracker keeps
+        guest RAM itself.)"""
         if self.pid:
             raise InvalidState(f"firecracker driver already runs pid {self.pid}")
         try:
