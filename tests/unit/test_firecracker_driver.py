@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dsec.core.errors import DeadlineExceeded, InvalidState, SandboxFailed
+from dsec.core.errors import DeadlineExceeded, InvalidArgument, InvalidState, SandboxFailed
 from dsec.edge.backends.microvm import fc_api
 from dsec.edge.backends.microvm.fc_api import FirecrackerApi, FirecrackerApiError
 from dsec.edge.backends.microvm.firecracker import FirecrackerVmm, pid_alive
@@ -457,3 +457,15 @@ async def test_a_new_edge_adopts_the_running_vmm(fake: dict[str, Path], tmp_path
     assert [(r["method"], r["path"]) for r in seen][len(BOOT):] == [
         ("GET", "/"), ("PATCH", "/vm"), ("PUT", "/snapshot/create"),
     ]  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_bad_driver_knobs_are_refused_and_leave_nothing(
+    fake: dict[str, Path], tmp_path: Path
+) -> None:
+    config = replace(make_config(tmp_path), extra={"balloon_mib": "lots"})
+    vmm = FirecrackerVmm(fake["firecracker"], use_jailer=False)
+    with pytest.raises(InvalidArgument, match="balloon_mib"):
+        await vmm.boot(config, timeout_s=30)
+    assert vmm.pid == 0
+    assert sorted(p.name for p in config.run_dir.iterdir()) == ["firecracker.log"]

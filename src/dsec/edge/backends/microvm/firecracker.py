@@ -31,7 +31,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from dsec.core.errors import DeadlineExceeded, DsecError, InvalidState, SandboxFailed
+from dsec.core.errors import (
+    DeadlineExceeded,
+    DsecError,
+    InvalidArgument,
+    InvalidState,
+    SandboxFailed,
+)
 from dsec.edge.backends.microvm.fc_api import FirecrackerApi
 from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig
 from dsec.obs import log
@@ -262,8 +268,10 @@ class FirecrackerVmm:
             )
         if config.agent_socket != Path():
             await api.put("/vsock", {"guest_cid": GUEST_CID, "uds_path": self._vsock_path()})
-        balloon = int(config.extra.get("balloon_mib", "0"))
-        await api.put("/balloon", {"amount_mib": balloon, "deflate_on_oom": True})
+        balloon = config.extra.get("balloon_mib", "0")
+        if not balloon.isdigit():
+            raise InvalidArgument(f"balloon_mib must be a whole number of MiB, not {balloon!r}")
+        await api.put("/balloon", {"amount_mib": int(balloon), "deflate_on_oom": True})
         await api.put("/actions", {"action_type": "InstanceStart"})
         await self._expect_state(api, "Running")
 
@@ -408,6 +416,8 @@ class FirecrackerVmm:
         """A path as Firecracker sees it (relative to its chroot when jailed)."""
         if not self.use_jailer:
             return str(host)
+        if not host.is_relative_to(self._jail_root()):
+            raise InvalidArgument(f"{host} is outside the jail {self._jail_root()}")
         return "/" + str(host.relative_to(self._jail_root()))
 
     def _expose(self, host: Path) -> str:
