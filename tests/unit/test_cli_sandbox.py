@@ -204,3 +204,32 @@ def test_ctrl_c_exits_130(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["sandbox", "ls"], obj=state)
     assert res.exit_code == 130
     assert "interrupted" in res.stderr
+
+
+def test_pause_resume_kill_many_in_one_call(api: FakeApi, dsec: Dsec) -> None:
+    a, b = api.add_sandbox(), api.add_sandbox()
+    res = dsec("sandbox", "pause", a, b)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines() == [f"paused {a}", f"paused {b}"]
+    assert [api.sandboxes[s].info["state"] for s in (a, b)] == ["paused", "paused"]
+    assert [r.url.path for r in api.requests] == ["/v1/sandboxes:batch"]
+    assert json.loads(api.requests[0].content) == {"action": "pause", "ids": [a, b]}
+    res = dsec("sandbox", "resume", a, MISSING, "--json")
+    assert res.exit_code == 2
+    assert [(r["id"], r["state"]) for r in json.loads(res.stdout)] == [(a, "running")]
+    assert "[sandbox_not_found]" in res.stderr
+    one = dsec("sandbox", "pause", b, "--json")  # one id: the object, as before batches
+    assert json.loads(one.stdout)["state"] == "paused"
+
+
+def test_kill_a_whole_project(api: FakeApi, dsec: Dsec) -> None:
+    a, b = api.add_sandbox(), api.add_sandbox()
+    res = dsec("sandbox", "kill", "--project", "p")
+    assert res.exit_code == 0, res.output
+    assert sorted(res.stdout.splitlines()) == sorted([f"killed {a}", f"killed {b}"])
+    assert json.loads(api.requests[-1].content) == {"action": "kill", "project": "p"}
+    assert "no live sandboxes" in dsec("sandbox", "kill", "--project", "p").stderr
+    both = dsec("sandbox", "kill", a, "--project", "p")
+    assert both.exit_code == 2
+    assert "not both" in both.stderr
+    assert dsec("sandbox", "pause").exit_code == 2

@@ -139,3 +139,14 @@ async def test_unreachable_is_unavailable() -> None:
             await c.list_sandboxes()
         with pytest.raises(errors.Unavailable):
             [e async for e in c.sandbox("sbx-e0a1-abcdefghijklmnopqrst").exec_stream("x")]
+
+
+@pytest.mark.asyncio
+async def test_async_batch_sandboxes_by_project() -> None:
+    api = FakeApi()
+    a, b = api.add_sandbox(), api.add_sandbox()
+    transport = httpx.MockTransport(api.async_handler)
+    async with AsyncClient("http://fake", FAKE_KEY, http_transport=transport) as client:
+        results = await client.batch_sandboxes("pause", project="p")
+    assert sorted((r.id, r.ok) for r in results) == sorted([(a, True), (b, True)])
+    assert {api.sandboxes[s].info["state"] for s in (a, b)} == {"paused"}

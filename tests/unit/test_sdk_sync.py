@@ -249,3 +249,21 @@ def test_api_url_with_a_path_prefix_and_query_params() -> None:
     assert urls[2].endswith(
         "/api/v1/sandboxes/sbx-e0a1-abcdefghijklmnopqrst/files/list?path=%2Fa+b%26c&depth=1"
     )
+
+
+def test_batch_sandboxes_one_result_each() -> None:
+    api = FakeApi()
+    sid = api.add_sandbox()
+    client = Client("http://fake", FAKE_KEY, http_transport=httpx.MockTransport(api.handler))
+    missing = "sbx-e0a1-zzzzzzzzzzzzzzzzzzzz"
+    results = client.batch_sandboxes("kill", ids=[sid, missing])
+    assert [(r.id, r.ok) for r in results] == [(sid, True), (missing, False)]
+    assert results[0].sandbox is not None
+    assert results[0].sandbox.state == "stopped"
+    assert isinstance(results[1].error, errors.SandboxNotFound)
+    with pytest.raises(errors.InvalidArgument, match="one of"):
+        client.batch_sandboxes("explode", ids=[sid])
+    with pytest.raises(errors.InvalidArgument, match="exactly one of"):
+        client.batch_sandboxes("kill")
+    with pytest.raises(errors.InvalidArgument, match="not one string"):
+        client.batch_sandboxes("kill", ids=sid)

@@ -42,11 +42,17 @@ async def record(request: web.Request, route: str, status: int, error: DsecError
     if action is None or not isinstance(p, Principal):
         return
     target = request.match_info.get("sandbox_id") or str(request.get(TARGET, ""))
+    project = str(request.get("audit_project") or p.project)
+    result = "ok" if error is None and status < 400 else (error.code if error else str(status))
+    await append(request, p, action, target, project, result, error, request_id)
+
+
+async def append(request: web.Request, p: Principal, action: str, target: str, project: str,
+                 result: str, error: DsecError | None, request_id: str) -> None:  # fmt: skip
+    """Append one audit event (one per sandbox for batch actions); failures are counted."""
     entry = pb.AuditEntry(
-        actor=f"{p.subject} (key {p.key_id})", action=action, target=target,
-        project=str(request.get("audit_project") or p.project),
-        result="ok" if error is None and status < 400 else (error.code if error else str(status)),
-        request_id=request_id, details=error.message if error else "",
+        actor=f"{p.subject} (key {p.key_id})", action=action, target=target, project=project,
+        result=result, request_id=request_id, details=error.message if error else "",
     )  # fmt: skip
     c = ctx(request)
     try:

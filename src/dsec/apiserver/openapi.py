@@ -90,11 +90,42 @@ SCHEMAS: dict[str, Any] = {
             "truncated": {"type": "boolean"},
         },
     },
+    "BatchRequest": {
+        "type": "object",
+        "required": ["action"],
+        "additionalProperties": False,
+        "properties": {
+            "action": {"type": "string", "enum": ["pause", "resume", "kill"]},
+            "ids": {"type": "array", "items": _STR, "maxItems": 1000},
+            "project": _STR,
+        },
+        "description": "exactly one of ids and project",
+    },
+    "BatchResults": {
+        "type": "object",
+        "properties": {
+            "action": _STR,
+            "results": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "ok"],
+                    "properties": {
+                        "id": _STR,
+                        "ok": {"type": "boolean"},
+                        "sandbox": {"$ref": "#/components/schemas/SandboxInfo"},
+                        "error": {"type": "object", "properties": {"code": _STR, "message": _STR}},
+                    },
+                },
+            },
+        },
+    },
     "Object": {"type": "object"},
 }
 
 _BODIES = {
     ("POST", "/v1/sandboxes"): "SandboxSpec",
+    ("POST", "/v1/sandboxes:batch"): "BatchRequest",
     ("PUT", "/v1/sandboxes/{sandbox_id}/network"): "NetworkPolicy",
     ("POST", "/v1/sandboxes/{sandbox_id}/exec"): "ExecRequest",
     ("POST", "/v1/sandboxes/{sandbox_id}/shells/{name}/run"): "ExecRequest",
@@ -102,6 +133,7 @@ _BODIES = {
 _RESULTS = {
     "/v1/sandboxes/{sandbox_id}": "SandboxInfo",
     "/v1/sandboxes": "SandboxInfo",
+    "/v1/sandboxes:batch": "BatchResults",
     "/v1/sandboxes/{sandbox_id}/timeout": "SandboxInfo",
     "/v1/sandboxes/{sandbox_id}/network": "SandboxInfo",
     "/v1/sandboxes/{sandbox_id}/exec": "ExecResult",

@@ -174,6 +174,94 @@ async def resume(request: web.Request) -> web.Response:
     return await _on_sandbox(request, "member", "ResumeSandbox")
 
 
+BATCH_VERBS = {
+    "pause": ("PauseSandbox", "sandbox.pause"),
+    "resume": ("ResumeSandbox", "sandbox.resume"),
+    "kill": ("KillSandbox", "sandbox.kill"),
+}
+MAX_BATCH = 1000
+BATCH_CONCURRENCY = 32  # edge calls in flight per batch request
+
+
+async def batch(request: web.Request) -> web.Response:
+    """``POST /v1/sandboxes:batch`` with ``{"action": "pause|resume|kill", "ids": [...]}``
+    or ``{"action": ..., "project": "org/team"}`` (every live sandbox of the project and its
+    subprojects). Each sandbox is authorized by its edge and audited on its own; the answer
+    lists one result per sandbox: ``{"id", "ok": true, "sandbox"}`` or ``{"id", "ok": false,
+    "error"}``, in the order of ``ids``."""
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    body = await json_body(request)
+    action = body.get("action")
+    if action not in BATCH_VERBS:
+        raise InvalidArgument(f"'action' must be one of {', '.join(BATCH_VERBS)}, not {action!r}")
+    verb, audit_action = BATCH_VERBS[action]
+    unknown = set(body) - {"action", "ids", "project"}
+    if unknown:
+        raise InvalidArgument(f"unknown batch field(s): {', '.join(sorted(unknown))}")
+    if ("ids" in body) == ("project" in body):
+        raise InvalidArgument("give exactly one of 'ids' (a list of sandbox ids) or 'project'")
+    if "ids" in body:
+        ids = body["ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+            raise InvalidArgument("'ids' must be a list of sandbox ids")
+        ids = list(dict.fromkeys(ids))  # once each, in the order given
+        scope = p.project
+    else:
+        scope = body["project"]
+        if not isinstance(scope, str):
+            raise InvalidArgument("'project' must be a project path")
+        projects.validate(scope)
+        if not (p.admin or projects.contains(p.project, scope)):
+            raise PermissionDenied(f"project {scope!r} is outside your project {p.project!r}")
+        ids = await _live_ids(request, scope)
+    if len(ids) > MAX_BATCH:
+        raise InvalidArgument(f"at most {MAX_BATCH} sandboxes per batch, got {len(ids)}")
+    gate = asyncio.Semaphore(BATCH_CONCURRENCY)
+    rid = str(request.get("request_id", ""))
+
+    async def one(sid: str) -> dict[str, Any]:
+        err: DsecError | None = None
+        project = scope
+        async with gate:
+            try:
+                stub = await c.upstream.edge_for(sid)
+                call = getattr(stub, verb)
+                info = await rpc(
+                    "edge", call(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=60)
+                )
+                project = info.project
+                out: dict[str, Any] = {"id": sid, "ok": True, "sandbox": info_json(info)}
+            except DsecError as exc:
+                err = exc
+                out = {"id": sid, "ok": False, "error": exc.to_wire()}
+        result = "ok" if err is None else err.code
+        await audit.append(request, p, audit_action, sid, project, result, err, rid)
+        return out
+
+    results = await asyncio.gather(*(one(sid) for sid in ids))
+    c.metrics.inc("sandbox_batches", action=action)
+    return ok({"action": action, "results": results})
+
+
+async def _live_ids(request: web.Request, project: str) -> list[str]:
+    """Ids of the live sandboxes of ``project`` (and its subprojects), on every edge."""
+    c, p = ctx(request), principal(request)
+    req = pb.ListSandboxesRequest(project=project, include_terminated=False)
+    edges = [e for e in await c.upstream.edges() if e.healthy]
+    replies = await asyncio.gather(
+        *(
+            rpc(
+                f"edge {e.edge_id}",
+                c.upstream.edge_stub(e).ListSandboxes(req, metadata=p.metadata(), timeout=10),
+            )
+            for e in edges
+        )
+    )
+    infos = sorted((i for r in replies for i in r.sandboxes), key=lambda i: i.created_at)
+    return [i.id for i in infos]
+
+
 async def set_timeout(request: web.Request) -> web.Response:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("member")
@@ -225,6 +313,7 @@ async def edges(request: web.Request) -> web.Response:
 
 ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/v1/sandboxes", create),
+    ("POST", "/v1/sandboxes:batch", batch),
     ("GET", "/v1/sandboxes", list_),
     ("GET", "/v1/sandboxes/{sandbox_id}", get),
     ("DELETE", "/v1/sandboxes/{sandbox_id}", kill),

@@ -19,7 +19,7 @@ from dsec.cli.output import (
     stderr,
     stdout,
 )
-from dsec.core.errors import DsecError, InvalidArgument
+from dsec.core.errors import InvalidArgument
 from dsec.sdk import Sandbox
 from dsec.sdk.runtime_calls import Command
 
@@ -116,49 +116,60 @@ def info(sandbox_id: str, as_json: bool) -> None:
         stdout().print(sandbox_details(details))
 
 
-@sandbox_group.command("kill")
-@click.argument("sandbox_ids", nargs=-1, required=True, metavar="ID...")
-@json_option
-def kill(sandbox_ids: tuple[str, ...], as_json: bool) -> None:
-    """Stop and remove sandboxes (each one is tried; failures are reported)."""
-    client = state().client()
-    done, worst = [], 0
-    for sid in sandbox_ids:
-        try:
-            done.append(client.kill_sandbox(sid))
-        except DsecError as exc:
-            worst = max(worst, report(exc))
-            continue
-        if not as_json:
-            click.echo(f"killed {sid}")
-    if as_json:
-        print_json(done)
+def _batch(action: str, done: str, ids: tuple[str, ...], project: str | None,
+           as_json: bool, *, single_object: bool = False) -> None:  # fmt: skip
+    """One batch call for ``ids`` or ``--project``. Successes print (``--json``: the list of
+    their SandboxInfo, or the one object when ``single_object`` and one id was given);
+    each failure is reported on stderr; the exit code is the worst failure's."""
+    if bool(ids) == (project is not None):
+        raise click.UsageError("give sandbox ids or --project, not both and not neither")
+    results = state().client().batch_sandboxes(action, ids=list(ids) or None, project=project)
+    worst = 0
+    for r in results:
+        if r.error is not None:
+            worst = max(worst, report(r.error))
+        elif not as_json:
+            click.echo(f"{done} {r.id}")
+    infos = [r.sandbox for r in results if r.sandbox is not None]
+    if as_json and single_object and len(ids) == 1:
+        if infos:
+            print_json(infos[0])
+    elif as_json:
+        print_json(infos)
+    elif not results:
+        stderr().print(f"no live sandboxes in project {project}")
     if worst:
         raise click.exceptions.Exit(worst)
 
 
-@sandbox_group.command("pause")
-@click.argument("sandbox_id")
+PROJECT_HELP = "Every live sandbox of this project (and its subprojects) instead of ids."
+
+
+@sandbox_group.command("kill")
+@click.argument("sandbox_ids", nargs=-1, metavar="[ID...]")
+@click.option("--project", default=None, help=PROJECT_HELP)
 @json_option
-def pause(sandbox_id: str, as_json: bool) -> None:
-    """Freeze every process of a sandbox (memory is kept; `resume` thaws it)."""
-    details = state().client().sandbox(sandbox_id).pause()
-    if as_json:
-        print_json(details)
-    else:
-        click.echo(f"paused {sandbox_id}")
+def kill(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> None:
+    """Stop and remove sandboxes, in one call (each one is tried; failures are reported)."""
+    _batch("kill", "killed", sandbox_ids, project, as_json)
+
+
+@sandbox_group.command("pause")
+@click.argument("sandbox_ids", nargs=-1, metavar="[ID...]")
+@click.option("--project", default=None, help=PROJECT_HELP)
+@json_option
+def pause(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> None:
+    """Freeze every process of sandboxes (memory is kept; `resume` thaws them)."""
+    _batch("pause", "paused", sandbox_ids, project, as_json, single_object=True)
 
 
 @sandbox_group.command("resume")
-@click.argument("sandbox_id")
+@click.argument("sandbox_ids", nargs=-1, metavar="[ID...]")
+@click.option("--project", default=None, help=PROJECT_HELP)
 @json_option
-def resume(sandbox_id: str, as_json: bool) -> None:
-    """Thaw a paused sandbox."""
-    details = state().client().sandbox(sandbox_id).resume()
-    if as_json:
-        print_json(details)
-    else:
-        click.echo(f"resumed {sandbox_id}")
+def resume(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> None:
+    """Thaw paused sandboxes."""
+    _batch("resume", "resumed", sandbox_ids, project, as_json, single_object=True)
 
 
 @sandbox_group.command("network")

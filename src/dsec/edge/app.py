@@ -290,6 +290,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory-overcommit", type=float, default=4.0)
     ap.add_argument("--stop-sandboxes-on-exit", action="store_true")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--vmm",
+        choices=("auto", "firecracker", "qemu"),
+        default="auto",
+        help="microVM driver: auto takes Firecracker where KVM runs guests, else QEMU",
+    )
     net = ap.add_argument_group("sandbox networking (off unless --net-upstream-dns is set)")
     net.add_argument("--net-upstream-dns", default="", help="IPv4:PORT the resolver forwards to")
     net.add_argument("--net-pool", default=DEFAULT_POOL, help="private IPv4 pool, one /30 each")

@@ -29,6 +29,7 @@ from dsec.sdk.async_sandbox_runtime import (
 from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.errors import CommandTimeout, MissingCredentials
 from dsec.sdk.models import (
+    BatchResult,
     ExecEvent,
     ExecResult,
     FileEntry,
@@ -53,6 +54,7 @@ __all__ = [
     "AsyncPtys",
     "AsyncSandbox",
     "AsyncShell",
+    "BatchResult",
     "Client",
     "ClientConfig",
     "CommandTimeout",

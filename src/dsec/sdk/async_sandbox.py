@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -25,6 +25,7 @@ from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
     AccessToken,
     AuditEntry,
+    BatchResult,
     ExecEvent,
     ExecResult,
     HttpResponse,
@@ -70,6 +71,17 @@ class AsyncClient:
 
     async def kill_sandbox(self, sandbox_id: str) -> SandboxInfo:
         return await self.transport.call(wire.kill_sandbox(sandbox_id))
+
+    async def batch_sandboxes(
+        self,
+        action: str,
+        ids: Sequence[str] | None = None,
+        project: str | None = None,
+    ) -> builtins.list[BatchResult]:
+        """Pause, resume or kill many sandboxes in one call: the ``ids`` given, or every
+        live sandbox of ``project``. One :class:`BatchResult` per sandbox; a sandbox that
+        is missing or not yours fails alone (its ``error``), the others go on."""
+        return await self.transport.call(wire.batch_sandboxes(action, ids, project))
 
     async def whoami(self) -> Identity:
         return await self.transport.call(wire.whoami())

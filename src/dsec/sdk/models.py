@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, NamedTuple
 
-from dsec.core.errors import Internal
+from dsec.core.errors import DsecError, Internal, error_from_wire
 
 JSON = dict[str, Any]
 
@@ -55,6 +55,8 @@ def to_jsonable(record: Any) -> Any:
     """Turn a record (or list of records) into JSON-ready data; datetimes become ISO text."""
     if isinstance(record, list | tuple) and not hasattr(record, "_fields"):
         return [to_jsonable(r) for r in record]
+    if isinstance(record, DsecError):
+        return record.to_wire()
     if hasattr(record, "__dataclass_fields__"):
         return to_jsonable(asdict(record))
     if isinstance(record, dict):
@@ -370,3 +372,30 @@ class WriteResult:
 
     path: str
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """The outcome of a batch action for one sandbox: ``sandbox`` when ``ok``, else
+    ``error`` (the same error a single call would have raised)."""
+
+    id: str
+    ok: bool
+    sandbox: SandboxInfo | None = None
+    error: DsecError | None = None
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> BatchResult:
+        err = obj.get("error")
+        error = (
+            error_from_wire(str(err.get("code", "")), str(err.get("message", "")))
+            if isinstance(err, Mapping)
+            else None
+        )
+        sbx = obj.get("sandbox")
+        return cls(
+            id=str(obj.get("id", "")),
+            ok=bool(obj.get("ok")),
+            sandbox=SandboxInfo.from_wire(sbx) if isinstance(sbx, Mapping) else None,
+            error=error,
+        )

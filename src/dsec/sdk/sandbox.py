@@ -8,7 +8,7 @@ module name for name (a unit test checks the two surfaces match).
 from __future__ import annotations
 
 import builtins
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -22,6 +22,7 @@ from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
     AccessToken,
     AuditEntry,
+    BatchResult,
     ExecEvent,
     ExecResult,
     HttpResponse,
@@ -71,6 +72,17 @@ class Client:
 
     def kill_sandbox(self, sandbox_id: str) -> SandboxInfo:
         return self.transport.call(wire.kill_sandbox(sandbox_id))
+
+    def batch_sandboxes(
+        self,
+        action: str,
+        ids: Sequence[str] | None = None,
+        project: str | None = None,
+    ) -> builtins.list[BatchResult]:
+        """Pause, resume or kill many sandboxes in one call: the ``ids`` given, or every
+        live sandbox of ``project``. One :class:`BatchResult` per sandbox; a sandbox that
+        is missing or not yours fails alone (its ``error``), the others go on."""
+        return self.transport.call(wire.batch_sandboxes(action, ids, project))
 
     def whoami(self) -> Identity:
         return self.transport.call(wire.whoami())

@@ -9,7 +9,7 @@ mapping) and the control-plane calls (sandboxes, keys, identity).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -29,7 +29,16 @@ from dsec.core.errors import (
     Unavailable,
     error_from_wire,
 )
-from dsec.sdk.models import JSON, AccessToken, AuditEntry, Identity, KeyInfo, NewKey, SandboxInfo
+from dsec.sdk.models import (
+    JSON,
+    AccessToken,
+    AuditEntry,
+    BatchResult,
+    Identity,
+    KeyInfo,
+    NewKey,
+    SandboxInfo,
+)
 
 T = TypeVar("T")
 
@@ -235,6 +244,29 @@ def pause_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
 
 def resume_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
     return Call(json_request("POST", sandbox_path(sandbox_id) + "/resume"), SandboxInfo.from_wire)
+
+
+BATCH_ACTIONS = ("pause", "resume", "kill")
+BATCH_TIMEOUT_S = 600.0  # a thousand sandboxes, 32 at a time
+
+
+def _batch_results(obj: JSON) -> list[BatchResult]:
+    return [BatchResult.from_wire(r) for r in obj.get("results") or []]
+
+
+def batch_sandboxes(
+    action: str, ids: Sequence[str] | None = None, project: str | None = None
+) -> Call[list[BatchResult]]:
+    """``POST /v1/sandboxes:batch``: one action on many sandboxes, one result each."""
+    if action not in BATCH_ACTIONS:
+        raise InvalidArgument(f"action must be one of {', '.join(BATCH_ACTIONS)}, not {action!r}")
+    if (ids is None) == (project is None):
+        raise InvalidArgument("give exactly one of ids or project")
+    if isinstance(ids, str):
+        raise InvalidArgument("ids must be a list of sandbox ids, not one string")
+    body = compact(action=action, ids=None if ids is None else list(ids), project=project)
+    request = json_request("POST", "/v1/sandboxes:batch", body, timeout=BATCH_TIMEOUT_S)
+    return Call(request, _batch_results)
 
 
 def set_timeout(sandbox_id: str, seconds: int) -> Call[SandboxInfo]:

@@ -197,6 +197,8 @@ class FakeApi:
                 if q.get("all") == "1" or s.info["state"] == "running"
             ]
             return _ok({"sandboxes": rows})
+        if parts == ["sandboxes:batch"]:
+            return _ok({"results": self._batch(body)})
         sbx = self.sandbox(parts[1])
         rest, info = parts[2:], sbx.info
         if not rest:
@@ -229,6 +231,25 @@ class FakeApi:
             }
             return httpx.Response(201, json=echo, headers={"x-app": "yes"})
         raise FakeError("not_found", f"no route {req.url.path}")
+
+    def _batch(self, body: JSON) -> list[JSON]:
+        after = {"kill": "stopped", "pause": "paused", "resume": "running"}[body["action"]]
+        ids = body.get("ids")
+        if ids is None:
+            live = [s.info for s in self.sandboxes.values() if s.info["state"] != "stopped"]
+            ids = [i["id"] for i in live if i["project"] == body["project"]]
+        results: list[JSON] = []
+        for sid in ids:
+            try:
+                info = self.sandbox(sid).info
+            except FakeError as exc:
+                results.append(
+                    {"id": sid, "ok": False, "error": {"code": exc.code, "message": exc.message}}
+                )
+                continue
+            info["state"] = after
+            results.append({"id": sid, "ok": True, "sandbox": info})
+        return results
 
     def _keys(self, m: str, parts: list[str], body: JSON) -> httpx.Response:
         if m == "POST":

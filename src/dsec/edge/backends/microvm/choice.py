@@ -1,0 +1,49 @@
+"""Which VMM drives the microVMs of this edge: Firecracker or QEMU ``microvm``.
+
+The edge's ``--vmm`` setting is ``auto`` (the default), ``firecracker`` or ``qemu``.
+``auto`` takes Firecracker when its binary is installed and KVM really runs guests (the
+timed probe in :mod:`kvm`), else QEMU (which falls back to TCG without KVM). An explicit
+choice that cannot work here is refused with the reason, never silently replaced.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+
+from dsec.core.errors import BackendUnavailable, InvalidArgument
+from dsec.edge.backends.microvm import kvm
+
+CHOICES = ("auto", "firecracker", "qemu")
+QEMU_BINARY = "qemu-system-x86_64"
+
+
+def choose_vmm(
+    preference: str = "auto",
+    *,
+    which: Callable[[str], str | None] = shutil.which,
+    kvm_usable: Callable[[], tuple[bool, str]] = kvm.usable,
+) -> tuple[str, str]:
+    """``(driver name, why)`` for ``preference``; raise ``BackendUnavailable`` when the
+    asked-for driver (or, for ``auto``, any driver) cannot run here."""
+    if preference not in CHOICES:
+        raise InvalidArgument(f"--vmm must be one of {', '.join(CHOICES)}, not {preference!r}")
+    fc, qemu = which("firecracker"), which(QEMU_BINARY)
+    if preference in ("auto", "firecracker"):
+        if fc is None:
+            fc_why = "firecracker binary not found on PATH"
+        else:
+            ok, detail = kvm_usable()
+            if ok:
+                return "firecracker", f"{fc} with KVM ({detail})"
+            fc_why = f"firecracker needs KVM, which cannot run guests here: {detail}"
+        if preference == "firecracker":
+            raise BackendUnavailable(fc_why)
+    if qemu is None:
+        why = f"{QEMU_BINARY} not found on PATH"
+        raise BackendUnavailable(why if preference == "qemu" else f"{fc_why}; {why}")
+    ok, detail = kvm_usable()
+    accel = "kvm" if ok else f"tcg, since KVM cannot run guests here: {detail}"
+    if preference == "qemu":
+        return "qemu", f"asked for; {qemu} with {accel}"
+    return "qemu", f"{fc_why}; {qemu} with {accel}"

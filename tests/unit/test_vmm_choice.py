@@ -1,0 +1,66 @@
+"""How an edge picks its VMM driver from ``--vmm`` and what the host has."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from dsec.core.errors import BackendUnavailable, InvalidArgument
+from dsec.edge.app import parse_args
+from dsec.edge.backends.microvm.choice import choose_vmm
+
+BOTH = {"firecracker": "/usr/local/bin/firecracker", "qemu-system-x86_64": "/usr/bin/qemu"}
+
+
+def host(bins: dict[str, str], kvm_ok: bool):
+    return {
+        "which": bins.get,
+        "kvm_usable": lambda: (kvm_ok, "probe guest ran" if kvm_ok else "KVM_RUN hangs"),
+    }
+
+
+def test_auto_prefers_firecracker_when_kvm_works() -> None:
+    name, why = choose_vmm("auto", **host(BOTH, True))
+    assert name == "firecracker"
+    assert "probe guest ran" in why
+
+
+def test_auto_falls_back_to_qemu_with_the_reason() -> None:
+    name, why = choose_vmm("auto", **host(BOTH, False))
+    assert name == "qemu"
+    assert "KVM_RUN hangs" in why
+    assert "tcg" in why
+    name, why = choose_vmm("auto", **host({"qemu-system-x86_64": "/q"}, True))
+    assert (name, "firecracker binary not found" in why, "with kvm" in why) == ("qemu", True, True)
+
+
+def test_explicit_choices() -> None:
+    assert choose_vmm("qemu", **host(BOTH, True))[0] == "qemu"
+    with pytest.raises(BackendUnavailable, match="KVM_RUN hangs"):
+        choose_vmm("firecracker", **host(BOTH, False))
+    with pytest.raises(BackendUnavailable, match="firecracker binary not found"):
+        choose_vmm("firecracker", **host({}, True))
+    with pytest.raises(BackendUnavailable, match="qemu-system-x86_64 not found"):
+        choose_vmm("qemu", **host({"firecracker": "/f"}, True))
+    with pytest.raises(BackendUnavailable, match=r"not found on PATH; qemu"):
+        choose_vmm("auto", **host({}, False))
+    with pytest.raises(InvalidArgument, match="must be one of"):
+        choose_vmm("xen")
+
+
+def test_choice_on_this_host_has_a_reason() -> None:
+    if shutil.which("firecracker") is None and shutil.which("qemu-system-x86_64") is None:
+        with pytest.raises(BackendUnavailable, match="not found"):
+            choose_vmm("auto")
+        return
+    name, why = choose_vmm("auto")
+    assert name in ("firecracker", "qemu")
+    assert why
+
+
+def test_edge_flag() -> None:
+    assert parse_args([]).vmm == "auto"
+    assert parse_args(["--vmm", "firecracker"]).vmm == "firecracker"
+    with pytest.raises(SystemExit):
+        parse_args(["--vmm", "xen"])
