@@ -1,0 +1,601 @@
+"""The function pool: one process per edge that keeps isolated workers ready and serves calls.
+
+``python -m dsec.edge.backends.function.pool --control-fd N --state DIR --cgroup PATH``
+
+The backend (in the edge) registers each function sandbox over the control socket with the
+listening socket of its ``agent_socket``; from then on the pool speaks aether's runtime
+protocol on it, so the edge relays calls exactly as it does for containers:
+
+* it reads the request frame itself: ``ping`` is answered here, ops that need state
+  (files on a persistent filesystem, processes, PTYs, shells, HTTP/TCP to a server) get a
+  ``backend_unavailable`` error naming the backend to use instead;
+* an ``exec`` goes, with the connection, to a ready worker of the sandbox's image after
+  the call's memory, CPU and pids limits are written to that worker's cgroup. The worker
+  answers on the connection itself and exits; the pool then removes its cgroup and forks
+  a fresh worker, so every call starts from a clean root in fresh namespaces.
+
+One thread, one ``selectors`` loop: control messages, listening sockets, half-read
+requests, worker sockets (``pid``/``ready``), worker pidfds (exit) and call deadlines.
+The pool is a child subreaper (it inherits each worker's pid 1) and gets SIGTERM when the
+edge dies; on SIGTERM or a closed control socket it kills every worker, removes their
+cgroups and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec.agent import protocol
+from dsec.edge.backends.container import cgroups
+from dsec.edge.backends.function import kernel, worker
+
+WARM = int(os.environ.get("DSEC_FUNCTION_WARM", "2"))  # ready workers kept per image
+DEFAULT_CALL_TIMEOUT_S = 300.0
+DEADLINE_GRACE_S = 2.0  # the worker enforces the timeout; the pool kills it after this
+MAX_REQUEST = 4 * 1024 * 1024
+START_FAILURES_TO_GIVE_UP = 5
+
+# Ops a function call cannot serve, with the backend that can.
+STATEFUL = {
+    "files.": "has no persistent filesystem (pass files with exec's 'files'/'outputs')",
+    "process.": "has no persistent processes",
+    "pty.": "has no terminals",
+    "shell.": "has no persistent shells",
+    "http": "runs no servers between calls",
+    "tcp": "runs no servers between calls",
+}
+
+
+def stateful_error(op: str) -> str | None:
+    for prefix, why in STATEFUL.items():
+        if op == prefix or (prefix.endswith(".") and op.startswith(prefix)):
+            return f"backend 'function' {why}; use backend='container' for {op!r}"
+    return None
+
+
+@dataclass(eq=False)
+class Sandbox:
+    id: str
+    listener: socket.socket
+    image: tuple[str, ...]
+    env: dict[str, str]
+    workdir: str
+    memory_mb: int
+    cpu: float
+    pids: int
+
+
+@dataclass(eq=False)
+class Worker:
+    seq: int
+    image: tuple[str, ...]
+    sock: socket.socket
+    cgroup: str
+    pid: int
+    pidfd: int = -1
+    state: str = "starting"  # starting | ready | busy
+    sandbox: str = ""
+    deadline: float = 0.0
+
+
+@dataclass(eq=False)
+class PendingCall:
+    sandbox: Sandbox
+    conn: socket.socket
+    request: dict[str, Any]
+
+
+@dataclass(eq=False)
+class HalfRead:
+    sandbox: Sandbox
+    conn: socket.socket
+    buf: bytearray = field(default_factory=bytearray)
+
+
+@dataclass(eq=False)
+class ImagePool:
+    users: int = 0
+    ready: collections.deque[Worker] = field(default_factory=collections.deque)
+    starting: int = 0
+    pending: collections.deque[PendingCall] = field(default_factory=collections.deque)
+    failures: int = 0
+
+
+class Pool:
+    def __init__(self, control: socket.socket, state_dir: Path, cgroup: str) -> None:
+        self.control = control
+        self.state_dir = state_dir
+        self.scratch = state_dir / "mnt"
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.layout = cgroups.detect()
+        self.cgroup = "/" + cgroup.strip("/")
+        self.filter = kernel.SeccompFilter()
+        self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.sel = selectors.DefaultSelector()
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.images: dict[tuple[str, ...], ImagePool] = {}
+        self.workers: dict[int, Worker] = {}  # by seq
+        self.seq = 0
+        self.started = time.monotonic()
+        self.running = True
+        self.sel.register(control, selectors.EVENT_READ, ("control", None))
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)
+        self.sel.register(self.wake_r, selectors.EVENT_READ, ("wakeup", None))
+        self._remove_stale_cgroups()
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        while self.running:
+            timeout = self._next_deadline()
+            for key, _ in self.sel.select(timeout):
+                kind, obj = key.data
+                try:
+                    getattr(self, f"_on_{kind}")(obj)
+                except Exception as exc:  # one bad event must not stop the pool
+                    _log(f"{kind} event failed: {type(exc).__name__}: {exc}")
+            self._enforce_deadlines()
+        self.shutdown()
+
+    def _next_deadline(self) -> float | None:
+        busy = [w.deadline for w in self.workers.values() if w.state == "busy"]
+        return max(0.0, min(busy) - time.monotonic()) if busy else None
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if w.state == "busy" and w.deadline <= now:
+                _log(f"worker {w.pid} overran its call's deadline; killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGKILL)
+                w.deadline = now + 3600
+
+    def _on_wakeup(self, _: None) -> None:
+        with contextlib.suppress(OSError):
+            os.read(self.wake_r, 512)
+
+    # ---- control -----------------------------------------------------------------------
+
+    def _on_control(self, _: None) -> None:
+        fds: list[int] = []
+        try:
+            msg, fds, _, _ = socket.recv_fds(self.control, 1 << 20, 1)
+        except OSError:
+            msg = b""
+        if not msg:
+            self.running = False
+            return
+        try:
+            req = json.loads(msg)
+            reply = self._control(req, fds)
+        except Exception as exc:
+            for fd in fds:
+                os.close(fd)
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        self.control.send(json.dumps(reply).encode())
+
+    def _control(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "add":
+            self._add(req, fds[0])
+        elif op == "remove":
+            self._remove(str(req["id"]))
+        elif op == "stats":
+            return {
+                "pid": os.getpid(),
+                "sandboxes": sorted(self.sandboxes),
+                "workers": [
+                    {"pid": w.pid, "state": w.state, "sandbox": w.sandbox, "cgroup": w.cgroup}
+                    for w in self.workers.values()
+                ],
+            }
+        elif op == "shutdown":
+            self.running = False
+        else:
+            raise ValueError(f"unknown control op {op!r}")
+        return {"ok": True}
+
+    def _add(self, req: dict[str, Any], fd: int) -> None:
+        sid = str(req["id"])
+        if sid in self.sandboxes:
+            os.close(fd)
+            return
+        listener = socket.socket(fileno=fd)
+        listener.setblocking(False)
+        sb = Sandbox(
+            id=sid,
+            listener=listener,
+            image=tuple(req["layers"]),
+            env=dict(req.get("env") or {}),
+            workdir=str(req.get("workdir") or ""),
+            memory_mb=int(req["memory_mb"]),
+            cpu=float(req["cpu"]),
+            pids=int(req["pids"]),
+        )
+        self.sandboxes[sid] = sb
+        self.sel.register(listener, selectors.EVENT_READ, ("accept", sb))
+        pool = self.images.setdefault(sb.image, ImagePool())
+        pool.users += 1
+        pool.failures = 0  # a new sandbox tries again
+        self._refill(sb.image)
+
+    def _remove(self, sid: str) -> None:
+        sb = self.sandboxes.pop(sid, None)
+        if sb is None:
+            return
+        self.sel.unregister(sb.listener)
+        sb.listener.close()
+        for key in list(self.sel.get_map().values()):
+            kind, obj = key.data
+            if kind == "request" and obj.sandbox is sb:
+                self._drop_half(obj)
+        for w in self.workers.values():
+            if w.state == "busy" and w.sandbox == sid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGKILL)
+        pool = self.images[sb.image]
+        for call in [c for c in pool.pending if c.sandbox is sb]:
+            pool.pending.remove(call)
+            call.conn.close()
+        pool.users -= 1
+        if pool.users <= 0:
+            while pool.ready:
+                self._kill(pool.ready.popleft())
+            del self.images[sb.image]
+
+    # ---- calls -------------------------------------------------------------------------
+
+    def _on_accept(self, sb: Sandbox) -> None:
+        while True:
+            try:
+                conn, _ = sb.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.setblocking(False)
+            half = HalfRead(sb, conn)
+            self.sel.register(conn, selectors.EVENT_READ, ("request", half))
+
+    def _drop_half(self, half: HalfRead) -> None:
+        self.sel.unregister(half.conn)
+        half.conn.close()
+
+    def _on_request(self, half: HalfRead) -> None:
+        """Read the request frame, never a byte beyond it (stdin frames follow)."""
+        need = protocol.HEADER.size
+        if len(half.buf) >= need:
+            length, _ = protocol.parse_header(bytes(half.buf[:need]))
+            need += length
+        try:
+            chunk = half.conn.recv(need - len(half.buf))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop_half(half)
+            return
+        half.buf += chunk
+        if len(half.buf) == protocol.HEADER.size:
+            length, kind = protocol.parse_header(bytes(half.buf))
+            if kind != protocol.KIND_JSON or length > MAX_REQUEST:
+                self._answer(half, protocol.error("invalid_argument", "bad request frame"))
+            return
+        length, _ = protocol.parse_header(bytes(half.buf[: protocol.HEADER.size]))
+        if len(half.buf) < protocol.HEADER.size + length:
+            return
+        self.sel.unregister(half.conn)
+        try:
+            req = protocol.decode_json(bytes(half.buf[protocol.HEADER.size :]))
+        except protocol.ProtocolError as exc:
+            self._answer(half, protocol.error("invalid_argument", str(exc)), registered=False)
+            return
+        self._route(half.sandbox, half.conn, req)
+
+    def _answer(self, half: HalfRead, frame: bytes, registered: bool = True) -> None:
+        if registered:
+            self.sel.unregister(half.conn)
+        _send_and_close(half.conn, frame)
+
+    def _route(self, sb: Sandbox, conn: socket.socket, req: dict[str, Any]) -> None:
+        op = str(req.get("op", ""))
+        if op == "ping":
+            uptime = round(time.monotonic() - self.started, 3)
+            value = {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid(), "uptime_s": uptime}
+            _send_and_close(conn, protocol.result(value))
+            return
+        why = stateful_error(op)
+        if why is not None:
+            _send_and_close(conn, protocol.error("backend_unavailable", why))
+            return
+        if op != "exec":
+            _send_and_close(conn, protocol.error("invalid_argument", f"unknown op {op!r}"))
+            return
+        error = _check_limits(sb, req)
+        if error:
+            _send_and_close(conn, protocol.error("invalid_argument", error))
+            return
+        pool = self.images[sb.image]
+        pool.pending.append(PendingCall(sb, conn, req))
+        self._dispatch(sb.image)
+
+    def _dispatch(self, image: tuple[str, ...]) -> None:
+        pool = self.images.get(image)
+        if pool is None:
+            return
+        while pool.pending and pool.ready:
+            call, w = pool.pending.popleft(), pool.ready.popleft()
+            try:
+                self._hand_over(w, call)
+            except OSError as exc:
+                _log(f"handing a call to worker {w.pid} failed: {exc}")
+                _send_and_close(call.conn, protocol.error("unavailable", "function worker lost"))
+                self._kill(w)
+        self._refill(image)
+
+    def _hand_over(self, w: Worker, call: PendingCall) -> None:
+        sb, req = call.sandbox, call.request
+        memory_mb = int(req.get("memory_mb") or sb.memory_mb)
+        self._set_limits(w.cgroup, memory_mb, sb.cpu, sb.pids)
+        timeout = req.get("timeout") or DEFAULT_CALL_TIMEOUT_S
+        req = {**req, "timeout": timeout}
+        req.pop("memory_mb", None)
+        call.conn.setblocking(True)
+        msg = json.dumps(
+            {"request": req, "sandbox": {"id": sb.id, "env": sb.env, "workdir": sb.workdir}}
+        ).encode()
+        socket.send_fds(w.sock, [msg], [call.conn.fileno()])
+        call.conn.close()
+        w.state, w.sandbox = "busy", sb.id
+        w.deadline = time.monotonic() + float(timeout) + DEADLINE_GRACE_S
+
+    # ---- workers -----------------------------------------------------------------------
+
+    def _refill(self, image: tuple[str, ...]) -> None:
+        pool = self.images.get(image)
+        if pool is None or pool.failures >= START_FAILURES_TO_GIVE_UP:
+            if pool is not None:
+                while pool.pending:
+                    call = pool.pending.popleft()
+                    msg = "function workers fail to start on this edge (see the edge log)"
+                    _send_and_close(call.conn, protocol.error("sandbox_failed", msg))
+            return
+        while len(pool.ready) + pool.starting < WARM + len(pool.pending):
+            self._start_worker(image)
+            pool.starting += 1
+
+    def _start_worker(self, image: tuple[str, ...]) -> None:
+        self.seq += 1
+        rel = f"{self.cgroup}/w{os.getpid()}-{self.seq}"
+        dirs = self._make_cgroup(rel)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        spec = worker.WorkerSpec(
+            layers=image, scratch=str(self.scratch), oom_file=self._oom_file(rel)
+        )
+        try:
+            pid = worker.fork_worker(spec, self.filter, theirs.fileno(), self.pidns_fd)
+        finally:
+            theirs.close()
+        w = Worker(seq=self.seq, image=image, sock=ours, cgroup=rel, pid=pid)
+        self.workers[w.seq] = w
+        w.pidfd = os.pidfd_open(pid)
+        self.sel.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
+        self.sel.register(ours, selectors.EVENT_READ, ("worker", w))
+        try:
+            for d in dirs:
+                _write(d / "cgroup.procs", str(pid))
+            ours.send(b"go")
+        except OSError as exc:
+            _log(f"could not place worker {pid} in its cgroup: {exc}")
+            self._kill(w)
+
+    def _on_worker(self, w: Worker) -> None:
+        try:
+            msg = w.sock.recv(64)
+        except OSError:
+            msg = b""
+        if msg == b"ready":
+            pool = self.images.get(w.image)
+            if pool is None:
+                self._kill(w)
+                return
+            pool.starting -= 1
+            pool.failures = 0
+            w.state = "ready"
+            pool.ready.append(w)
+            self._dispatch(w.image)
+            return
+        self.sel.unregister(w.sock)  # closed: it exited; its pidfd reports that
+
+    def _on_exit(self, w: Worker) -> None:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(w.pid, 0)
+        self._reap(w)
+
+    def _reap(self, w: Worker) -> None:
+        if self.workers.pop(w.seq, None) is None:
+            return
+        if w.pidfd >= 0:
+            self.sel.unregister(w.pidfd)
+            os.close(w.pidfd)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(w.sock)
+        w.sock.close()
+        left = cgroups.remove(self.layout, w.cgroup)
+        if left:
+            _log(f"cgroups left by worker {w.pid}: {', '.join(map(str, left))}")
+        pool = self.images.get(w.image)
+        if pool is not None:
+            if w.state == "starting":
+                pool.starting -= 1
+                pool.failures += 1
+                _log(f"a function worker failed to start ({pool.failures} in a row)")
+            elif w in pool.ready:
+                pool.ready.remove(w)
+            self._refill(w.image)
+
+    def _kill(self, w: Worker) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, signal.SIGKILL)
+
+    # ---- cgroups -----------------------------------------------------------------------
+
+    def _controllers(self) -> tuple[str, ...]:
+        return ("memory", "pids", "cpu")
+
+    def _dirs(self, rel: str) -> list[Path]:
+        out: list[Path] = []
+        for ctl in self._controllers():
+            d = self.layout.controller_dir(ctl, rel)
+            if d is not None and d not in out:
+                out.append(d)
+        return out
+
+    def _make_cgroup(self, rel: str) -> list[Path]:
+        dirs = self._dirs(rel)
+        for d in dirs:
+            if self.layout.mode is cgroups.CgroupMode.V2:
+                _enable_v2(self.layout.root, d)
+            d.mkdir(parents=True, exist_ok=True)
+        return dirs
+
+    def _oom_file(self, rel: str) -> str:
+        d = self.layout.controller_dir("memory", rel)
+        if d is None:
+            return ""
+        return str(d / ("memory.oom_control" if "memory" in self.layout.v1 else "memory.events"))
+
+    def _set_limits(self, rel: str, memory_mb: int, cpu: float, pids: int) -> None:
+        mem = self.layout.controller_dir("memory", rel)
+        v1 = "memory" in self.layout.v1
+        if mem is not None:
+            limit = str(memory_mb * 1024 * 1024)
+            if v1:
+                _write(mem / "memory.limit_in_bytes", limit)
+                _write(mem / "memory.memsw.limit_in_bytes", limit, optional=True)
+            else:
+                _write(mem / "memory.max", limit)
+                _write(mem / "memory.swap.max", "0", optional=True)
+        pd = self.layout.controller_dir("pids", rel)
+        if pd is not None:
+            _write(pd / "pids.max", str(pids))
+        cd = self.layout.controller_dir("cpu", rel)
+        if cd is not None:
+            quota = max(1000, int(cpu * 100_000))
+            if "cpu" in self.layout.v1:
+                _write(cd / "cpu.cfs_period_us", "100000", optional=True)
+                _write(cd / "cpu.cfs_quota_us", str(quota), optional=True)
+            else:
+                _write(cd / "cpu.max", f"{quota} 100000", optional=True)
+
+    def _remove_stale_cgroups(self) -> None:
+        """Workers of an earlier pool that died without cleaning up (killed with -9)."""
+        for d in cgroups.list_children(self.layout, self.cgroup):
+            rel = f"{self.cgroup}/{d.name}"
+            cgroups.remove(self.layout, rel)
+
+    # ---- shutdown ----------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        for sid in list(self.sandboxes):
+            self._remove(sid)
+        for w in list(self.workers.values()):
+            self._kill(w)
+        deadline = time.monotonic() + 5
+        for w in list(self.workers.values()):
+            with contextlib.suppress(ChildProcessError):
+                while time.monotonic() < deadline:
+                    pid, _ = os.waitpid(w.pid, os.WNOHANG)
+                    if pid:
+                        break
+                    time.sleep(0.005)
+            self.images.clear()
+            self._reap(w)
+        cgroups.remove_if_empty(self.layout, self.cgroup)
+
+
+def _enable_v2(root: Path, d: Path) -> None:
+    """Enable memory, pids and cpu for the children of every ancestor of ``d`` (v2)."""
+    parent = root
+    for part in d.relative_to(root).parts[:-1]:
+        with contextlib.suppress(OSError):
+            (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+        parent = parent / part
+        parent.mkdir(exist_ok=True)
+    with contextlib.suppress(OSError):
+        (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+
+
+def _check_limits(sb: Sandbox, req: dict[str, Any]) -> str:
+    mem = req.get("memory_mb")
+    if mem is not None and (
+        not isinstance(mem, int) or isinstance(mem, bool) or not 16 <= mem <= sb.memory_mb
+    ):
+        return f"memory_mb must be an integer between 16 and the sandbox's {sb.memory_mb}"
+    timeout = req.get("timeout")
+    if timeout is not None and (
+        not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0
+    ):
+        return "timeout must be a positive number of seconds"
+    return ""
+
+
+def _write(path: Path, value: str, *, optional: bool = False) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except OSError:
+        if not optional:
+            raise
+
+
+def _send_and_close(conn: socket.socket, frame: bytes) -> None:
+    try:
+        conn.setblocking(True)
+        conn.settimeout(1.0)
+        conn.sendall(frame)
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def _log(message: str) -> None:
+    sys.stderr.write(f"dsec-function-pool[{os.getpid()}]: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="dsec-function-pool")
+    ap.add_argument("--control-fd", type=int, required=True)
+    ap.add_argument("--state", type=Path, required=True)
+    ap.add_argument("--cgroup", required=True)
+    args = ap.parse_args(argv)
+    kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGTERM)
+    kernel.prctl(kernel.PR_SET_CHILD_SUBREAPER, 1)
+    control = socket.socket(fileno=args.control_fd)
+    pool = Pool(control, args.state, args.cgroup)
+
+    def stop(signum: int, frame: object) -> None:
+        pool.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    control.send(b'{"ready": true}')
+    pool.run()
+
+
+if __name__ == "__main__":
+    main()

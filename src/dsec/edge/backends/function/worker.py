@@ -1,0 +1,291 @@
+"""One function worker: a process in fresh namespaces that serves exactly one ``exec``.
+
+The pool forks it ahead of time (:func:`fork_worker`). The first child joins the worker's
+cgroup, unshares mount, pid, ipc, uts, net and cgroup namespaces and forks the second,
+which is pid 1 of the new pid namespace and exits at once (the pool is a child subreaper,
+so it inherits pid 1). Pid 1 then builds its root:
+
+    tmpfs (private, per worker)  ── upper/ work/ ──┐
+    image layers (read-only) ─────────── overlay ──┴─> root/   + /proc (own pid ns)
+                                                                + /dev (tmpfs, 5 nodes)
+
+pivots into it, brings up ``lo`` in its empty network namespace, loads the seccomp filter
+and says ``ready``. When the pool hands it a connection (the request already read), it
+writes the call's files, runs the command with aether's own ``exec`` code as an
+unprivileged user, reads the files asked for, answers, and exits: the kernel kills
+whatever the command left behind with pid 1, and every byte the call wrote lived in the
+tmpfs, so nothing carries over to the next call.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import stat
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsec.agent import execop, users
+from dsec.agent.wire import AgentError, Conn
+from dsec.edge.backends.container import mounts
+from dsec.edge.backends.container.overlay import overlay_options
+from dsec.edge.backends.function import kernel
+
+UNPRIVILEGED_UID = 65534  # nobody
+SCRATCH_SIZE_MB = 1024  # the per-call tmpfs (writes are charged to the call's memory limit)
+MAX_FILE_BYTES = 2 * 1024 * 1024  # files in and out, together, per call (JSON frame bound)
+HOSTNAME = "function"
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_RDONLY = 0x2, 0x4, 0x8, 0x1
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker is built from (one per image)."""
+
+    layers: tuple[str, ...]  # top..bottom, as overlayfs wants them
+    scratch: str  # an empty host directory the worker mounts its tmpfs on
+    oom_file: str  # memory.oom_control (v1) or memory.events (v2) of that cgroup
+
+
+def fork_worker(
+    spec: WorkerSpec, filt: kernel.SeccompFilter, keep_fd: int, own_pidns_fd: int
+) -> int:
+    """Fork a worker (pid 1 of a new pid namespace) and return its host pid.
+
+    The caller moves it into its cgroup and then sends ``go``; the worker says ``ready``
+    on ``keep_fd`` once its root is built.
+    """
+    pid = kernel.fork_into_new_pidns(own_pidns_fd)
+    if pid:
+        return pid
+    code = 1
+    try:
+        _worker_main(spec, filt, keep_fd)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> None:
+    os.closerange(3, sock_fd)
+    os.closerange(sock_fd + 1, 65536)
+    sock = socket.socket(fileno=sock_fd)
+    if sock.recv(16) != b"go":  # the pool moved us into our cgroup (or gave up on us)
+        return
+    oom_fd = os.open(spec.oom_file, os.O_RDONLY | os.O_CLOEXEC) if spec.oom_file else -1
+    kernel.unshare(kernel.WORKER_NAMESPACES)
+    try:  # the OOM killer should take the command, not the worker (needs CAP_SYS_RESOURCE)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-1000")
+    except OSError:
+        pass
+    _build_root(spec)
+    kernel.prctl(kernel.PR_SET_DUMPABLE, 0)
+    filt.load()
+    sock.send(b"ready")
+    code = serve_one(sock, oom_fd)
+    os._exit(code)
+
+
+def _build_root(spec: WorkerSpec) -> None:
+    mounts.mount(None, "/", None, mounts.MS_REC | mounts.MS_PRIVATE)
+    base = spec.scratch
+    mounts.mount(
+        "tmpfs", base, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SCRATCH_SIZE_MB}m,mode=0755"
+    )
+    for d in ("upper", "work", "root"):
+        os.mkdir(os.path.join(base, d), 0o755)
+    root = os.path.join(base, "root")
+    data = overlay_options([Path(p) for p in spec.layers], Path(base, "upper"), Path(base, "work"))
+    mounts.mount("overlay", root, "overlay", _MS_NODEV, data)
+    for d in ("proc", "dev", "tmp"):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    os.chmod(os.path.join(root, "tmp"), 0o1777)
+    mounts.mount("proc", os.path.join(root, "proc"), "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    dev = os.path.join(root, "dev")
+    mounts.mount("tmpfs", dev, "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=0755")
+    kernel.make_devices(dev)
+    etc = os.path.join(root, "etc")
+    os.makedirs(etc, exist_ok=True)
+    for name, text in (
+        ("hostname", f"{HOSTNAME}\n"),
+        ("hosts", f"127.0.0.1\tlocalhost {HOSTNAME}\n::1\tlocalhost\n"),
+        ("resolv.conf", "# no network in function calls\n"),
+    ):
+        path = os.path.join(etc, name)
+        if os.path.islink(path):
+            os.unlink(path)
+        with open(path, "w") as f:
+            f.write(text)
+    socket.sethostname(HOSTNAME)
+    kernel.loopback_up()
+    kernel.pivot_root(root)
+
+
+# ---- the call -----------------------------------------------------------------------------
+
+
+def serve_one(sock: socket.socket, oom_fd: int) -> int:
+    """Wait for the pool's dispatch, run the call, answer it; return the exit code."""
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
+    except OSError:
+        return 1
+    if not msg or not fds:
+        return 0  # the pool closed: no call for this worker
+    os.set_inheritable(fds[0], False)
+    conn = Conn(socket.socket(fileno=fds[0]))
+    try:
+        dispatch = _loads(msg)
+        result = run_call(conn, dispatch["request"], dispatch["sandbox"], oom_fd)
+        if not conn.answered:
+            conn.result(result)
+    except AgentError as exc:
+        if not conn.answered:
+            conn.error(exc.code, exc.message)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    except Exception as exc:
+        traceback.print_exc()
+        if not conn.answered:
+            conn.error("internal", f"{type(exc).__name__}: {exc}")
+    finally:
+        conn.close()
+    return 0
+
+
+def _loads(data: bytes) -> dict[str, Any]:
+    from dsec.agent.wire import loads
+
+    return loads(data)
+
+
+def run_call(
+    conn: Conn, req: dict[str, Any], sandbox: dict[str, Any], oom_fd: int
+) -> dict[str, Any] | None:
+    """Run one ``exec`` request in this worker's root as the unprivileged user."""
+    user = users.resolve(req.get("user", UNPRIVILEGED_UID))
+    if user.uid == 0:
+        raise AgentError(
+            "permission_denied",
+            "backend 'function' runs calls as an unprivileged user; use backend='container' "
+            "to run as root",
+        )
+    os.environ.clear()
+    os.environ.update(sandbox.get("env") or {})
+    os.environ.setdefault("PATH", users.DEFAULT_PATH)
+    env = dict(req.get("env") or {})
+    env.setdefault("HOME", "/tmp")
+    req = {**req, "user": user.uid, "env": env}
+    workdir = sandbox.get("workdir") or "/"
+    req.setdefault("cwd", "/tmp" if workdir == "/" else workdir)
+    if not str(req["cwd"]).startswith("/"):
+        req["cwd"] = os.path.join("/tmp", req["cwd"])
+    budget = [MAX_FILE_BYTES]
+    for item in req.pop("files", None) or []:
+        _write_file(item, user, budget)
+    outputs = req.pop("outputs", None) or []
+    if not isinstance(outputs, list) or not all(isinstance(p, str) for p in outputs):
+        raise AgentError("invalid_argument", "'outputs' must be a list of paths")
+    _become(user, req["cwd"])
+    result = execop.op_exec(conn, req)
+    assert result is not None
+    files = [f for f in (_read_file(p, budget) for p in outputs) if f is not None]
+    if files or outputs:
+        result["files"] = files
+    if oom_fd >= 0 and _oom_kills(oom_fd) > 0:
+        result["oom_killed"] = True
+    return result
+
+
+def _become(user: users.User, cwd: str) -> None:
+    """Switch to the call's user and directory, so the command starts by vfork (fast)."""
+    os.setgroups(list(user.groups))
+    os.setgid(user.gid)
+    os.setuid(user.uid)
+    kernel.prctl(kernel.PR_SET_DUMPABLE, 0)  # setuid reset it; keep the pool's memory private
+    try:
+        os.chdir(cwd)
+    except OSError as exc:
+        raise AgentError("not_found", f"working directory {cwd}: {exc.strerror}") from None
+
+
+def _write_file(item: Any, user: users.User, budget: list[int]) -> None:
+    if not isinstance(item, dict) or not isinstance(item.get("path"), str):
+        raise AgentError("invalid_argument", "each of 'files' needs a 'path' and 'data'")
+    path = item["path"] if item["path"].startswith("/") else os.path.join("/tmp", item["path"])
+    try:
+        data = base64.b64decode(item.get("data") or "", validate=True)
+    except ValueError:
+        raise AgentError("invalid_argument", f"file {path}: 'data' is not base64") from None
+    budget[0] -= len(data)
+    if budget[0] < 0:
+        raise AgentError("payload_too_large", f"files of one call exceed {MAX_FILE_BYTES} bytes")
+    mode = item.get("mode", 0o644)
+    parent = os.path.dirname(path)
+    missing: list[str] = []
+    while parent and not os.path.isdir(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for d in reversed(missing):
+        os.mkdir(d, 0o755)
+        os.chown(d, user.uid, user.gid)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode & 0o7777)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fchown(fd, user.uid, user.gid)
+        os.fchmod(fd, mode & 0o7777)
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: str, budget: list[int]) -> dict[str, Any] | None:
+    """A regular file the call left (never one of /proc or /dev, never via a final link)."""
+    if not path.startswith("/"):
+        path = os.path.join("/tmp", path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_dev in _special_devs():
+            return None
+        if st.st_size > budget[0]:
+            raise AgentError(
+                "payload_too_large", f"output files of one call exceed {MAX_FILE_BYTES} bytes"
+            )
+        data = os.read(fd, st.st_size + 1)[: budget[0]]
+        budget[0] -= len(data)
+        return {"path": path, "data": base64.b64encode(data).decode(), "mode": st.st_mode & 0o7777}
+    finally:
+        os.close(fd)
+
+
+def _special_devs() -> set[int]:
+    out = set()
+    for p in ("/proc", "/dev"):
+        try:
+            out.add(os.stat(p).st_dev)
+        except OSError:
+            pass
+    return out
+
+
+def _oom_kills(fd: int) -> int:
+    try:
+        text = os.pread(fd, 4096, 0).decode()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return 0
