@@ -172,7 +172,7 @@ class Pool:
     def _on_control(self, _: None) -> None:
         fds: list[int] = []
         try:
-            msg, fds, _, _ = socket.recv_fds(self.control, 1 << 20, 1)
+            msg, fds, _flags, _addr = socket.recv_fds(self.control, 1 << 20, 1)
         except OSError:
             msg = b""
         if not msg:
