@@ -82,12 +82,16 @@ def make_backends(
     container = ContainerBackend(
         paths, edge_id, image_store=ImageStore(paths.images), network=network
     )
+    from dsec.edge.backends.function.backend import FunctionBackend
+
+    function = FunctionBackend(paths, edge_id, image_store=ImageStore(paths.images))
     out: dict[str, Backend] = {}
-    avail = container.availability()
-    if avail.available:
-        out["container"] = container
-    else:
-        log(_log, "container backend unavailable", logging.WARNING, reason=avail.reason)
+    for backend in (container, function):
+        avail = backend.availability()
+        if avail.available:
+            out[backend.name] = backend
+        else:
+            log(_log, f"{backend.name} backend unavailable", logging.WARNING, reason=avail.reason)
     return out
 
 
@@ -243,6 +247,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                     await asyncio.to_thread(backend.release_host_setup)
         if network is not None:
             await network.close()
+        for backend in backends.values():
+            close = getattr(backend, "close", None)
+            if close is not None:  # the function pool (it would also stop with the edge)
+                await close()
         manager.close()
         records.close()
         if metrics_runner is not None:

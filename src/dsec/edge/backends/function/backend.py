@@ -269,7 +269,8 @@ class FunctionBackend:
         """Unregister (killing its calls in flight) and remove its socket and state dir."""
         _check_id(sandbox_id)
         if sandbox_id in self._registered and self.pool_pid():
-            await asyncio.to_thread(self._send, {"op": "remove", "id": sandbox_id})
+            with contextlib.suppress(SandboxFailed):  # a dead pool has dropped it already
+                await asyncio.to_thread(self._send, {"op": "remove", "id": sandbox_id})
         self._registered.discard(sandbox_id)
         with contextlib.suppress(FileNotFoundError):
             paths.agent_socket.unlink()
@@ -280,6 +281,18 @@ class FunctionBackend:
         stats = await self.stats()
         busy = [w for w in stats["workers"] if w["sandbox"] == sandbox_id]
         return {"calls_running": float(len(busy))}
+
+    def leaked(self, sandbox_id: str, paths: SandboxPaths | None = None) -> list[str]:
+        """What is left of a destroyed sandbox, or of the pool once closed (empty: nothing)."""
+        out: list[str] = []
+        if paths is not None:
+            out += [f"{p} exists" for p in (paths.agent_socket, paths.state_dir) if p.exists()]
+        if sandbox_id in self._registered:
+            out.append(f"{sandbox_id} is still registered with the pool")
+        if not self.pool_pid():
+            layout = cgroups.detect()
+            out += [f"cgroup left: {d}" for d in cgroups.list_children(layout, self.cgroup)]
+        return out
 
     def release_host_setup(self) -> None:
         """Remove the pool's cgroup parent if it is empty (the pool removes the rest)."""
