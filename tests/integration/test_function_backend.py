@@ -140,10 +140,12 @@ async def test_call_over_its_memory_limit_is_oom_killed(fn: Fn) -> None:
     hog = ["python3", "-c", "x = bytearray(200 * 2**20); print('survived')"]
     res, out = await fn.run(hog, memory_mb=48)
     assert out["oom_killed"] is True, (out, res.stderr)
-    assert out["exit_code"] == 137 and out["signal"] == 9
+    assert out["exit_code"] == 137
+    assert out["signal"] == 9
     assert b"survived" not in res.stdout
     _, out = await fn.run(["python3", "-c", "x = bytearray(20 * 2**20)"], memory_mb=64)
-    assert out["exit_code"] == 0 and "oom_killed" not in out
+    assert out["exit_code"] == 0
+    assert "oom_killed" not in out
 
 
 @pytest.mark.asyncio
