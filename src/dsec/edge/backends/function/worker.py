@@ -19,16 +19,14 @@ tmpfs, so nothing carries over to the next call.
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
-import stat
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsec.agent import execop, users
+from dsec.agent import callfiles, execop, users
 from dsec.agent.wire import AgentError, Conn
 from dsec.edge.backends.container import mounts
 from dsec.edge.backends.container.overlay import overlay_options
@@ -36,7 +34,6 @@ from dsec.edge.backends.function import kernel
 
 UNPRIVILEGED_UID = 65534  # nobody
 SCRATCH_SIZE_MB = 1024  # the per-call tmpfs (writes are charged to the call's memory limit)
-MAX_FILE_BYTES = 2 * 1024 * 1024  # files in and out, together, per call (JSON frame bound)
 HOSTNAME = "function"
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_RDONLY = 0x2, 0x4, 0x8, 0x1
 
@@ -181,23 +178,21 @@ def run_call(
     os.environ.setdefault("PATH", users.DEFAULT_PATH)
     env = dict(req.get("env") or {})
     env.setdefault("HOME", "/tmp")
-    req = {**req, "user": user.uid, "env": env}
     workdir = sandbox.get("workdir") or "/"
-    req.setdefault("cwd", "/tmp" if workdir == "/" else workdir)
-    if not str(req["cwd"]).startswith("/"):
-        req["cwd"] = os.path.join("/tmp", req["cwd"])
-    budget = [MAX_FILE_BYTES]
-    for item in req.pop("files", None) or []:
-        _write_file(item, user, budget)
-    outputs = req.pop("outputs", None) or []
-    if not isinstance(outputs, list) or not all(isinstance(p, str) for p in outputs):
-        raise AgentError("invalid_argument", "'outputs' must be a list of paths")
-    _become(user, req["cwd"])
+    cwd = os.path.join("/tmp" if workdir == "/" else workdir, str(req.get("cwd") or "."))
+    cwd = os.path.normpath(cwd)
+    req = {**req, "user": user.uid, "env": env, "cwd": cwd}
+    budget = [callfiles.MAX_BYTES]
+    outputs = callfiles.check_outputs(req)
+    if req.get("files") is not None:  # as root, before the user's code ever ran
+        callfiles.write_files(req["files"], user.uid, user.gid, cwd, budget)
+    req.pop("files", None)
+    req.pop("outputs", None)
+    _become(user, cwd)
     result = execop.op_exec(conn, req)
     assert result is not None
-    files = [f for f in (_read_file(p, budget) for p in outputs) if f is not None]
-    if files or outputs:
-        result["files"] = files
+    if outputs is not None:  # as the user: the call cannot read more than it could itself
+        result["files"] = callfiles.read_outputs(outputs, cwd, budget)
     if oom_fd >= 0 and _oom_kills(oom_fd) > 0:
         result["oom_killed"] = True
     return result
@@ -213,70 +208,6 @@ def _become(user: users.User, cwd: str) -> None:
         os.chdir(cwd)
     except OSError as exc:
         raise AgentError("not_found", f"working directory {cwd}: {exc.strerror}") from None
-
-
-def _write_file(item: Any, user: users.User, budget: list[int]) -> None:
-    if not isinstance(item, dict) or not isinstance(item.get("path"), str):
-        raise AgentError("invalid_argument", "each of 'files' needs a 'path' and 'data'")
-    path = item["path"] if item["path"].startswith("/") else os.path.join("/tmp", item["path"])
-    try:
-        data = base64.b64decode(item.get("data") or "", validate=True)
-    except ValueError:
-        raise AgentError("invalid_argument", f"file {path}: 'data' is not base64") from None
-    budget[0] -= len(data)
-    if budget[0] < 0:
-        raise AgentError("payload_too_large", f"files of one call exceed {MAX_FILE_BYTES} bytes")
-    mode = item.get("mode", 0o644)
-    parent = os.path.dirname(path)
-    missing: list[str] = []
-    while parent and not os.path.isdir(parent):
-        missing.append(parent)
-        parent = os.path.dirname(parent)
-    for d in reversed(missing):
-        os.mkdir(d, 0o755)
-        os.chown(d, user.uid, user.gid)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode & 0o7777)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fchown(fd, user.uid, user.gid)
-        os.fchmod(fd, mode & 0o7777)
-    finally:
-        os.close(fd)
-
-
-def _read_file(path: str, budget: list[int]) -> dict[str, Any] | None:
-    """A regular file the call left (never one of /proc or /dev, never via a final link)."""
-    if not path.startswith("/"):
-        path = os.path.join("/tmp", path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_dev in _special_devs():
-            return None
-        if st.st_size > budget[0]:
-            raise AgentError(
-                "payload_too_large", f"output files of one call exceed {MAX_FILE_BYTES} bytes"
-            )
-        data = os.read(fd, st.st_size + 1)[: budget[0]]
-        budget[0] -= len(data)
-        return {"path": path, "data": base64.b64encode(data).decode(), "mode": st.st_mode & 0o7777}
-    finally:
-        os.close(fd)
-
-
-def _special_devs() -> set[int]:
-    out = set()
-    for p in ("/proc", "/dev"):
-        try:
-            out.add(os.stat(p).st_dev)
-        except OSError:
-            pass
-    return out
 
 
 def _oom_kills(fd: int) -> int:
