@@ -28,6 +28,7 @@ import collections
 import contextlib
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -41,7 +42,7 @@ from dsec.agent import protocol
 from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.function import kernel, worker
 
-WARM = int(os.environ.get("DSEC_FUNCTION_WARM", "2"))  # ready workers kept per image
+WARM = int(os.environ.get("DSEC_FUNCTION_WARM", "4"))  # ready workers kept per image
 DEFAULT_CALL_TIMEOUT_S = 300.0
 DEADLINE_GRACE_S = 2.0  # the worker enforces the timeout; the pool kills it after this
 MAX_REQUEST = 4 * 1024 * 1024
@@ -121,12 +122,14 @@ class Pool:
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.layout = cgroups.detect()
         self.cgroup = "/" + cgroup.strip("/")
-        self.filter = kernel.SeccompFilter()
-        self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.spawning: dict[int, tuple[tuple[str, ...], str]] = {}
+        self.forker, self.forker_pid = start_forker(str(self.scratch))
         self.sel = selectors.DefaultSelector()
+        self.sel.register(self.forker, selectors.EVENT_READ, ("forker", None))
         self.sandboxes: dict[str, Sandbox] = {}
         self.images: dict[tuple[str, ...], ImagePool] = {}
         self.workers: dict[int, Worker] = {}  # by seq
+        self.free_cgroups: list[str] = []
         self.seq = 0
         self.started = time.monotonic()
         self.running = True
@@ -377,24 +380,46 @@ class Pool:
             pool.starting += 1
 
     def _start_worker(self, image: tuple[str, ...]) -> None:
+        """Ask the forker for a worker; :meth:`_on_forker` takes it from there."""
         self.seq += 1
-        rel = f"{self.cgroup}/w{os.getpid()}-{self.seq}"
-        dirs = self._make_cgroup(rel)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        spec = worker.WorkerSpec(
-            layers=image, scratch=str(self.scratch), oom_file=self._oom_file(rel)
-        )
+        if self.free_cgroups:  # an empty cgroup of an earlier worker: no mkdir/rmdir per call
+            rel = self.free_cgroups.pop()
+        else:
+            rel = f"{self.cgroup}/w{os.getpid()}-{self.seq}"
+            self._make_cgroup(rel)
+        spec = {"seq": self.seq, "layers": list(image), "oom_file": self._oom_file(rel)}
+        self.spawning[self.seq] = (image, rel)
+        self.forker.send(json.dumps(spec).encode())
+
+    def _on_forker(self, _unused: None) -> None:
         try:
-            pid = worker.fork_worker(spec, self.filter, theirs.fileno(), self.pidns_fd)
-        finally:
-            theirs.close()
-        w = Worker(seq=self.seq, image=image, sock=ours, cgroup=rel, pid=pid)
+            msg, fds, _flags, _addr = socket.recv_fds(self.forker, 4096, 1)
+        except OSError:
+            msg, fds = b"", []
+        if not msg:
+            _log("the forker exited; stopping")
+            self.running = False
+            return
+        reply = json.loads(msg)
+        image, rel = self.spawning.pop(int(reply["seq"]))
+        pool = self.images.get(image)
+        if not fds:
+            _log(f"forking a worker failed: {reply.get('error')}")
+            self.free_cgroups.append(rel)
+            if pool is not None:
+                pool.starting -= 1
+                pool.failures += 1
+                self._refill(image)
+            return
+        pid = int(reply["pid"])
+        ours = socket.socket(fileno=fds[0])
+        w = Worker(seq=int(reply["seq"]), image=image, sock=ours, cgroup=rel, pid=pid)
         self.workers[w.seq] = w
         w.pidfd = os.pidfd_open(pid)
         self.sel.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
         self.sel.register(ours, selectors.EVENT_READ, ("worker", w))
         try:
-            for d in dirs:
+            for d in self._dirs(rel):
                 _write(d / "cgroup.procs", str(pid))
             ours.send(b"go")
         except OSError as exc:
@@ -420,9 +445,7 @@ class Pool:
         self.sel.unregister(w.sock)  # closed: it exited; its pidfd reports that
 
     def _on_exit(self, w: Worker) -> None:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(w.pid, 0)
-        self._reap(w)
+        self._reap(w)  # the forker (its parent) reaps it
 
     def _reap(self, w: Worker) -> None:
         if self.workers.pop(w.seq, None) is None:
@@ -433,9 +456,12 @@ class Pool:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(w.sock)
         w.sock.close()
-        left = cgroups.remove(self.layout, w.cgroup)
-        if left:
-            _log(f"cgroups left by worker {w.pid}: {', '.join(map(str, left))}")
+        if self.running and not any(_has_procs(d) for d in self._dirs(w.cgroup)):
+            self.free_cgroups.append(w.cgroup)
+        else:
+            left = cgroups.remove(self.layout, w.cgroup)
+            if left:
+                _log(f"cgroups left by worker {w.pid}: {', '.join(map(str, left))}")
         pool = self.images.get(w.image)
         if pool is not None:
             if w.state == "starting":
@@ -515,15 +541,72 @@ class Pool:
             self._kill(w)
         deadline = time.monotonic() + 5
         for w in list(self.workers.values()):
-            with contextlib.suppress(ChildProcessError):
-                while time.monotonic() < deadline:
-                    pid, _ = os.waitpid(w.pid, os.WNOHANG)
-                    if pid:
-                        break
-                    time.sleep(0.005)
+            select.select([w.pidfd], [], [], max(0.0, deadline - time.monotonic()))
             self.images.clear()
             self._reap(w)
+        self.forker.close()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.forker_pid, 0)
+        for rel in [*self.free_cgroups, *(rel for _, rel in self.spawning.values())]:
+            cgroups.remove(self.layout, rel)
+        self.free_cgroups.clear()
         cgroups.remove_if_empty(self.layout, self.cgroup)
+
+
+def start_forker(scratch: str) -> tuple[socket.socket, int]:
+    """Fork the process that forks workers, before any sandbox is registered.
+
+    Forking a worker takes milliseconds; doing it here keeps the pool's loop free for
+    calls, and workers copy the forker's memory, which never held another sandbox's env.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid:
+        theirs.close()
+        return ours, pid
+    code = 1
+    try:
+        ours.close()
+        _forker_main(theirs, scratch)
+        code = 0
+    except BaseException as exc:
+        _log(f"forker failed: {type(exc).__name__}: {exc}")
+    finally:
+        os._exit(code)
+
+
+def _forker_main(sock: socket.socket, scratch: str) -> None:
+    os.closerange(3, sock.fileno())  # the edge's control socket above all
+    os.closerange(sock.fileno() + 1, 65536)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    filt = kernel.SeccompFilter()
+    pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    while msg := sock.recv(1 << 20):
+        req = json.loads(msg)
+        spec = worker.WorkerSpec(
+            layers=tuple(req["layers"]), scratch=scratch, oom_file=req["oom_file"]
+        )
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = worker.fork_worker(spec, filt, theirs.fileno(), pidns_fd)
+        except OSError as exc:
+            sock.send(json.dumps({"seq": req["seq"], "error": str(exc)}).encode())
+            continue
+        finally:
+            theirs.close()
+        socket.send_fds(
+            sock, [json.dumps({"seq": req["seq"], "pid": pid}).encode()], [ours.fileno()]
+        )
+        ours.close()
+
+
+def _has_procs(d: Path) -> bool:
+    try:
+        return bool((d / "cgroup.procs").read_text().strip())
+    except OSError:
+        return False
 
 
 def _enable_v2(root: Path, d: Path) -> None:
@@ -584,7 +667,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cgroup", required=True)
     args = ap.parse_args(argv)
     kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGTERM)
-    kernel.prctl(kernel.PR_SET_CHILD_SUBREAPER, 1)
     control = socket.socket(fileno=args.control_fd)
     pool = Pool(control, args.state, args.cgroup)
 

@@ -20,6 +20,7 @@ tmpfs, so nothing carries over to the next call.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import traceback
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ def fork_worker(
 def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> None:
     os.closerange(3, sock_fd)
     os.closerange(sock_fd + 1, 65536)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the forker ignores it; we wait for ours
     sock = socket.socket(fileno=sock_fd)
     if sock.recv(16) != b"go":  # the pool moved us into our cgroup (or gave up on us)
         return
@@ -107,18 +109,6 @@ def _build_root(spec: WorkerSpec) -> None:
     dev = os.path.join(root, "dev")
     mounts.mount("tmpfs", dev, "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=0755")
     kernel.make_devices(dev)
-    etc = os.path.join(root, "etc")
-    os.makedirs(etc, exist_ok=True)
-    for name, text in (
-        ("hostname", f"{HOSTNAME}\n"),
-        ("hosts", f"127.0.0.1\tlocalhost {HOSTNAME}\n::1\tlocalhost\n"),
-        ("resolv.conf", "# no network in function calls\n"),
-    ):
-        path = os.path.join(etc, name)
-        if os.path.islink(path):
-            os.unlink(path)
-        with open(path, "w") as f:
-            f.write(text)
     socket.sethostname(HOSTNAME)
     kernel.loopback_up()
     kernel.pivot_root(root)
@@ -188,12 +178,13 @@ def run_call(
         callfiles.write_files(req["files"], user.uid, user.gid, cwd, budget)
     req.pop("files", None)
     req.pop("outputs", None)
+    oom_before = _oom_kills(oom_fd) if oom_fd >= 0 else 0  # the cgroup is reused
     _become(user, cwd)
     result = execop.op_exec(conn, req)
     assert result is not None
     if outputs is not None:  # as the user: the call cannot read more than it could itself
         result["files"] = callfiles.read_outputs(outputs, cwd, budget)
-    if oom_fd >= 0 and _oom_kills(oom_fd) > 0:
+    if oom_fd >= 0 and _oom_kills(oom_fd) > oom_before:
         result["oom_killed"] = True
     return result
 
