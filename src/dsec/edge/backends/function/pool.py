@@ -41,6 +41,7 @@ from typing import Any
 from dsec.agent import protocol
 from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.function import kernel, worker
+from dsec.edge.backends.function.limits import WorkerCgroups
 
 WARM = int(os.environ.get("DSEC_FUNCTION_WARM", "4"))  # ready workers kept per image
 DEFAULT_CALL_TIMEOUT_S = 300.0
@@ -120,10 +121,9 @@ class Pool:
         self.state_dir = state_dir
         self.scratch = state_dir / "mnt"
         self.scratch.mkdir(parents=True, exist_ok=True)
-        self.layout = cgroups.detect()
-        self.cgroup = "/" + cgroup.strip("/")
+        self.cgroups = WorkerCgroups(cgroups.detect(), cgroup)
         self.spawning: dict[int, tuple[tuple[str, ...], str]] = {}
-        self.forker, self.forker_pid = start_forker(str(self.scratch))
+        self.forker, self.forker_pid = worker.start_forker(str(self.scratch))
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.forker, selectors.EVENT_READ, ("forker", None))
         self.sandboxes: dict[str, Sandbox] = {}
@@ -137,7 +137,7 @@ class Pool:
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         self.sel.register(self.wake_r, selectors.EVENT_READ, ("wakeup", None))
-        self._remove_stale_cgroups()
+        self.cgroups.remove_stale()
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -351,7 +351,7 @@ class Pool:
     def _hand_over(self, w: Worker, call: PendingCall) -> None:
         sb, req = call.sandbox, call.request
         memory_mb = int(req.get("memory_mb") or sb.memory_mb)
-        self._set_limits(w.cgroup, memory_mb, sb.cpu, sb.pids)
+        self.cgroups.set_limits(w.cgroup, memory_mb, sb.cpu, sb.pids)
         timeout = req.get("timeout") or DEFAULT_CALL_TIMEOUT_S
         req = {**req, "timeout": timeout}
         req.pop("memory_mb", None)
@@ -385,9 +385,8 @@ class Pool:
         if self.free_cgroups:  # an empty cgroup of an earlier worker: no mkdir/rmdir per call
             rel = self.free_cgroups.pop()
         else:
-            rel = f"{self.cgroup}/w{os.getpid()}-{self.seq}"
-            self._make_cgroup(rel)
-        spec = {"seq": self.seq, "layers": list(image), "oom_file": self._oom_file(rel)}
+            rel = self.cgroups.make(f"w{os.getpid()}-{self.seq}")
+        spec = {"seq": self.seq, "layers": list(image), "oom_file": self.cgroups.oom_file(rel)}
         self.spawning[self.seq] = (image, rel)
         self.forker.send(json.dumps(spec).encode())
 
@@ -419,8 +418,7 @@ class Pool:
         self.sel.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
         self.sel.register(ours, selectors.EVENT_READ, ("worker", w))
         try:
-            for d in self._dirs(rel):
-                _write(d / "cgroup.procs", str(pid))
+            self.cgroups.place(rel, pid)
             ours.send(b"go")
         except OSError as exc:
             _log(f"could not place worker {pid} in its cgroup: {exc}")
@@ -456,10 +454,10 @@ class Pool:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(w.sock)
         w.sock.close()
-        if self.running and not any(_has_procs(d) for d in self._dirs(w.cgroup)):
+        if self.running and self.cgroups.is_empty(w.cgroup):
             self.free_cgroups.append(w.cgroup)
         else:
-            left = cgroups.remove(self.layout, w.cgroup)
+            left = self.cgroups.remove(w.cgroup)
             if left:
                 _log(f"cgroups left by worker {w.pid}: {', '.join(map(str, left))}")
         pool = self.images.get(w.image)
@@ -475,62 +473,6 @@ class Pool:
     def _kill(self, w: Worker) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, signal.SIGKILL)
-
-    # ---- cgroups -----------------------------------------------------------------------
-
-    def _controllers(self) -> tuple[str, ...]:
-        return ("memory", "pids", "cpu")
-
-    def _dirs(self, rel: str) -> list[Path]:
-        out: list[Path] = []
-        for ctl in self._controllers():
-            d = self.layout.controller_dir(ctl, rel)
-            if d is not None and d not in out:
-                out.append(d)
-        return out
-
-    def _make_cgroup(self, rel: str) -> list[Path]:
-        dirs = self._dirs(rel)
-        for d in dirs:
-            if self.layout.mode is cgroups.CgroupMode.V2:
-                _enable_v2(self.layout.root, d)
-            d.mkdir(parents=True, exist_ok=True)
-        return dirs
-
-    def _oom_file(self, rel: str) -> str:
-        d = self.layout.controller_dir("memory", rel)
-        if d is None:
-            return ""
-        return str(d / ("memory.oom_control" if "memory" in self.layout.v1 else "memory.events"))
-
-    def _set_limits(self, rel: str, memory_mb: int, cpu: float, pids: int) -> None:
-        mem = self.layout.controller_dir("memory", rel)
-        v1 = "memory" in self.layout.v1
-        if mem is not None:
-            limit = str(memory_mb * 1024 * 1024)
-            if v1:
-                _write(mem / "memory.limit_in_bytes", limit)
-                _write(mem / "memory.memsw.limit_in_bytes", limit, optional=True)
-            else:
-                _write(mem / "memory.max", limit)
-                _write(mem / "memory.swap.max", "0", optional=True)
-        pd = self.layout.controller_dir("pids", rel)
-        if pd is not None:
-            _write(pd / "pids.max", str(pids))
-        cd = self.layout.controller_dir("cpu", rel)
-        if cd is not None:
-            quota = max(1000, int(cpu * 100_000))
-            if "cpu" in self.layout.v1:
-                _write(cd / "cpu.cfs_period_us", "100000", optional=True)
-                _write(cd / "cpu.cfs_quota_us", str(quota), optional=True)
-            else:
-                _write(cd / "cpu.max", f"{quota} 100000", optional=True)
-
-    def _remove_stale_cgroups(self) -> None:
-        """Workers of an earlier pool that died without cleaning up (killed with -9)."""
-        for d in cgroups.list_children(self.layout, self.cgroup):
-            rel = f"{self.cgroup}/{d.name}"
-            cgroups.remove(self.layout, rel)
 
     # ---- shutdown ----------------------------------------------------------------------
 
@@ -548,77 +490,9 @@ class Pool:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.forker_pid, 0)
         for rel in [*self.free_cgroups, *(rel for _, rel in self.spawning.values())]:
-            cgroups.remove(self.layout, rel)
+            self.cgroups.remove(rel)
         self.free_cgroups.clear()
-        cgroups.remove_if_empty(self.layout, self.cgroup)
-
-
-def start_forker(scratch: str) -> tuple[socket.socket, int]:
-    """Fork the process that forks workers, before any sandbox is registered.
-
-    Forking a worker takes milliseconds; doing it here keeps the pool's loop free for
-    calls, and workers copy the forker's memory, which never held another sandbox's env.
-    """
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid:
-        theirs.close()
-        return ours, pid
-    code = 1
-    try:
-        ours.close()
-        _forker_main(theirs, scratch)
-        code = 0
-    except BaseException as exc:
-        _log(f"forker failed: {type(exc).__name__}: {exc}")
-    finally:
-        os._exit(code)
-
-
-def _forker_main(sock: socket.socket, scratch: str) -> None:
-    os.closerange(3, sock.fileno())  # the edge's control socket above all
-    os.closerange(sock.fileno() + 1, 65536)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.set_wakeup_fd(-1)
-    filt = kernel.SeccompFilter()
-    pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-    while msg := sock.recv(1 << 20):
-        req = json.loads(msg)
-        spec = worker.WorkerSpec(
-            layers=tuple(req["layers"]), scratch=scratch, oom_file=req["oom_file"]
-        )
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            pid = worker.fork_worker(spec, filt, theirs.fileno(), pidns_fd)
-        except OSError as exc:
-            sock.send(json.dumps({"seq": req["seq"], "error": str(exc)}).encode())
-            continue
-        finally:
-            theirs.close()
-        socket.send_fds(
-            sock, [json.dumps({"seq": req["seq"], "pid": pid}).encode()], [ours.fileno()]
-        )
-        ours.close()
-
-
-def _has_procs(d: Path) -> bool:
-    try:
-        return bool((d / "cgroup.procs").read_text().strip())
-    except OSError:
-        return False
-
-
-def _enable_v2(root: Path, d: Path) -> None:
-    """Enable memory, pids and cpu for the children of every ancestor of ``d`` (v2)."""
-    parent = root
-    for part in d.relative_to(root).parts[:-1]:
-        with contextlib.suppress(OSError):
-            (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
-        parent = parent / part
-        parent.mkdir(exist_ok=True)
-    with contextlib.suppress(OSError):
-        (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+        self.cgroups.remove_parent()
 
 
 def _check_limits(sb: Sandbox, req: dict[str, Any]) -> str:
@@ -633,15 +507,6 @@ def _check_limits(sb: Sandbox, req: dict[str, Any]) -> str:
     ):
         return "timeout must be a positive number of seconds"
     return ""
-
-
-def _write(path: Path, value: str, *, optional: bool = False) -> None:
-    try:
-        with open(path, "w") as f:
-            f.write(value)
-    except OSError:
-        if not optional:
-            raise
 
 
 def _send_and_close(conn: socket.socket, frame: bytes) -> None:

@@ -19,6 +19,7 @@ tmpfs, so nothing carries over to the next call.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -211,3 +212,50 @@ def _oom_kills(fd: int) -> int:
         if key == "oom_kill" and value.strip().isdigit():
             return int(value)
     return 0
+
+
+def start_forker(scratch: str) -> tuple[socket.socket, int]:
+    """Fork the process that forks workers, before any sandbox is registered.
+
+    Forking a worker takes milliseconds; doing it here keeps the pool's loop free for
+    calls, and workers copy the forker's memory, which never held another sandbox's env.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid:
+        theirs.close()
+        return ours, pid
+    code = 1
+    try:
+        ours.close()
+        _forker_main(theirs, scratch)
+        code = 0
+    except BaseException:
+        traceback.print_exc()  # to the edge log
+    finally:
+        os._exit(code)
+
+
+def _forker_main(sock: socket.socket, scratch: str) -> None:
+    os.closerange(3, sock.fileno())  # the edge's control socket above all
+    os.closerange(sock.fileno() + 1, 65536)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    filt = kernel.SeccompFilter()
+    pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    while msg := sock.recv(1 << 20):
+        req = json.loads(msg)
+        spec = WorkerSpec(layers=tuple(req["layers"]), scratch=scratch, oom_file=req["oom_file"])
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = fork_worker(spec, filt, theirs.fileno(), pidns_fd)
+        except OSError as exc:
+            sock.send(json.dumps({"seq": req["seq"], "error": str(exc)}).encode())
+            continue
+        finally:
+            theirs.close()
+        socket.send_fds(
+            sock, [json.dumps({"seq": req["seq"], "pid": pid}).encode()], [ours.fileno()]
+        )
+        ours.close()
