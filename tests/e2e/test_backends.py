@@ -21,6 +21,7 @@ from dsec.core import errors
 from dsec.core.spec import BACKENDS
 from dsec.sdk import Client, CommandTimeout, Sandbox
 from dsec.testing.platform import RunningPlatform
+from tests.e2e.leakcheck import leaks
 
 
 def _backend_info(api: Client, name: str) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def backend(request: pytest.FixtureRequest, api: Client) -> dict[str, Any]:
 
 
 @pytest.fixture
-def box(backend: dict[str, Any]) -> Iterator[Sandbox]:
+def box(platform: RunningPlatform, backend: dict[str, Any]) -> Iterator[Sandbox]:
     s = Sandbox.create(backend=backend["name"], memory_mb=256, timeout=300)
     try:
         yield s
@@ -49,6 +50,7 @@ def box(backend: dict[str, Any]) -> Iterator[Sandbox]:
             s.kill()
         finally:
             s.close()
+    assert leaks(platform, s.id) == []  # every backend cleans up after itself
 
 
 def need(backend: dict[str, Any], capability: str) -> None:
