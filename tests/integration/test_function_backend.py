@@ -238,3 +238,30 @@ async def test_network_rules_are_refused(cenv: ContainerTestEnv) -> None:
         await backend.create(sid, SandboxSpec(backend="function", network=policy), paths)
     assert backend.leaked(sid, paths) == []
     assert backend.pool_pid() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_edge_readopts_function_sandboxes(cenv: ContainerTestEnv) -> None:
+    def make() -> FunctionBackend:
+        return FunctionBackend(
+            cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
+        )
+
+    first = make()
+    sid, paths = cenv.sandbox()
+    await first.create(sid, SandboxSpec(backend="function"), paths)
+    old_pool = first.pool_pid()
+    await first.close()  # the edge went away (its pool stops with it)
+    second = make()
+    try:
+        state, pid = await second.state(sid)
+        assert state is RuntimeState.RUNNING
+        assert pid == second.pool_pid() != old_pool
+        res = await agent_client.call(paths.agent_socket, {"op": "exec", "cmd": "echo back"})
+        assert res.stdout == b"back\n"
+        await second.destroy(sid, paths)
+        assert (await second.state(sid))[0] is RuntimeState.MISSING
+    finally:
+        await second.close()
+        second.release_host_setup()
+    assert second.leaked(sid, paths) == []
