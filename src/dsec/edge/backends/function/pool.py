@@ -87,7 +87,7 @@ class Worker:
     cgroup: str
     pid: int
     pidfd: int = -1
-    state: str = "starting"  # starting | ready | busy
+    phase: str = "starting"  # starting | ready | busy
     sandbox: str = ""
     deadline: float = 0.0
 
@@ -154,13 +154,13 @@ class Pool:
         self.shutdown()
 
     def _next_deadline(self) -> float | None:
-        busy = [w.deadline for w in self.workers.values() if w.state == "busy"]
+        busy = [w.deadline for w in self.workers.values() if w.phase == "busy"]
         return max(0.0, min(busy) - time.monotonic()) if busy else None
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
         for w in list(self.workers.values()):
-            if w.state == "busy" and w.deadline <= now:
+            if w.phase == "busy" and w.deadline <= now:
                 _log(f"worker {w.pid} overran its call's deadline; killing it")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGKILL)
@@ -201,7 +201,7 @@ class Pool:
                 "pid": os.getpid(),
                 "sandboxes": sorted(self.sandboxes),
                 "workers": [
-                    {"pid": w.pid, "state": w.state, "sandbox": w.sandbox, "cgroup": w.cgroup}
+                    {"pid": w.pid, "state": w.phase, "sandbox": w.sandbox, "cgroup": w.cgroup}
                     for w in self.workers.values()
                 ],
             }
@@ -246,7 +246,7 @@ class Pool:
             if kind == "request" and obj.sandbox is sb:
                 self._drop_half(obj)
         for w in self.workers.values():
-            if w.state == "busy" and w.sandbox == sid:
+            if w.phase == "busy" and w.sandbox == sid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGKILL)
         pool = self.images[sb.image]
@@ -361,7 +361,7 @@ class Pool:
         ).encode()
         socket.send_fds(w.sock, [msg], [call.conn.fileno()])
         call.conn.close()
-        w.state, w.sandbox = "busy", sb.id
+        w.phase, w.sandbox = "busy", sb.id
         w.deadline = time.monotonic() + float(timeout) + DEADLINE_GRACE_S
 
     # ---- workers -----------------------------------------------------------------------
@@ -436,7 +436,7 @@ class Pool:
                 return
             pool.starting -= 1
             pool.failures = 0
-            w.state = "ready"
+            w.phase = "ready"
             pool.ready.append(w)
             self._dispatch(w.image)
             return
@@ -462,7 +462,7 @@ class Pool:
                 _log(f"cgroups left by worker {w.pid}: {', '.join(map(str, left))}")
         pool = self.images.get(w.image)
         if pool is not None:
-            if w.state == "starting":
+            if w.phase == "starting":
                 pool.starting -= 1
                 pool.failures += 1
                 _log(f"a function worker failed to start ({pool.failures} in a row)")
