@@ -349,3 +349,24 @@ def test_pause_and_resume_on_connect(e2b_env: str) -> None:
         assert again.commands.run("cat /tmp/state").stdout == "1\n"
     finally:
         s.kill()
+
+
+def test_template_function_picks_the_function_backend(
+    e2b_env: str, platform: RunningPlatform
+) -> None:
+    from dsec.sdk import Client
+
+    s = Sandbox.create(template="function", timeout=60)
+    try:
+        with Client(api_url=platform.api_url, api_key=platform.admin_key) as client:
+            spec = client.get_sandbox(s.sandbox_id).spec
+        assert spec is not None
+        assert spec.backend == "function"
+        r = s.commands.run("echo $((6*7)); id -u")
+        assert r.stdout == "42\n65534\n"
+        with pytest.raises(CommandExitException) as info:
+            s.commands.run("echo left > /tmp/f; exit 3")
+        assert info.value.exit_code == 3
+        assert s.commands.run("cat /tmp/f || echo gone").stdout.endswith("gone\n")
+    finally:
+        s.kill()

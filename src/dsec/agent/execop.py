@@ -13,7 +13,7 @@ import os
 import select
 import time
 
-from dsec.agent import args, spawn, users
+from dsec.agent import args, callfiles, spawn, users
 from dsec.agent.protocol import CHUNK
 from dsec.agent.wire import (
     KIND_CLOSE,
@@ -81,9 +81,24 @@ def exit_fields(returncode: int) -> dict[str, Any]:
     return {"exit_code": returncode, "signal": None}
 
 
+def _files_in(req: dict[str, Any], budget: list[int]) -> str:
+    """Write the call's ``files``; return the directory relative paths resolve against."""
+    spec = args.user(req)
+    user = users.resolve(spec)
+    cwd = users.resolve_cwd(args.opt_str(req, "cwd"), user)
+    if req.get("files") is not None:
+        explicit = spec is not None
+        uid, gid = (user.uid, user.gid) if explicit else (os.getuid(), os.getgid())
+        callfiles.write_files(req["files"], uid, gid, cwd, budget)
+    return cwd
+
+
 def op_exec(conn: Conn, req: dict[str, Any]) -> dict[str, Any] | None:
     timeout = args.opt_timeout(req)
     want_stdin = args.opt_bool(req, "stdin")
+    outputs = callfiles.check_outputs(req)
+    budget = [callfiles.MAX_BYTES]
+    cwd = _files_in(req, budget) if req.get("files") is not None or outputs else ""
     started = time.monotonic()
     try:
         proc = start(req, stdin=want_stdin)
@@ -103,7 +118,10 @@ def op_exec(conn: Conn, req: dict[str, Any]) -> dict[str, Any] | None:
         proc.close_pipes()
     duration = round((time.monotonic() - started) * 1000, 3)
     assert proc.returncode is not None
-    return {**exit_fields(proc.returncode), "timed_out": timed_out, "duration_ms": duration}
+    result = {**exit_fields(proc.returncode), "timed_out": timed_out, "duration_ms": duration}
+    if outputs is not None:
+        result["files"] = callfiles.read_outputs(outputs, cwd, budget)
+    return result
 
 
 def _discard_input(conn: Conn) -> None:

@@ -19,6 +19,7 @@ from aiohttp import web
 from dsec import __version__
 from dsec.apiserver import (
     audit,
+    backends,
     images,
     keys,
     openapi,
@@ -85,6 +86,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *tokens_routes.ROUTES,
         *projects.ROUTES,
         *images.ROUTES,
+        *backends.ROUTES,
     ]
 
 

@@ -76,7 +76,15 @@ SCHEMAS: dict[str, Any] = {
             "timeout": _NUM,
             "stdin": _STR,
             "encoding": {"type": "string", "enum": ["utf-8", "base64"]},
+            "files": {"type": "array", "items": {"$ref": "#/components/schemas/CallFile"}},
+            "outputs": {"type": "array", "items": _STR},
+            "memory_mb": _INT,
         },
+    },
+    "CallFile": {
+        "type": "object",
+        "required": ["path", "data"],
+        "properties": {"path": _STR, "data": _STR, "mode": _INT},
     },
     "ExecResult": {
         "type": "object",
@@ -88,6 +96,8 @@ SCHEMAS: dict[str, Any] = {
             "stdout": _STR,
             "stderr": _STR,
             "truncated": {"type": "boolean"},
+            "oom_killed": {"type": "boolean"},
+            "files": {"type": "array", "items": {"$ref": "#/components/schemas/CallFile"}},
         },
     },
     "BatchRequest": {

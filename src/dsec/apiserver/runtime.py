@@ -113,9 +113,33 @@ async def exec_(request: web.Request) -> web.Response:
         "timeout": timeout,
         "stdin": stdin is not None,
         **_proc_args(body),
+        **_call_args(body),
     }
     reply = await relay.call(c, p, sid, req, stdin, deadline_s=timeout + 30)
     return _finish(_output(reply, encoding))
+
+
+def _call_args(body: dict[str, Any]) -> dict[str, Any]:
+    """``files`` in, ``outputs`` back and a per-call ``memory_mb`` (function backend)."""
+    out: dict[str, Any] = {}
+    files = body.get("files")
+    if files is not None:
+        if not isinstance(files, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("path"), str) for f in files
+        ):
+            raise InvalidArgument("'files' must be a list of {path, data (base64), mode?}")
+        out["files"] = files
+    outputs = body.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list) or not all(isinstance(x, str) for x in outputs):
+            raise InvalidArgument("'outputs' must be a list of paths")
+        out["outputs"] = outputs
+    mem = body.get("memory_mb")
+    if mem is not None:
+        if not isinstance(mem, int) or isinstance(mem, bool) or mem <= 0:
+            raise InvalidArgument("'memory_mb' must be a positive integer")
+        out["memory_mb"] = mem
+    return out
 
 
 async def shell_run(request: web.Request) -> web.Response:

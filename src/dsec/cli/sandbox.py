@@ -20,6 +20,7 @@ from dsec.cli.output import (
     stdout,
 )
 from dsec.core.errors import InvalidArgument
+from dsec.core.spec import BACKENDS
 from dsec.sdk import Sandbox
 from dsec.sdk.runtime_calls import Command
 
@@ -41,7 +42,8 @@ RULE_HELP = "Allow rule: CIDR, CIDR:PORT[-PORT][/udp], DOMAIN or *.DOMAIN (repea
     "--backend",
     default="container",
     show_default=True,
-    type=click.Choice(["container", "microvm", "vm", "function"]),
+    type=click.Choice(list(BACKENDS)),
+    help="Execution substrate (`dsec backends` shows what each edge offers).",
 )
 @click.option("--cpu", type=float, default=1.0, show_default=True, help="CPU cores.")
 @click.option("--memory", type=int, default=512, show_default=True, help="Memory in MiB.")

@@ -73,21 +73,31 @@ def node_capacity(args: argparse.Namespace) -> NodeCapacity:
     )
 
 
-def make_backends(
+def candidate_backends(
     paths: Paths, edge_id: str, network: EdgeNetwork | None = None
-) -> dict[str, Backend]:
+) -> list[Backend]:
+    """Every backend built into this edge, whether or not it can run on this host."""
     from dsec.edge.backends.container.backend import ContainerBackend
     from dsec.edge.images.store import ImageStore
 
     container = ContainerBackend(
         paths, edge_id, image_store=ImageStore(paths.images), network=network
     )
+    from dsec.edge.backends.function.backend import FunctionBackend
+
+    function = FunctionBackend(paths, edge_id, image_store=ImageStore(paths.images))
+    return [container, function]
+
+
+def make_backends(candidates: list[Backend]) -> dict[str, Backend]:
+    """The candidates that can run here, by name (the others are logged with the reason)."""
     out: dict[str, Backend] = {}
-    avail = container.availability()
-    if avail.available:
-        out["container"] = container
-    else:
-        log(_log, "container backend unavailable", logging.WARNING, reason=avail.reason)
+    for backend in candidates:
+        avail = backend.availability()
+        if avail.available:
+            out[backend.name] = backend
+        else:
+            log(_log, f"{backend.name} backend unavailable", logging.WARNING, reason=avail.reason)
     return out
 
 
@@ -142,7 +152,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     metrics = Metrics("dsec_edge")
     cap = node_capacity(args)
     network = make_network(args, paths, edge_id)
-    backends = make_backends(paths, edge_id, network)
+    candidates = candidate_backends(paths, edge_id, network)
+    backends = make_backends(candidates)
     if network is not None:
         for backend in backends.values():
             prepare = getattr(backend, "prepare", None)
@@ -185,7 +196,16 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     from dsec.edge.images.store import ImageStore
 
     images = EdgeImages(ImageStore(paths.images), edge_id, paths.home / "registries.json")
-    pb_grpc.add_EdgeServicer_to_server(EdgeService(manager, status, images), server)
+
+    async def list_backends() -> pb.BackendList:
+        from dsec.edge import backend_report
+
+        reports = await asyncio.to_thread(backend_report.report, candidates)
+        return backend_report.to_pb(edge_id, reports)
+
+    pb_grpc.add_EdgeServicer_to_server(
+        EdgeService(manager, status, images, list_backends=list_backends), server
+    )
     await server.start()
     metrics_runner = (
         await serve_metrics(metrics, *_split(args.metrics_listen)) if args.metrics_listen else None
@@ -243,6 +263,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
                     await asyncio.to_thread(backend.release_host_setup)
         if network is not None:
             await network.close()
+        for backend in backends.values():
+            close = getattr(backend, "close", None)
+            if close is not None:  # the function pool (it would also stop with the edge)
+                await close()
         manager.close()
         records.close()
         if metrics_runner is not None:

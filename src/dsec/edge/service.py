@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -77,11 +77,24 @@ def _parse_request(raw: bytes) -> dict[str, Any]:
 
 class EdgeService(pb_grpc.EdgeServicer):
     def __init__(
-        self, manager: SandboxManager, status: Any, images: EdgeImages | None = None
+        self,
+        manager: SandboxManager,
+        status: Any,
+        images: EdgeImages | None = None,
+        *,
+        list_backends: Callable[[], Awaitable[pb.BackendList]] | None = None,
     ) -> None:
         self._m = manager
         self._status = status  # callable returning pb.EdgeStatus
         self._images = images
+        self._list_backends = list_backends
+
+    async def ListBackends(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.BackendList:
+        if self._list_backends is None:
+            raise Unavailable("this edge does not report its backends")
+        return await self._list_backends()
 
     def _image_service(self) -> EdgeImages:
         if self._images is None:

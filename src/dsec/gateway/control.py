@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from dsec.core.errors import DsecError, InvalidArgument, InvalidState, NotFound, SandboxNotFound
+from dsec.core.spec import BACKENDS
 from dsec.gateway.upstream import Clients, api_key
 from dsec.sdk import runtime_calls as rc
 from dsec.sdk import wire
@@ -170,6 +171,29 @@ def _timeout(body: dict[str, Any], default: int | None) -> int | None:
     return max(1, int(t))
 
 
+BACKEND_METADATA_KEY = "dsec.backend"
+
+
+def choose_backend(template: str, metadata: dict[str, str]) -> tuple[str, str]:
+    """The backend and template of an E2B create.
+
+    A template ``<backend>`` or ``<backend>:<template>`` (``function:base``) picks the
+    backend; metadata ``dsec.backend`` overrides it; otherwise ``container``.
+    """
+    backend = "container"
+    head, sep, rest = template.partition(":")
+    if head in BACKENDS:
+        backend, template = head, (rest if sep and rest else DEFAULT_TEMPLATE)
+    chosen = metadata.get(BACKEND_METADATA_KEY)
+    if chosen is not None:
+        if chosen not in BACKENDS:
+            raise InvalidArgument(
+                f"metadata {BACKEND_METADATA_KEY}={chosen!r}: choose one of {', '.join(BACKENDS)}"
+            )
+        backend = chosen
+    return backend, template
+
+
 async def create(request: web.Request) -> web.Response:
     g = gw(request)
     client, key = _client(request)
@@ -177,19 +201,22 @@ async def create(request: web.Request) -> web.Response:
     template = body.get("templateID") or DEFAULT_TEMPLATE
     if not isinstance(template, str):
         raise InvalidArgument("'templateID' must be a string")
+    metadata = _str_map(body, "metadata")
+    backend, template = choose_backend(template, metadata or {})
     call = wire.create_sandbox(
-        backend="container",
+        backend=backend,
         image=g.templates.get(template, template),
         cpu=g.cpu,
         memory_mb=g.memory_mb,
         pids=None,
         timeout_s=_timeout(body, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S,
         env=_str_map(body, "envVars"),
-        metadata=_str_map(body, "metadata"),
+        metadata=metadata,
     )
     info = await client.transport.call(call)
-    # Start the sandbox's process keeper now, so the first command does not wait for it.
-    g.background(client.transport.call(rc.list_processes(info.id)))
+    if backend != "function":  # functions keep no processes
+        # Start the sandbox's process keeper now, so the first command does not wait for it.
+        g.background(client.transport.call(rc.list_processes(info.id)))
     return web.json_response(sandbox_json(g, info, key), status=201)
 
 

@@ -19,7 +19,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dsec.core.errors import DsecError, InvalidArgument, InvalidState, ProcessNotFound
+from dsec.core.errors import (
+    BackendUnavailable,
+    DsecError,
+    InvalidArgument,
+    InvalidState,
+    ProcessNotFound,
+)
 from dsec.gateway.connect import ConnectError, ServerStream, connect_error
 from dsec.sdk import runtime_calls as rc
 from dsec.sdk import streams
@@ -175,23 +181,55 @@ async def start(c: Call, msg: dict[str, Any], stream: ServerStream) -> None:
     argv = [proc["cmd"], *args]
     if msg.get("stdin", True) is False and size is None:
         argv = [*NO_STDIN, *argv]
-    info: ProcessInfo = await c.client.transport.call(
-        rc.start_process(
-            c.sandbox_id,
-            argv,
-            env={str(k): str(v) for k, v in envs.items()} or None,
-            cwd=proc.get("cwd") or None,
-            user=c.user,
-            tag=tag,
-            pty=size,
+    env = {str(k): str(v) for k, v in envs.items()} or None
+    try:
+        info: ProcessInfo = await c.client.transport.call(
+            rc.start_process(
+                c.sandbox_id,
+                argv,
+                env=env,
+                cwd=proc.get("cwd") or None,
+                user=c.user,
+                tag=tag,
+                pty=size,
+            )
         )
-    )
+    except BackendUnavailable:
+        if size is not None:
+            raise
+        # A stateless backend (function) keeps no processes: run it as one exec instead.
+        await _exec_instead(c, stream, argv, env, proc.get("cwd") or None)
+        return
     killer = None
     if c.timeout_s:
         killer = asyncio.ensure_future(_kill_at(c, info.pid, c.timeout_s))
         c.background(killer)
     await stream.send({"event": {"start": {"pid": info.pid}}})
     await follow(c, stream, info.pid, pty=size is not None, killer=killer)
+
+
+async def _exec_instead(
+    c: Call, stream: ServerStream, argv: list[str], env: dict[str, str] | None, cwd: str | None
+) -> None:
+    """Relay one streamed ``exec`` as a process that starts, prints and ends."""
+    first = streams.exec_request(argv, env=env, cwd=cwd, timeout=c.timeout_s or None)
+    sock = await c.client.transport.open_runtime(c.sandbox_id, first)
+    try:
+        await stream.send({"event": {"start": {"pid": 1}}})
+        async for ev in sock:
+            if ev.kind == "exit":
+                if ev.timed_out:
+                    await stream.end(ConnectError("deadline_exceeded", "the command timed out"))
+                    return
+                await stream.send({"event": {"end": _end_event(ev)}})
+                await stream.end()
+                return
+            await stream.send({"event": {"data": {ev.kind: b64(ev.data)}}})
+    except DsecError as exc:
+        await stream.end(connect_error(exc))
+    finally:
+        with contextlib.suppress(Exception):
+            await sock.close()
 
 
 async def connect(c: Call, msg: dict[str, Any], stream: ServerStream) -> None:

@@ -209,6 +209,11 @@ class AsyncClient:
                 reader.feed(chunk)
         return reader.result()
 
+    async def backends(self) -> builtins.list[dict[str, Any]]:
+        """Each edge's backends: ``{edge_id, healthy, backends: [{name, available, reason,
+        capabilities}]}`` (``error`` instead when an edge does not answer)."""
+        return await self.transport.call(wire.list_backends())
+
     async def list_images(self) -> builtins.list[dict[str, Any]]:
         """Images on every edge (one entry per edge and image)."""
         return await self.transport.call(images.list_images())
@@ -377,10 +382,27 @@ class AsyncSandbox:
         user: str | int | None = None,
         timeout: float | None = 60,  # noqa: ASYNC109 -- enforced inside the sandbox
         stdin: str | bytes | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        outputs: Sequence[str] | None = None,
+        memory_mb: int | None = None,
     ) -> ExecResult:
-        """Run ``cmd`` to completion; raises ``CommandTimeout`` (with ``.result``) on timeout."""
+        """Run ``cmd`` to completion; raises ``CommandTimeout`` (with ``.result``) on timeout.
+
+        ``files`` (path -> content) are written before the command runs and ``outputs``
+        (paths) come back in ``result.files``; ``memory_mb`` lowers the memory limit for
+        this call alone (the function backend; others share the sandbox's limit).
+        """
         call = rc.exec_command(
-            self._id, cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin
+            self._id,
+            cmd,
+            env=env,
+            cwd=cwd,
+            user=user,
+            timeout=timeout,
+            stdin=stdin,
+            files=files,
+            outputs=outputs,
+            memory_mb=memory_mb,
         )
         return await self._t.call(call)
 

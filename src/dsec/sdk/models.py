@@ -145,6 +145,8 @@ class ExecResult:
     duration_ms: float = 0.0
     truncated: bool = False
     timed_out: bool = False
+    oom_killed: bool = False  # killed for exceeding the call's memory limit (function)
+    files: dict[str, bytes] = field(default_factory=dict)  # the ``outputs`` asked for
 
     @property
     def ok(self) -> bool:
@@ -161,6 +163,12 @@ class ExecResult:
             duration_ms=float(obj.get("duration_ms") or 0.0),
             truncated=bool(obj.get("truncated", False)),
             timed_out=bool(obj.get("timed_out", False)),
+            oom_killed=bool(obj.get("oom_killed", False)),
+            files={
+                str(f["path"]): base64.b64decode(str(f.get("data") or ""))
+                for f in obj.get("files") or []
+                if isinstance(f, Mapping) and "path" in f
+            },
         )
 
 

@@ -110,6 +110,9 @@ def exec_command(
     user: str | int | None = None,
     timeout: float | None = 60,
     stdin: str | bytes | None = None,
+    files: Mapping[str, str | bytes] | None = None,
+    outputs: Sequence[str] | None = None,
+    memory_mb: int | None = None,
 ) -> Call[ExecResult]:
     """``POST .../exec``: run a command to completion and collect its output."""
     timeout = check_timeout(timeout)
@@ -119,6 +122,9 @@ def exec_command(
         cwd=cwd,
         user=user,
         timeout=timeout,
+        files=_files_in(files) if files is not None else None,
+        outputs=list(outputs) if outputs is not None else None,
+        memory_mb=memory_mb,
     )
     encoding = None
     if isinstance(stdin, bytes | bytearray | memoryview):
@@ -133,6 +139,14 @@ def exec_command(
         body["stdin"] = str(stdin)
     req = json_request("POST", _path(sandbox_id, "exec"), body, timeout=read_timeout(timeout))
     return Call(req, _command_parser(timeout, encoding), _timeout_refiner(encoding))
+
+
+def _files_in(files: Mapping[str, str | bytes]) -> list[dict[str, str]]:
+    out = []
+    for path, data in files.items():
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        out.append({"path": _check_path(path), "data": base64.b64encode(raw).decode()})
+    return out
 
 
 # -- files ----------------------------------------------------------------------------------

@@ -211,6 +211,11 @@ class Client:
                 reader.feed(chunk)
         return reader.result()
 
+    def backends(self) -> builtins.list[dict[str, Any]]:
+        """Each edge's backends: ``{edge_id, healthy, backends: [{name, available, reason,
+        capabilities}]}`` (``error`` instead when an edge does not answer)."""
+        return self.transport.call(wire.list_backends())
+
     def list_images(self) -> builtins.list[dict[str, Any]]:
         """Images on every edge (one entry per edge and image)."""
         return self.transport.call(images.list_images())
@@ -384,10 +389,27 @@ class Sandbox:
         user: str | int | None = None,
         timeout: float | None = 60,
         stdin: str | bytes | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        outputs: Sequence[str] | None = None,
+        memory_mb: int | None = None,
     ) -> ExecResult:
-        """Run ``cmd`` to completion; raises ``CommandTimeout`` (with ``.result``) on timeout."""
+        """Run ``cmd`` to completion; raises ``CommandTimeout`` (with ``.result``) on timeout.
+
+        ``files`` (path -> content) are written before the command runs and ``outputs``
+        (paths) come back in ``result.files``; ``memory_mb`` lowers the memory limit for
+        this call alone (the function backend; others share the sandbox's limit).
+        """
         call = rc.exec_command(
-            self._id, cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin
+            self._id,
+            cmd,
+            env=env,
+            cwd=cwd,
+            user=user,
+            timeout=timeout,
+            stdin=stdin,
+            files=files,
+            outputs=outputs,
+            memory_mb=memory_mb,
         )
         return self._t.call(call)
 

@@ -366,5 +366,14 @@ def _edges(obj: JSON) -> list[JSON]:
     return [dict(e) for e in obj.get("edges") or [] if isinstance(e, dict)]
 
 
+def _backend_edges(obj: JSON) -> list[JSON]:
+    items = obj.get("edges")
+    return list(items) if isinstance(items, list) else []
+
+
+def list_backends() -> Call[list[JSON]]:
+    return Call(json_request("GET", "/v1/backends"), _backend_edges)
+
+
 def list_edges() -> Call[list[JSON]]:
     return Call(json_request("GET", "/v1/edges"), _edges)

@@ -13,7 +13,13 @@ import contextlib
 from dsec.agent import protocol
 from dsec.core.errors import SandboxFailed
 from dsec.core.spec import SandboxSpec
-from dsec.edge.backends.api import Availability, RuntimeState, SandboxPaths, Started
+from dsec.edge.backends.api import (
+    Availability,
+    Capabilities,
+    RuntimeState,
+    SandboxPaths,
+    Started,
+)
 
 
 class FakeBackend:
@@ -29,6 +35,9 @@ class FakeBackend:
 
     def availability(self) -> Availability:
         return Availability(True, "fake")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(pause=True, persistent_processes=True, notes="fake")
 
     async def create(self, sandbox_id: str, spec: SandboxSpec, paths: SandboxPaths) -> Started:
         if self.create_delay:

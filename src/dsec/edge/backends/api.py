@@ -44,10 +44,43 @@ class Availability:
     reason: str  # why not, or a note such as "cgroup mode hybrid, crun via private mntns"
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend's sandboxes can do (the defaults describe a backend that can't).
+
+    ``max_vcpus``/``max_memory_mb`` of 0 mean "bounded by the host only".
+    """
+
+    pause: bool = False
+    fork: bool = False
+    snapshot: bool = False
+    pty: bool = False
+    persistent_processes: bool = False
+    persistent_filesystem: bool = False
+    network_policy: bool = False
+    max_vcpus: float = 0.0
+    max_memory_mb: int = 0
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def capabilities_of(backend: object) -> Capabilities:
+    """A backend's capabilities; one written before ``capabilities()`` existed can't do much."""
+    fn = getattr(backend, "capabilities", None)
+    caps = fn() if callable(fn) else None
+    return caps if isinstance(caps, Capabilities) else Capabilities()
+
+
 class Backend(Protocol):
     name: str
 
     def availability(self) -> Availability: ...
+
+    def capabilities(self) -> Capabilities:
+        """What this backend's sandboxes can do (see :class:`Capabilities`)."""
+        ...
 
     async def create(self, sandbox_id: str, spec: SandboxSpec, paths: SandboxPaths) -> Started:
         """Build and start the sandbox; on failure leave nothing behind and raise DsecError."""

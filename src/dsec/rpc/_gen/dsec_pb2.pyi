@@ -897,6 +897,107 @@ class EdgeStatus(_message.Message):
 Global___EdgeStatus: _TypeAlias = EdgeStatus  # noqa: Y015
 
 @_typing.final
+class BackendCapabilities(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAUSE_FIELD_NUMBER: _builtins.int
+    FORK_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    PTY_FIELD_NUMBER: _builtins.int
+    PERSISTENT_PROCESSES_FIELD_NUMBER: _builtins.int
+    PERSISTENT_FILESYSTEM_FIELD_NUMBER: _builtins.int
+    NETWORK_POLICY_FIELD_NUMBER: _builtins.int
+    MAX_VCPUS_FIELD_NUMBER: _builtins.int
+    MAX_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    NOTES_FIELD_NUMBER: _builtins.int
+    pause: _builtins.bool
+    fork: _builtins.bool
+    snapshot: _builtins.bool
+    pty: _builtins.bool
+    persistent_processes: _builtins.bool
+    persistent_filesystem: _builtins.bool
+    network_policy: _builtins.bool
+    max_vcpus: _builtins.float
+    """0: bounded by the host only"""
+    max_memory_mb: _builtins.int
+    """0: bounded by the host only"""
+    notes: _builtins.str
+    def __init__(
+        self,
+        *,
+        pause: _builtins.bool = ...,
+        fork: _builtins.bool = ...,
+        snapshot: _builtins.bool = ...,
+        pty: _builtins.bool = ...,
+        persistent_processes: _builtins.bool = ...,
+        persistent_filesystem: _builtins.bool = ...,
+        network_policy: _builtins.bool = ...,
+        max_vcpus: _builtins.float = ...,
+        max_memory_mb: _builtins.int = ...,
+        notes: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork", b"fork", "max_memory_mb", b"max_memory_mb", "max_vcpus", b"max_vcpus", "network_policy", b"network_policy", "notes", b"notes", "pause", b"pause", "persistent_filesystem", b"persistent_filesystem", "persistent_processes", b"persistent_processes", "pty", b"pty", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackendCapabilities: _TypeAlias = BackendCapabilities  # noqa: Y015
+
+@_typing.final
+class BackendInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    AVAILABLE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    CAPABILITIES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    available: _builtins.bool
+    reason: _builtins.str
+    """why not, or a note on how it runs here"""
+    @_builtins.property
+    def capabilities(self) -> Global___BackendCapabilities: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        available: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        capabilities: Global___BackendCapabilities | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "capabilities", b"capabilities", "name", b"name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackendInfo: _TypeAlias = BackendInfo  # noqa: Y015
+
+@_typing.final
+class BackendList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    BACKENDS_FIELD_NUMBER: _builtins.int
+    edge_id: _builtins.str
+    @_builtins.property
+    def backends(self) -> _containers.RepeatedCompositeFieldContainer[Global___BackendInfo]: ...
+    def __init__(
+        self,
+        *,
+        edge_id: _builtins.str = ...,
+        backends: _abc.Iterable[Global___BackendInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backends", b"backends", "edge_id", b"edge_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackendList: _TypeAlias = BackendList  # noqa: Y015
+
+@_typing.final
 class AuthenticateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -119,6 +119,11 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageRequest.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageEvent.FromString,
                 _registered_method=True)
+        self.ListBackends = channel.unary_unary(
+                '/dsec.v1.Edge/ListBackends',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BackendList.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -230,6 +235,13 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListBackends(self, request, context):
+        """Every backend this edge knows, with what it can do and whether it runs here (issue 7).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -317,6 +329,11 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.BuildImage,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageRequest.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageEvent.SerializeToString,
+            ),
+            'ListBackends': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBackends,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BackendList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -778,6 +795,33 @@ class Edge:
             '/dsec.v1.Edge/BuildImage',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageRequest.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.BuildImageEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBackends(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/ListBackends',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.BackendList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,8 @@ class EdgeStub:
     """The sandbox's changes as a new layer on its image, recorded as image `name`."""
     BuildImage: _grpc.StreamStreamMultiCallable[_dsec_pb2.BuildImageRequest, _dsec_pb2.BuildImageEvent]
     """Build an image from a Dockerfile (issue 4): RUN steps run in sandboxes of this edge."""
+    ListBackends: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.BackendList]
+    """Every backend this edge knows, with what it can do and whether it runs here (issue 7)."""
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -81,6 +83,8 @@ class EdgeAsyncStub(EdgeStub):
     """The sandbox's changes as a new layer on its image, recorded as image `name`."""
     BuildImage: _aio.StreamStreamMultiCallable[_dsec_pb2.BuildImageRequest, _dsec_pb2.BuildImageEvent]  # type: ignore[assignment]
     """Build an image from a Dockerfile (issue 4): RUN steps run in sandboxes of this edge."""
+    ListBackends: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.BackendList]  # type: ignore[assignment]
+    """Every backend this edge knows, with what it can do and whether it runs here (issue 7)."""
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -205,6 +209,14 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_dsec_pb2.BuildImageEvent], _abc.AsyncIterator[_dsec_pb2.BuildImageEvent]]:
         """Build an image from a Dockerfile (issue 4): RUN steps run in sandboxes of this edge."""
+
+    @_abc_1.abstractmethod
+    def ListBackends(
+        self,
+        request: _dsec_pb2.Empty,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.BackendList, _abc.Awaitable[_dsec_pb2.BackendList]]:
+        """Every backend this edge knows, with what it can do and whether it runs here (issue 7)."""
 
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,5 +1,5 @@
-"""The ``container`` backend: crun containers on overlayfs, limited by cgroups and seccomp."""
+"""The ``container`` backend: crun containers on overlayfs, limited by cgroups and seccomp.
 
-from dsec.edge.backends.container.backend import ContainerBackend
-
-__all__ = ["ContainerBackend"]
+The backend class lives in :mod:`.backend`; this package imports nothing, so the function
+pool can use its cgroup, mount and seccomp helpers without loading crun or networking code.
+"""

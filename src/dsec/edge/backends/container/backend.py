@@ -30,7 +30,13 @@ from dsec.core.errors import (
 )
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
-from dsec.edge.backends.api import Availability, RuntimeState, SandboxPaths, Started
+from dsec.edge.backends.api import (
+    Availability,
+    Capabilities,
+    RuntimeState,
+    SandboxPaths,
+    Started,
+)
 from dsec.edge.backends.container import cgroups, mntns, ocispec, overlay
 from dsec.edge.backends.container.crun import Crun
 from dsec.edge.backends.container.leaks import find_leaks
@@ -113,6 +119,18 @@ class ContainerBackend:
         if layout.crun_needs_private_ns:
             note += ", crun via private mntns"
         return Availability(True, note)
+
+    def capabilities(self) -> Capabilities:
+        """Containers keep state, pause (cgroup freezer), have PTYs; no snapshot or fork."""
+        return Capabilities(
+            pause=True,
+            pty=True,
+            persistent_processes=True,
+            persistent_filesystem=True,
+            network_policy=self.network is not None,
+            max_vcpus=float(os.cpu_count() or 1),
+            notes="" if self.network is not None else "no sandbox networking on this edge",
+        )
 
     async def prepare(self) -> None:
         """Do the host setup now (the edge calls it before sandbox networking starts, so

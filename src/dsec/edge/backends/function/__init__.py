@@ -1,0 +1,1 @@
+"""Function backend: stateless calls in pre-forked isolated workers."""

@@ -1,0 +1,267 @@
+"""The function backend on this host: isolation, limits, statelessness, cleanup (root only).
+
+Each test starts its own pool (a real process forking real workers) on a throw-away node
+and checks from outside that nothing is left once the sandbox and the pool are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from dsec.core.errors import BackendUnavailable, InvalidArgument
+from dsec.core.netpolicy import NetworkPolicy
+from dsec.core.spec import SandboxSpec
+from dsec.edge import agent_client
+from dsec.edge.backends.api import RuntimeState, SandboxPaths
+from dsec.edge.backends.container import cgroups
+from dsec.edge.backends.container.testkit import ContainerTestEnv
+from dsec.edge.backends.function.backend import FunctionBackend
+
+pytestmark = pytest.mark.root
+
+
+class Fn:
+    """One function sandbox on its own pool."""
+
+    def __init__(self, backend: FunctionBackend, sid: str, paths: SandboxPaths) -> None:
+        self.backend = backend
+        self.sid = sid
+        self.paths = paths
+
+    async def call(self, req: dict[str, Any], stdin: bytes | None = None) -> Any:
+        return await agent_client.call(self.paths.agent_socket, req, stdin, timeout=60)
+
+    async def run(self, cmd: str | list[str], **args: Any) -> Any:
+        res = await self.call({"op": "exec", "cmd": cmd, **args})
+        return res, res.result
+
+
+@pytest_asyncio.fixture
+async def fn(cenv: ContainerTestEnv) -> AsyncIterator[Fn]:
+    backend = FunctionBackend(
+        cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
+    )
+    sid, paths = cenv.sandbox()
+    await backend.create(sid, SandboxSpec(backend="function", memory_mb=128, pids=64), paths)
+    pool_pid = backend.pool_pid()
+    try:
+        yield Fn(backend, sid, paths)
+    finally:
+        await backend.destroy(sid, paths)
+        assert backend.leaked(sid, paths) == []
+        workers = [w["pid"] for w in (await backend.stats())["workers"]]
+        await backend.close()
+        backend.release_host_setup()
+    assert backend.leaked(sid, paths) == []
+    assert not os.path.exists(f"/proc/{pool_pid}/status") or _zombie(pool_pid)
+    assert [p for p in workers if os.path.exists(f"/proc/{p}") and not _zombie(p)] == []
+    layout = cgroups.detect()
+    assert cgroups.sandbox_cgroups(layout, "/" + backend.cgroup) == []
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.asyncio
+async def test_exec_runs_unprivileged_in_fresh_namespaces(fn: Fn) -> None:
+    res, out = await fn.run(
+        "id -u; hostname; pwd; readlink /proc/self/ns/net /proc/self/ns/mnt /proc/self/ns/pid;"
+        " grep Seccomp: /proc/self/status; ls /proc | grep -c '^[0-9]'"
+    )
+    assert out["exit_code"] == 0, res.stderr
+    lines = res.stdout.decode().split()
+    assert lines[0] == "65534"
+    assert lines[1] == "function"
+    assert lines[2] == "/tmp"
+    for ns, theirs in zip(("net", "mnt", "pid"), lines[3:6], strict=True):
+        assert theirs != os.readlink(f"/proc/self/ns/{ns}"), ns
+    assert lines[6:8] == ["Seccomp:", "2"]
+    assert int(lines[8]) <= 5  # pid 1, the shell, ls, grep: nothing of the host
+
+
+@pytest.mark.asyncio
+async def test_state_does_not_leak_between_calls(fn: Fn) -> None:
+    _, out = await fn.run("echo secret > /tmp/left; sleep 300 & echo started")
+    assert out["exit_code"] == 0
+    res, out = await fn.run("cat /tmp/left; pgrep -c sleep; ls -A /tmp | wc -l")
+    assert res.stdout.decode().split() == ["0", "0"]
+    assert b"No such file" in res.stderr
+
+
+@pytest.mark.asyncio
+async def test_stdin_env_cwd_and_files_in_and_out(fn: Fn) -> None:
+    data = base64.b64encode(b"print(input() + ' ' + open('in.txt').read())").decode()
+    res = await fn.call(
+        {
+            "op": "exec",
+            "cmd": "mkdir -p out && python3 /app/main.py > out/r.txt; echo $GREETING",
+            "stdin": True,
+            "env": {"GREETING": "hello"},
+            "cwd": "/tmp",
+            "files": [
+                {"path": "/app/main.py", "data": data},
+                {"path": "in.txt", "data": base64.b64encode(b"world").decode()},
+            ],
+            "outputs": ["/tmp/out/r.txt", "/tmp/missing", "/proc/1/environ"],
+        },
+        stdin=b"hi\n",
+    )
+    out = res.result
+    assert out["exit_code"] == 0, res.stderr
+    assert res.stdout == b"hello\n"
+    assert [f["path"] for f in out["files"]] == ["/tmp/out/r.txt"]
+    assert base64.b64decode(out["files"][0]["data"]) == b"hi world\n"
+
+
+@pytest.mark.asyncio
+async def test_call_over_its_time_limit_is_killed(fn: Fn) -> None:
+    t0 = time.monotonic()
+    _, out = await fn.run("sleep 30", timeout=1)
+    assert time.monotonic() - t0 < 10
+    assert out["timed_out"] is True
+    assert out["exit_code"] == 137
+
+
+@pytest.mark.asyncio
+async def test_call_over_its_memory_limit_is_oom_killed(fn: Fn) -> None:
+    hog = ["python3", "-c", "x = bytearray(200 * 2**20); print('survived')"]
+    res, out = await fn.run(hog, memory_mb=48)
+    assert out["oom_killed"] is True, (out, res.stderr)
+    assert out["exit_code"] == 137
+    assert out["signal"] == 9
+    assert b"survived" not in res.stdout
+    _, out = await fn.run(["python3", "-c", "x = bytearray(20 * 2**20)"], memory_mb=64)
+    assert out["exit_code"] == 0
+    assert "oom_killed" not in out
+
+
+@pytest.mark.asyncio
+async def test_memory_limit_above_the_sandbox_is_refused(fn: Fn) -> None:
+    with pytest.raises(InvalidArgument, match="memory_mb"):
+        await fn.run("true", memory_mb=4096)
+
+
+@pytest.mark.asyncio
+async def test_no_network(fn: Fn) -> None:
+    probe = (
+        "import socket\n"
+        "print(sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))\n"
+        "s = socket.socket()\n"
+        "s.settimeout(2)\n"
+        "try:\n"
+        "    s.connect(('10.255.255.1', 9))\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__, e.errno)\n"
+    )
+    res, out = await fn.run(["python3", "-c", probe])
+    assert out["exit_code"] == 0, res.stderr
+    lines = res.stdout.decode().splitlines()
+    assert lines[0] == "['lo']"
+    assert lines[1].endswith(" 101")  # ENETUNREACH: no route, nothing was sent
+
+
+@pytest.mark.asyncio
+async def test_stateful_ops_name_the_backend_to_use(fn: Fn) -> None:
+    for req in (
+        {"op": "files.read", "path": "/etc/hostname"},
+        {"op": "process.start", "cmd": "sleep 1"},
+        {"op": "shell.run", "cmd": "cd /"},
+        {"op": "pty.resize", "pid": 1, "cols": 80, "rows": 24},
+    ):
+        with pytest.raises(BackendUnavailable, match="use backend='container'"):
+            _ = (await fn.call(req)).result
+    with pytest.raises(BackendUnavailable, match="pause"):
+        await fn.backend.pause(fn.sid)
+
+
+@pytest.mark.asyncio
+async def test_root_is_refused(fn: Fn) -> None:
+    with pytest.raises(Exception, match="unprivileged"):
+        await fn.run("id", user="root")
+
+
+@pytest.mark.asyncio
+async def test_concurrent_calls_each_get_their_own_worker(fn: Fn) -> None:
+    results = await asyncio.gather(
+        *(fn.run(f"echo {i} > /tmp/me; sleep 0.2; cat /tmp/me") for i in range(8))
+    )
+    assert sorted(int(r.stdout) for r, _ in results) == list(range(8))
+
+
+@pytest.mark.asyncio
+async def test_destroy_kills_calls_in_flight(cenv: ContainerTestEnv) -> None:
+    backend = FunctionBackend(
+        cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
+    )
+    sid, paths = cenv.sandbox()
+    await backend.create(sid, SandboxSpec(backend="function"), paths)
+    try:
+        assert await backend.state(sid) == (RuntimeState.RUNNING, backend.pool_pid())
+        call = asyncio.ensure_future(
+            agent_client.call(paths.agent_socket, {"op": "exec", "cmd": "sleep 60"})
+        )
+        await asyncio.sleep(0.5)
+        busy = [w for w in (await backend.stats())["workers"] if w["state"] == "busy"]
+        assert len(busy) == 1
+        await backend.destroy(sid, paths)
+        with pytest.raises(Exception):  # noqa: B017 (cut off: whichever transport error)
+            await asyncio.wait_for(call, 10)
+        assert backend.leaked(sid, paths) == []
+        assert (await backend.state(sid))[0] is RuntimeState.MISSING
+    finally:
+        await backend.close()
+        backend.release_host_setup()
+    assert backend.leaked(sid, paths) == []
+
+
+@pytest.mark.asyncio
+async def test_network_rules_are_refused(cenv: ContainerTestEnv) -> None:
+    backend = FunctionBackend(
+        cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
+    )
+    sid, paths = cenv.sandbox()
+    policy = NetworkPolicy.from_dict({"allow": ["192.0.2.0/24"]})
+    with pytest.raises(InvalidArgument, match="no network"):
+        await backend.create(sid, SandboxSpec(backend="function", network=policy), paths)
+    assert backend.leaked(sid, paths) == []
+    assert backend.pool_pid() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_edge_readopts_function_sandboxes(cenv: ContainerTestEnv) -> None:
+    def make() -> FunctionBackend:
+        return FunctionBackend(
+            cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
+        )
+
+    first = make()
+    sid, paths = cenv.sandbox()
+    await first.create(sid, SandboxSpec(backend="function"), paths)
+    old_pool = first.pool_pid()
+    await first.close()  # the edge went away (its pool stops with it)
+    second = make()
+    try:
+        state, pid = await second.state(sid)
+        assert state is RuntimeState.RUNNING
+        assert pid == second.pool_pid() != old_pool
+        res = await agent_client.call(paths.agent_socket, {"op": "exec", "cmd": "echo back"})
+        assert res.stdout == b"back\n"
+        await second.destroy(sid, paths)
+        assert (await second.state(sid))[0] is RuntimeState.MISSING
+    finally:
+        await second.close()
+        second.release_host_setup()
+    assert second.leaked(sid, paths) == []

@@ -1,0 +1,87 @@
+"""The backend switch outside the edge: gateway choice, edge report, CLI table, capabilities."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dsec.cli.backends import backend_rows
+from dsec.core.errors import InvalidArgument
+from dsec.edge import backend_report
+from dsec.edge.backends.api import Availability, Capabilities, capabilities_of
+from dsec.gateway.control import choose_backend
+from dsec.testing.fake_backend import FakeBackend
+
+
+@pytest.mark.parametrize(
+    ("template", "metadata", "expected"),
+    [
+        ("base", {}, ("container", "base")),
+        ("function", {}, ("function", "base")),
+        ("function:py", {}, ("function", "py")),
+        ("microvm:127.0.0.1:5000/x:v1", {}, ("microvm", "127.0.0.1:5000/x:v1")),
+        ("base", {"dsec.backend": "function"}, ("function", "base")),
+        ("vm:base", {"dsec.backend": "container"}, ("container", "base")),
+        ("127.0.0.1:5000/x:v1", {}, ("container", "127.0.0.1:5000/x:v1")),
+    ],
+)
+def test_gateway_chooses_backend(
+    template: str, metadata: dict[str, str], expected: tuple[str, str]
+) -> None:
+    assert choose_backend(template, metadata) == expected
+
+
+def test_gateway_rejects_unknown_backend() -> None:
+    with pytest.raises(InvalidArgument, match=r"dsec\.backend"):
+        choose_backend("base", {"dsec.backend": "lambda"})
+
+
+class _Old:
+    """A backend written before capabilities() existed."""
+
+    name = "vm"
+
+    def availability(self) -> Availability:
+        raise RuntimeError("boom")
+
+
+def test_report_lists_every_known_backend() -> None:
+    reports = backend_report.report([FakeBackend(), _Old()])  # type: ignore[list-item]
+    by_name = {r.name: r for r in reports}
+    assert [r.name for r in reports] == ["function", "container", "microvm", "vm"]
+    assert by_name["container"].availability.available
+    assert by_name["container"].capabilities.pause
+    assert by_name["function"].availability == Availability(False, "not implemented on this edge")
+    assert not by_name["vm"].availability.available
+    assert "boom" in by_name["vm"].availability.reason
+    assert by_name["vm"].capabilities == Capabilities()
+    assert capabilities_of(object()) == Capabilities()
+    msg = backend_report.to_pb("e1", reports)
+    assert msg.edge_id == "e1"
+    assert [b.name for b in msg.backends if b.available] == ["container"]
+    assert msg.backends[1].capabilities.persistent_processes
+
+
+def test_cli_table_rows() -> None:
+    edges: list[dict[str, Any]] = [
+        {
+            "edge_id": "e1",
+            "backends": [
+                {
+                    "name": "container",
+                    "available": True,
+                    "reason": "cgroup v2",
+                    "capabilities": {"pause": True, "pty": True, "max_vcpus": 2.0},
+                },
+                {"name": "vm", "available": False, "reason": "no kvm", "capabilities": {}},
+            ],
+        },
+        {"edge_id": "e2", "error": "down", "backends": []},
+    ]
+    rows = backend_rows(edges)
+    assert rows[0] == ["e1", "container", "yes", "pause,pty", "2", "host", "cgroup v2"]
+    assert rows[1][:3] == ["e1", "vm", "no"]
+    assert rows[1][-1] == "no kvm"
+    assert rows[2][0] == "e2"
+    assert rows[2][-1] == "down"
