@@ -116,6 +116,18 @@ class InvalidState(ClientError):
     http_status = 409
 
 
+class TrajectoryMismatch(InvalidState):
+    """A replayed call differs from the recorded step and the policy is ``fail``."""
+
+    code = "trajectory_mismatch"
+
+
+class NotRestorable(InvalidState):
+    """A trajectory's sandbox is gone and its state cannot be rebuilt safely."""
+
+    code = "trajectory_not_restorable"
+
+
 class AlreadyExists(ClientError):
     code = "already_exists"
     http_status = 409

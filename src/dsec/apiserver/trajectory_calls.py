@@ -1,0 +1,386 @@
+"""Runtime calls of a sandbox bound to a trajectory: replayed from the log or recorded.
+
+Every unary runtime call, file read and file write of the runtime routes passes through
+here. For an unbound sandbox it is one store read and the plain relay. For a bound one:
+
+- replay mode: the call's canonical form (``dsec.trajectory.canon``) is compared with the
+  step at the cursor; equal -> the recorded result is answered and no sandbox is touched;
+  different -> the mismatch is logged, kept on the record and answered in the
+  ``X-Dsec-Trajectory-*`` headers, then either the call fails with 409
+  (``on_mismatch="fail"``) or the log is cut there and the call runs for real (``diverge``);
+  the end of the log ends replay the same way.
+- record mode: the call runs; its result is appended to the log (durably: the store's
+  transaction committed) before it is answered. Errors the sandbox answered (4xx) are
+  results too; platform failures (5xx) are not recorded and may be retried.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from dsec.agent import protocol
+from dsec.apiserver import relay
+from dsec.apiserver.auth import Principal
+from dsec.apiserver.context import Ctx
+from dsec.apiserver.upstream import rpc
+from dsec.core.errors import (
+    DeadlineExceeded,
+    DsecError,
+    InvalidState,
+    PayloadTooLarge,
+    TrajectoryMismatch,
+    error_from_wire,
+)
+from dsec.obs import log
+from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.trajectory.canon import canonical, field_at, first_difference
+from dsec.trajectory.log import Step, Trajectory, TrajectoryLog
+
+_log = logging.getLogger("dsec.apiserver.trajectory")
+
+HEADERS = "trajectory_headers"  # request key: headers the response gets (app.py adds them)
+MAX_BOUND_TRANSFER = 256 * 1024**2  # file bytes a bound call buffers to record them
+READ_ONLY_OPS = frozenset({"files.read", "files.stat", "files.list", "process.list", "shell.list"})
+PACK_TIMEOUT_S = 600
+
+
+def idempotent(request: web.Request) -> bool:
+    return request.headers.get("X-Dsec-Idempotent", "").lower() in ("1", "true", "yes")
+
+
+def _set_headers(request: web.Request, t: Trajectory, mode: str, step: int) -> None:
+    request[HEADERS] = {
+        "X-Dsec-Trajectory": t.name,
+        "X-Dsec-Trajectory-Mode": mode,
+        "X-Dsec-Trajectory-Step": str(step),
+    }
+
+
+async def bound(c: Ctx, sandbox_id: str) -> Trajectory | None:
+    return await c.trajectories.for_sandbox(sandbox_id) if c.trajectories else None
+
+
+async def replay(
+    request: web.Request, tlog: TrajectoryLog, t: Trajectory, canon: dict[str, Any]
+) -> Step | None:
+    """The recorded step this call replays, or None (it runs for real and is recorded)."""
+    if t.mode != "replay":
+        return None
+    step = await tlog.step(t.id, t.cursor)
+    if step is None:
+        await tlog.update(t.id, lambda x: replace(x, mode="record", cursor=x.steps))
+        return None
+    diff = first_difference(step.request, canon)
+    if diff is None:
+        n = step.n
+
+        def advance(x: Trajectory) -> Trajectory:
+            if x.cursor != n:
+                raise InvalidState(
+                    f"trajectory {x.name!r} is replaying step {x.cursor}, not {n}: "
+                    "replay its calls one at a time"
+                )
+            return replace(
+                x,
+                cursor=n + 1,
+                replayed=x.replayed + 1,
+                mode="replay" if n + 1 < x.steps else "record",
+            )
+
+        await tlog.update(t.id, advance)
+        _set_headers(request, t, "replayed", n)
+        return step
+    div = {
+        "step": step.n,
+        "field": diff,
+        "recorded": field_at(step.request, diff),
+        "actual": field_at(canon, diff),
+        "policy": t.on_mismatch,
+        "at": time.time(),
+        "sandbox_ahead_by": t.steps - step.n,
+    }
+    log(
+        _log,
+        "trajectory mismatch",
+        level=logging.WARNING,
+        trajectory=t.name,
+        project=t.project,
+        step=step.n,
+        field=diff,
+        policy=t.on_mismatch,
+    )
+    request[HEADERS] = {
+        "X-Dsec-Trajectory": t.name,
+        "X-Dsec-Trajectory-Mode": "mismatch",
+        "X-Dsec-Trajectory-Step": str(step.n),
+        "X-Dsec-Trajectory-Mismatch": diff,
+    }
+    if t.on_mismatch == "fail":
+        await tlog.update(t.id, lambda x: replace(x, divergence=div))
+        raise TrajectoryMismatch(
+            f"call differs from step {step.n} of trajectory {t.name!r} at {diff!r}: "
+            f"recorded {div['recorded']!r}, got {div['actual']!r} (on_mismatch='fail')"
+        )
+    await tlog.truncate(
+        t.id, step.n, lambda x: replace(x, mode="record", cursor=step.n, divergence=div)
+    )
+    return None
+
+
+async def record(
+    request: web.Request,
+    c: Ctx,
+    p: Principal,
+    t: Trajectory,
+    sandbox_id: str,
+    req: dict[str, Any],
+    canon: dict[str, Any],
+    status: int,
+    result: dict[str, Any],
+    *,
+    data: bytes | None = None,
+    payload: bytes | None = None,
+) -> Step:
+    assert c.trajectories is not None
+    idem = idempotent(request)
+    mode = request.get(HEADERS, {}).get("X-Dsec-Trajectory-Mode", "recorded")
+
+    def make(n: int) -> Step:
+        return Step(
+            n=n,
+            op=str(req.get("op", "")),
+            request=canon,
+            status=status,
+            result=result,
+            at=time.time(),
+            sandbox_id=sandbox_id,
+            idempotent=idem,
+            data=data,
+            payload=payload,
+            raw_request=req,
+        )
+
+    step = await c.trajectories.append(t.id, make)
+    _set_headers(request, t, "diverged" if mode == "mismatch" else "recorded", step.n)
+    c.metrics.inc("trajectory_steps_recorded")
+    if t.checkpoint_every and (step.n + 1) % t.checkpoint_every == 0:
+        await checkpoint(c, p, t.id, sandbox_id)
+    return step
+
+
+async def checkpoint(c: Ctx, p: Principal, tid: str, sandbox_id: str) -> dict[str, Any]:
+    """Pack the sandbox into an image that holds its state after the log's last step."""
+    assert c.trajectories is not None
+    t = await c.trajectories.get(tid)
+    name = f"traj-{t.id[:24]}:s{t.steps}"
+    stub = await c.upstream.edge_for(sandbox_id)
+    await rpc(
+        f"edge of {sandbox_id}",
+        stub.PackSandbox(
+            pb.PackSandboxRequest(sandbox_id=sandbox_id, name=name),
+            metadata=p.metadata(),
+            timeout=PACK_TIMEOUT_S,
+        ),
+    )
+    entry = {"step": t.steps, "image": name, "sandbox_id": sandbox_id, "at": time.time()}
+
+    def add(x: Trajectory) -> Trajectory:
+        kept = [k for k in x.checkpoints if k["step"] != entry["step"]]
+        return replace(x, checkpoints=[*kept, entry])
+
+    await c.trajectories.update(tid, add)
+    c.metrics.inc("trajectory_checkpoints")
+    return entry
+
+
+# -- unary calls ------------------------------------------------------------------------
+
+
+def _pack(reply: relay.Reply) -> dict[str, Any]:
+    return {
+        "result": reply.result,
+        "stdout": base64.b64encode(reply.stdout).decode(),
+        "stderr": base64.b64encode(reply.stderr).decode(),
+        "events": reply.events,
+        "truncated": reply.truncated,
+    }
+
+
+def _unpack(step: Step) -> relay.Reply:
+    if "error" in step.result:
+        err = step.result["error"]
+        raise error_from_wire(str(err.get("code", "internal")), str(err.get("message", "")))
+    r = step.result
+    return relay.Reply(
+        result=dict(r.get("result") or {}),
+        stdout=base64.b64decode(r.get("stdout", "")),
+        stderr=base64.b64decode(r.get("stderr", "")),
+        events=list(r.get("events") or []),
+        truncated=bool(r.get("truncated")),
+    )
+
+
+async def call(
+    request: web.Request,
+    c: Ctx,
+    p: Principal,
+    sandbox_id: str,
+    req: dict[str, Any],
+    stdin: bytes | None = None,
+    *,
+    deadline_s: float = 3600,
+) -> relay.Reply:
+    """:func:`relay.call`, replayed or recorded when the sandbox is bound to a trajectory."""
+    t = await bound(c, sandbox_id)
+    if t is None or c.trajectories is None:
+        return await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
+    canon = canonical(req, stdin)
+    step = await replay(request, c.trajectories, t, canon)
+    if step is not None:
+        c.metrics.inc("trajectory_steps_replayed")
+        return _unpack(step)
+    await c.trajectories.check_quota(t.project)
+    try:
+        reply = await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
+    except DsecError as exc:
+        if exc.http_status >= 500:
+            raise
+        await record(
+            request,
+            c,
+            p,
+            t,
+            sandbox_id,
+            req,
+            canon,
+            exc.http_status,
+            {"error": exc.to_wire()},
+            payload=stdin,
+        )
+        raise
+    await record(request, c, p, t, sandbox_id, req, canon, 200, _pack(reply), payload=stdin)
+    return reply
+
+
+# -- file transfers -----------------------------------------------------------------------
+
+
+async def read_file(c: Ctx, p: Principal, sandbox_id: str, req: dict[str, Any]) -> bytes:
+    """A whole file read through the edge (bound sandboxes record what they read)."""
+    stream = await relay.EdgeStream.open(c, p, sandbox_id, req)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        await stream.done_writing()
+        while (frame := await stream.read()) is not None:
+            kind, data = frame
+            if kind == protocol.KIND_OUT:
+                size += len(data)
+                if size > MAX_BOUND_TRANSFER:
+                    raise PayloadTooLarge(
+                        f"a sandbox bound to a trajectory reads files of at most "
+                        f"{MAX_BOUND_TRANSFER} bytes (each read is recorded)"
+                    )
+                chunks.append(data)
+            elif kind == protocol.KIND_JSON:
+                msg = protocol.decode_json(data)
+                if "result" in msg or "error" in msg:
+                    relay.raise_for_final(msg)
+                    return b"".join(chunks)
+        raise DeadlineExceeded("file download ended without a result")
+    finally:
+        stream.cancel()
+
+
+async def write_file(
+    c: Ctx, p: Principal, sandbox_id: str, req: dict[str, Any], body: bytes
+) -> dict[str, Any]:
+    stream = await relay.EdgeStream.open(c, p, sandbox_id, req)
+    try:
+        for i in range(0, len(body), protocol.CHUNK):
+            await stream.send(protocol.KIND_IN, body[i : i + protocol.CHUNK])
+        await stream.send(protocol.KIND_CLOSE)
+        await stream.done_writing()
+        while (frame := await stream.read()) is not None:
+            kind, data = frame
+            if kind == protocol.KIND_JSON:
+                msg = protocol.decode_json(data)
+                if "result" in msg or "error" in msg:
+                    return relay.raise_for_final(msg)
+        raise DeadlineExceeded("the runtime call ended without a result")
+    finally:
+        stream.cancel()
+
+
+async def transfer(
+    request: web.Request,
+    c: Ctx,
+    p: Principal,
+    t: Trajectory,
+    sandbox_id: str,
+    req: dict[str, Any],
+    body: bytes | None,
+    run: Callable[[], Awaitable[tuple[dict[str, Any], bytes | None]]],
+) -> tuple[dict[str, Any], bytes | None]:
+    """A file read (``body`` None) or write of a bound sandbox: (result, bytes read)."""
+    assert c.trajectories is not None
+    canon = canonical(req, body)
+    step = await replay(request, c.trajectories, t, canon)
+    if step is not None:
+        c.metrics.inc("trajectory_steps_replayed")
+        if "error" in step.result:
+            _unpack(step)
+        return step.result, step.data
+    await c.trajectories.check_quota(t.project)
+    try:
+        result, data = await run()
+    except DsecError as exc:
+        if exc.http_status >= 500:
+            raise
+        await record(
+            request,
+            c,
+            p,
+            t,
+            sandbox_id,
+            req,
+            canon,
+            exc.http_status,
+            {"error": exc.to_wire()},
+            payload=body,
+        )
+        raise
+    await record(request, c, p, t, sandbox_id, req, canon, 200, result, data=data, payload=body)
+    return result, data
+
+
+async def read_body(request: web.Request) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(protocol.CHUNK):
+        size += len(chunk)
+        if size > MAX_BOUND_TRANSFER:
+            raise PayloadTooLarge(
+                f"a sandbox bound to a trajectory takes uploads of at most {MAX_BOUND_TRANSFER} "
+                "bytes (each upload is recorded)"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def rerun(c: Ctx, p: Principal, sandbox_id: str, step: Step) -> None:
+    """Run a recorded (idempotent) step again for real, to rebuild a restored sandbox."""
+    if step.op in READ_ONLY_OPS or step.status != 200:
+        return
+    if step.op == "files.write":
+        await write_file(c, p, sandbox_id, step.raw_request, step.payload or b"")
+        return
+    timeout = float(step.raw_request.get("timeout", 60))
+    await relay.call(c, p, sandbox_id, step.raw_request, step.payload, deadline_s=timeout + 30)
