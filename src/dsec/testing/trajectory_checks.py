@@ -72,7 +72,7 @@ async def check_record_then_replay(tlog: TrajectoryLog, project: str) -> None:
 async def check_bad_input(tlog: TrajectoryLog, project: str) -> None:
     for kwargs in ({"on_mismatch": "ignore"}, {"checkpoint_every": -1}):
         try:
-            await tlog.open(project, "x", spec={}, **kwargs)  # type: ignore[arg-type]
+            await tlog.open(project, "x", spec={}, **kwargs)
         except InvalidArgument:
             pass
         else:
