@@ -215,8 +215,15 @@ async def show(request: web.Request) -> web.Response:
 
 
 async def export(request: web.Request) -> web.StreamResponse:
-    """The steps as JSON Lines (one object per step, payload bytes as base64)."""
+    """The steps as JSON Lines (one object per step, payload bytes as base64);
+    ``?format=json``: one ``{"steps": [...]}`` object."""
     t = await _get(request, "viewer")
+    if request.query.get("format") == "json":
+        steps = [
+            {"trajectory": t.name, "project": t.project, **s.export()}
+            async for s in _log(request).steps(t.id)
+        ]
+        return ok({"steps": steps})
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     async for s in _log(request).steps(t.id):
