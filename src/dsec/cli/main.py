@@ -22,6 +22,7 @@ from dsec.cli.output import EXIT_INTERRUPTED, CliState, report
 from dsec.cli.projects import project_group, quota_group
 from dsec.cli.sandbox import sandbox_group
 from dsec.cli.tokens import token_group, user_group
+from dsec.cli.trajectory import trajectory_group
 from dsec.core.errors import DsecError
 
 
@@ -69,6 +70,7 @@ cli.add_command(quota_group)
 cli.add_command(e2b_group)
 cli.add_command(image_group)
 cli.add_command(registry_group)
+cli.add_command(trajectory_group)
 
 
 def _register_platform_commands(group: click.Group) -> None:
