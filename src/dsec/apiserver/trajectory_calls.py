@@ -16,6 +16,7 @@ here. For an unbound sandbox it is one store read and the plain relay. For a bou
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
@@ -247,26 +248,23 @@ async def call(
         c.metrics.inc("trajectory_steps_replayed")
         return _unpack(step)
     await c.trajectories.check_quota(t.project)
-    try:
-        reply = await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
-    except DsecError as exc:
-        if exc.http_status >= 500:
+
+    async def run() -> relay.Reply:
+        try:
+            reply = await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
+        except DsecError as exc:
+            if exc.http_status >= 500:
+                raise
+            error = {"error": exc.to_wire()}
+            await record(
+                request, c, p, t, sandbox_id, req, canon, exc.http_status, error, payload=stdin
+            )
             raise
-        await record(
-            request,
-            c,
-            p,
-            t,
-            sandbox_id,
-            req,
-            canon,
-            exc.http_status,
-            {"error": exc.to_wire()},
-            payload=stdin,
-        )
-        raise
-    await record(request, c, p, t, sandbox_id, req, canon, 200, _pack(reply), payload=stdin)
-    return reply
+        await record(request, c, p, t, sandbox_id, req, canon, 200, _pack(reply), payload=stdin)
+        return reply
+
+    # A client that goes away mid-call must not leave a call that ran but was not recorded.
+    return await asyncio.shield(run())
 
 
 # -- file transfers -----------------------------------------------------------------------
@@ -339,6 +337,22 @@ async def transfer(
             _unpack(step)
         return step.result, step.data
     await c.trajectories.check_quota(t.project)
+    return await asyncio.shield(
+        _run_and_record(request, c, p, t, sandbox_id, req, canon, body, run)
+    )
+
+
+async def _run_and_record(
+    request: web.Request,
+    c: Ctx,
+    p: Principal,
+    t: Trajectory,
+    sandbox_id: str,
+    req: dict[str, Any],
+    canon: dict[str, Any],
+    body: bytes | None,
+    run: Callable[[], Awaitable[tuple[dict[str, Any], bytes | None]]],
+) -> tuple[dict[str, Any], bytes | None]:
     try:
         result, data = await run()
     except DsecError as exc:
