@@ -18,6 +18,8 @@ the fault, carries a stable wire ``code`` and the HTTP status the public API ans
     │   │   ├── ProcessNotFound     404 process_not_found
     │   │   └── LeaseNotFound       404 lease_not_found
     │   ├── InvalidState            409 invalid_state
+    │   │   ├── TrajectoryMismatch  409 trajectory_mismatch
+    │   │   └── NotRestorable       409 trajectory_not_restorable
     │   ├── AlreadyExists           409 already_exists
     │   ├── Compacted               410 compacted
     │   ├── PayloadTooLarge         413 payload_too_large
