@@ -50,7 +50,7 @@ def overhead(client: Client, calls: int) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     s.exec("true")
                     samples[name].append(time.perf_counter() - t0)
-        out = {k: summary(v) for k, v in samples.items()}
+        out: dict[str, Any] = {k: summary(v) for k, v in samples.items()}
         base, rec = out["unbound"]["p50_ms"], out["recorded"]["p50_ms"]
         out["overhead_p50_ms"] = round(rec - base, 2)
         out["overhead_p50_pct"] = round(100 * (rec - base) / base, 1)
