@@ -183,3 +183,62 @@ def test_lost_sandbox_is_restored_from_its_checkpoint(api: Client) -> None:
     finally:
         for t in api.list_trajectories(name=name):
             api.remove_trajectory(t["id"])
+
+
+def _cli(platform: RunningPlatform, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsec.cli.main", *args],
+        env=platform.env(),
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_cli_bind_checkpoint_policy_and_quota(platform: RunningPlatform, api: Client) -> None:
+    name = f"cli/{uuid.uuid4().hex[:8]}"
+    out = _cli(platform, "sandbox", "create", "--memory", "256", "--trajectory", name)
+    assert out.returncode == 0, out.stderr
+    sid = out.stdout.strip()
+    sbx = Sandbox.connect(sid, client=api)
+    other = Sandbox.create(memory_mb=256, client=api)
+    try:
+        sbx.exec("echo hi > /x")
+        sbx.files.write("/big", b"z" * 200_000)  # over 64 KiB: kept as a blob
+        assert sbx.files.read("/big") == b"z" * 200_000
+        ls = _cli(platform, "trajectory", "ls", "--json")
+        assert name in [t["name"] for t in json.loads(ls.stdout)]
+        show = _cli(platform, "trajectory", "show", name)
+        assert "steps        3" in show.stdout, show.stdout
+        lines = _cli(platform, "trajectory", "export", name).stdout.splitlines()
+        assert [json.loads(line)["op"] for line in lines] == ["exec", "files.write", "files.read"]
+        # An existing sandbox bound later, with a checkpoint every 2 steps.
+        other.bind_trajectory(f"{name}-b", checkpoint_every=2)
+        other.exec("true")
+        assert other.trajectory_status()["checkpoints"] == []
+        other.exec("true")
+        (ckpt,) = other.trajectory_status()["checkpoints"]
+        assert ckpt["step"] == 2
+        # The project's quota on log bytes.
+        project = api.whoami().project
+        before = api.trajectory_quota(project)
+        assert before["used_bytes"] > 200_000
+        api.set_trajectory_quota(project, 1)
+        try:
+            with pytest.raises(errors.QuotaExceeded) as exc_info:
+                sbx.exec("echo refused")
+            assert "quota" in str(exc_info.value)
+        finally:
+            api.set_trajectory_quota(project, before["limit_bytes"])
+        rm = _cli(platform, "trajectory", "rm", name, f"{name}-b")
+        assert rm.returncode == 0, rm.stderr
+        assert api.list_trajectories(name=name) == []
+        gone = _cli(platform, "trajectory", "show", name)
+        assert gone.returncode == 2
+        assert "no trajectory" in gone.stderr
+    finally:
+        sbx.kill()
+        other.kill()

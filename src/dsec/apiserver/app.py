@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -197,6 +198,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.trajectory_store or f"sqlite:{paths.home / 'trajectory' / 'log.db'}",
         args.trajectory_blobs or paths.home / "trajectory" / "blobs",
         default_quota_bytes=args.trajectory_quota_bytes,
+        sync=args.trajectory_sync,
     )
     retention = Retention(
         max_age_s=args.trajectory_max_age_days * 86400, max_bytes=args.trajectory_max_bytes
@@ -229,6 +231,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sqlite:PATH (default <home>/trajectory/log.db) or etcd:http://HOST:PORT[,...]",
     )
     ap.add_argument("--trajectory-blobs", type=Path, default=None, help="blob directory")
+    ap.add_argument(
+        "--trajectory-sync",
+        choices=["FULL", "NORMAL", "full", "normal"],
+        default=os.environ.get("DSEC_TRAJECTORY_SYNC", "FULL"),
+        help="SQLite log: FULL fsyncs each step, NORMAL survives apiserver crashes only",
+    )
     ap.add_argument("--trajectory-quota-bytes", type=int, default=1024**3)
     ap.add_argument("--trajectory-max-age-days", type=float, default=30.0)
     ap.add_argument("--trajectory-max-bytes", type=int, default=0)

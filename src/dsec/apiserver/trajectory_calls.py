@@ -21,7 +21,7 @@ import base64
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -41,6 +41,7 @@ from dsec.core.errors import (
 )
 from dsec.obs import log
 from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.store.api import KeyValue
 from dsec.trajectory.canon import canonical, field_at, first_difference
 from dsec.trajectory.log import Step, Trajectory, TrajectoryLog
 
@@ -64,14 +65,29 @@ def _set_headers(request: web.Request, t: Trajectory, mode: str, step: int) -> N
     }
 
 
-async def bound(c: Ctx, sandbox_id: str) -> Trajectory | None:
-    return await c.trajectories.for_sandbox(sandbox_id) if c.trajectories else None
+@dataclass
+class Bound:
+    """A sandbox's trajectory and the store entries as read for this call (so the
+    append's transaction usually needs no second read)."""
+
+    t: Trajectory
+    meta: KeyValue
+    usage: KeyValue | None = None
+
+    def known(self) -> tuple[KeyValue, KeyValue | None] | None:
+        return (self.meta, self.usage)
+
+
+async def bound(c: Ctx, sandbox_id: str) -> Bound | None:
+    found = await c.trajectories.lookup(sandbox_id) if c.trajectories else None
+    return Bound(*found) if found else None
 
 
 async def replay(
-    request: web.Request, tlog: TrajectoryLog, t: Trajectory, canon: dict[str, Any]
+    request: web.Request, tlog: TrajectoryLog, b: Bound, canon: dict[str, Any]
 ) -> Step | None:
     """The recorded step this call replays, or None (it runs for real and is recorded)."""
+    t = b.t
     if t.mode != "replay":
         return None
     step = await tlog.step(t.id, t.cursor)
@@ -95,7 +111,7 @@ async def replay(
                 mode="replay" if n + 1 < x.steps else "record",
             )
 
-        await tlog.update(t.id, advance)
+        await tlog.update(t.id, advance, known=b.meta)
         _set_headers(request, t, "replayed", n)
         return step
     div = {
@@ -139,7 +155,7 @@ async def record(
     request: web.Request,
     c: Ctx,
     p: Principal,
-    t: Trajectory,
+    b: Bound,
     sandbox_id: str,
     req: dict[str, Any],
     canon: dict[str, Any],
@@ -168,7 +184,8 @@ async def record(
             raw_request=req,
         )
 
-    step = await c.trajectories.append(t.id, make)
+    t = b.t
+    step = await c.trajectories.append(t.id, make, known=b.known())
     _set_headers(request, t, "diverged" if mode == "mismatch" else "recorded", step.n)
     c.metrics.inc("trajectory_steps_recorded")
     if t.checkpoint_every and (step.n + 1) % t.checkpoint_every == 0:
@@ -239,15 +256,15 @@ async def call(
     deadline_s: float = 3600,
 ) -> relay.Reply:
     """:func:`relay.call`, replayed or recorded when the sandbox is bound to a trajectory."""
-    t = await bound(c, sandbox_id)
-    if t is None or c.trajectories is None:
+    b = await bound(c, sandbox_id)
+    if b is None or c.trajectories is None:
         return await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
     canon = canonical(req, stdin)
-    step = await replay(request, c.trajectories, t, canon)
+    step = await replay(request, c.trajectories, b, canon)
     if step is not None:
         c.metrics.inc("trajectory_steps_replayed")
         return _unpack(step)
-    await c.trajectories.check_quota(t.project)
+    b = await _for_recording(c.trajectories, b)
 
     async def run() -> relay.Reply:
         try:
@@ -257,10 +274,10 @@ async def call(
                 raise
             error = {"error": exc.to_wire()}
             await record(
-                request, c, p, t, sandbox_id, req, canon, exc.http_status, error, payload=stdin
+                request, c, p, b, sandbox_id, req, canon, exc.http_status, error, payload=stdin
             )
             raise
-        await record(request, c, p, t, sandbox_id, req, canon, 200, _pack(reply), payload=stdin)
+        await record(request, c, p, b, sandbox_id, req, canon, 200, _pack(reply), payload=stdin)
         return reply
 
     # A client that goes away mid-call must not leave a call that ran but was not recorded.
@@ -321,7 +338,7 @@ async def transfer(
     request: web.Request,
     c: Ctx,
     p: Principal,
-    t: Trajectory,
+    b: Bound,
     sandbox_id: str,
     req: dict[str, Any],
     body: bytes | None,
@@ -330,23 +347,33 @@ async def transfer(
     """A file read (``body`` None) or write of a bound sandbox: (result, bytes read)."""
     assert c.trajectories is not None
     canon = canonical(req, body)
-    step = await replay(request, c.trajectories, t, canon)
+    step = await replay(request, c.trajectories, b, canon)
     if step is not None:
         c.metrics.inc("trajectory_steps_replayed")
         if "error" in step.result:
             _unpack(step)
         return step.result, step.data
-    await c.trajectories.check_quota(t.project)
+    b = await _for_recording(c.trajectories, b)
     return await asyncio.shield(
-        _run_and_record(request, c, p, t, sandbox_id, req, canon, body, run)
+        _run_and_record(request, c, p, b, sandbox_id, req, canon, body, run)
     )
+
+
+async def _for_recording(tlog: TrajectoryLog, b: Bound) -> Bound:
+    """Check the quota before the call runs; re-read the record if replay just moved it."""
+    usage = await tlog.check_quota(b.t.project)
+    if b.t.mode == "replay":  # replay ended at this call: the record changed under us
+        found = await tlog.lookup(b.t.sandbox_id)
+        if found is not None:
+            return Bound(found[0], found[1], usage)
+    return Bound(b.t, b.meta, usage)
 
 
 async def _run_and_record(
     request: web.Request,
     c: Ctx,
     p: Principal,
-    t: Trajectory,
+    b: Bound,
     sandbox_id: str,
     req: dict[str, Any],
     canon: dict[str, Any],
@@ -362,7 +389,7 @@ async def _run_and_record(
             request,
             c,
             p,
-            t,
+            b,
             sandbox_id,
             req,
             canon,
@@ -371,7 +398,7 @@ async def _run_and_record(
             payload=body,
         )
         raise
-    await record(request, c, p, t, sandbox_id, req, canon, 200, result, data=data, payload=body)
+    await record(request, c, p, b, sandbox_id, req, canon, 200, result, data=data, payload=body)
     return result, data
 
 

@@ -41,6 +41,7 @@ from .blobs import INLINE_MAX, BlobStore
 PREFIX = b"/dsec/trajectory/"
 MAX_NAME = 200
 MISMATCH_POLICIES = ("diverge", "fail")
+QUOTA_CACHE_S = 5.0
 _DELETE_BATCH = 100
 
 
@@ -169,6 +170,7 @@ class TrajectoryLog:
         self.blobs = blobs
         self.default_quota_bytes = default_quota_bytes
         self.clock = clock
+        self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
 
     # -- records --------------------------------------------------------------------------
 
@@ -193,11 +195,21 @@ class TrajectoryLog:
         return sorted(out, key=lambda t: t.created_at)
 
     async def update(
-        self, tid: str, fn: Callable[[Trajectory], Trajectory], extra: tuple[TxnOp, ...] = ()
+        self,
+        tid: str,
+        fn: Callable[[Trajectory], Trajectory],
+        extra: tuple[TxnOp, ...] = (),
+        *,
+        known: KeyValue | None = None,
     ) -> Trajectory:
-        """Apply ``fn`` to the record atomically (retried if someone else wrote it)."""
+        """Apply ``fn`` to the record atomically (retried if someone else wrote it);
+        ``known``: the record as last read, tried first without reading it again."""
         while True:
-            t, kv = await self._read(tid)
+            if known is not None:
+                t, kv = Trajectory.from_json(json.loads(known.value)), known
+                known = None
+            else:
+                t, kv = await self._read(tid)
             new = replace(fn(t), updated_at=self.clock())
             put = Put(kv.key, json.dumps(new.to_json()).encode())
             res = await self.store.txn([_guard(kv.key, kv)], [put, *extra])
@@ -267,11 +279,17 @@ class TrajectoryLog:
         return await self.update(tid, lambda t: replace(t, sandbox_id=sandbox_id), extra)
 
     async def for_sandbox(self, sandbox_id: str) -> Trajectory | None:
+        found = await self.lookup(sandbox_id)
+        return found[0] if found else None
+
+    async def lookup(self, sandbox_id: str) -> tuple[Trajectory, KeyValue] | None:
+        """The trajectory ``sandbox_id`` is bound to, and its record as read (for
+        ``known=`` in :meth:`update` and :meth:`append`)."""
         kv = await self.store.get(_bind_key(sandbox_id))
         if kv is None:
             return None
         try:
-            return await self.get(kv.value.decode())
+            return await self._read(kv.value.decode())
         except NotFound:
             return None
 
@@ -294,17 +312,25 @@ class TrajectoryLog:
             if s is not None:
                 yield s
 
-    async def quota(self, project: str) -> int:
+    async def quota(self, project: str, *, max_age_s: float = 0) -> int:
+        """The project's limit; ``max_age_s`` > 0 accepts a value read that recently (the
+        hot path: a quota set on another apiserver applies here within that time)."""
+        cached = self._quotas.get(project)
+        if cached and max_age_s and self.clock() - cached[0] < max_age_s:
+            return cached[1]
         kv = await self.store.get(_quota_key(project))
-        return _int(kv) if kv else self.default_quota_bytes
+        limit = _int(kv) if kv else self.default_quota_bytes
+        self._quotas[project] = (self.clock(), limit)
+        return limit
 
     async def set_quota(self, project: str, limit_bytes: int) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 0:
             raise InvalidArgument("a trajectory quota is a number of bytes >= 0 (0: no limit)")
         await self.store.put(_quota_key(project), str(limit_bytes).encode())
+        self._quotas.pop(project, None)
 
     async def _check_quota(self, project: str, used: int) -> None:
-        limit = await self.quota(project)
+        limit = await self.quota(project, max_age_s=QUOTA_CACHE_S)
         if limit and used >= limit:
             raise QuotaExceeded(
                 f"the trajectory log of project {project!r} holds {used} bytes, at or over its "
@@ -312,18 +338,32 @@ class TrajectoryLog:
                 "raise the quota"
             )
 
-    async def check_quota(self, project: str) -> None:
+    async def check_quota(self, project: str) -> KeyValue | None:
         """Refuse (QuotaExceeded) when the project's log is at or over its quota; the step
-        that crosses it is still recorded, the calls after it are refused before they run."""
-        await self._check_quota(project, await self.usage(project))
+        that crosses it is still recorded, the calls after it are refused before they run.
+        Returns the usage as read (for ``known=`` in :meth:`append`)."""
+        kv = await self.store.get(_usage_key(project))
+        await self._check_quota(project, _int(kv))
+        return kv
 
     async def usage(self, project: str) -> int:
         return _int(await self.store.get(_usage_key(project)))
 
-    async def append(self, tid: str, make: Callable[[int], Step]) -> Step:
-        """Record ``make(n)`` as the next step n; the log advances past it (record mode)."""
+    async def append(
+        self,
+        tid: str,
+        make: Callable[[int], Step],
+        *,
+        known: tuple[KeyValue, KeyValue | None] | None = None,
+    ) -> Step:
+        """Record ``make(n)`` as the next step n; the log advances past it (record mode).
+        ``known``: the record and the project's usage as last read, tried first."""
         while True:
-            t, meta = await self._read(tid)
+            if known is not None:
+                meta, usage = known
+                t = Trajectory.from_json(json.loads(meta.value))
+            else:
+                t, meta = await self._read(tid)
             step = make(t.steps)
             raw = step.encode()
             size = len(raw)
@@ -332,7 +372,9 @@ class TrajectoryLog:
                 digest = await self.blobs.put(raw)
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
             ukey = _usage_key(t.project)
-            usage = await self.store.get(ukey)
+            if known is None:
+                usage = await self.store.get(ukey)
+            known = None
             await self._check_quota(t.project, _int(usage))
             new = replace(
                 t,
