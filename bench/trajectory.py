@@ -1,4 +1,6 @@
-"""Trajectory log benchmark on the real platform (SQLite log, FULL fsync per step).
+"""Trajectory log benchmark on the real platform (SQLite log), run twice: with
+``--trajectory-sync FULL`` (each step fsynced before it is answered) and ``NORMAL`` (each
+step in the WAL before it is answered; fsynced at WAL checkpoints).
 
 * recording overhead: ``exec("true")`` round trip in a sandbox bound to a trajectory (each
   call appended to the log before it is answered) against the same in an unbound sandbox,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -99,19 +102,26 @@ def resume(client: Client, steps: int) -> dict[str, Any]:
     }
 
 
+def run(sync: str, args: argparse.Namespace) -> dict[str, Any]:
+    os.environ["DSEC_TRAJECTORY_SYNC"] = sync
+    with running_platform() as p:
+        client = Client(api_url=p.api_url, api_key=p.admin_key)
+        settle(3)
+        try:
+            return {
+                "recording_overhead": overhead(client, args.calls),
+                f"resume_{args.steps}": resume(client, args.steps),
+            }
+        finally:
+            client.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--calls", type=int, default=200, help="exec calls per side (overhead)")
     args = ap.parse_args()
-    with running_platform() as p:
-        client = Client(api_url=p.api_url, api_key=p.admin_key)
-        settle(3)
-        results = {
-            "recording_overhead": overhead(client, args.calls),
-            "resume_200": resume(client, args.steps),
-        }
-        client.close()
+    results = {f"sync_{mode.lower()}": run(mode, args) for mode in ("FULL", "NORMAL")}
     text = json.dumps(results, indent=2)
     print(text)
     out = Path(__file__).parent / "results" / "trajectory.json"

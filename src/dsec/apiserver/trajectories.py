@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from dsec.apiserver import sandboxes
+from dsec.apiserver import audit, sandboxes
 from dsec.apiserver import trajectory_calls as traj
 from dsec.apiserver.auth import Principal
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
@@ -235,6 +235,8 @@ async def export(request: web.Request) -> web.StreamResponse:
 
 async def remove(request: web.Request) -> web.Response:
     t = await _get(request, "member")
+    request[audit.TARGET] = f"{t.project}:{t.name}"
+    request["audit_project"] = t.project
     await _log(request).remove(t.id)
     return ok(summary(t))
 
@@ -263,6 +265,8 @@ async def put_quota(request: web.Request) -> web.Response:
     if not isinstance(project, str):
         raise InvalidArgument("'project' is required")
     projects.validate(project)
+    request[audit.TARGET] = project
+    request["audit_project"] = project
     tlog = _log(request)
     await tlog.set_quota(project, body.get("limit_bytes"))  # type: ignore[arg-type]
     return ok(

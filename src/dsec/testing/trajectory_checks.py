@@ -208,3 +208,35 @@ async def check_retention(tlog: TrajectoryLog, project: str) -> None:
         assert [t.id for t in await tlog.list()] == [new.id]
     finally:
         tlog.clock = real
+
+
+@check
+async def check_two_apiservers(tlog: TrajectoryLog, project: str) -> None:
+    """Two log objects on one store (two apiservers): usage and the binding's copy of the
+    record stay exact although each caches what it last saw."""
+    other = TrajectoryLog(tlog.store, tlog.blobs)
+    a, _ = await tlog.open(project, "a", spec={})
+    b, _ = await other.open(project, "b", spec={})
+    await tlog.bind(a.id, f"sbx-a-{a.id[:6]}")
+    for i in range(4):
+        await tlog.check_quota(project)
+        await tlog.append(a.id, step(f"a{i}", "x" * 10 * i))
+        await other.check_quota(project)
+        await other.append(b.id, step(f"b{i}", "y" * 7 * i))
+    total = (await tlog.get(a.id)).bytes + (await tlog.get(b.id)).bytes
+    assert await tlog.usage(project) == total
+    found = await other.lookup(f"sbx-a-{a.id[:6]}")
+    assert found is not None
+    assert found[0].steps == 4
+    # A reopen by one apiserver is what the other sees on its next call.
+    await other.open(project, "a", spec={})
+    found = await tlog.lookup(f"sbx-a-{a.id[:6]}")
+    assert found is not None
+    assert (found[0].mode, found[0].cursor) == ("replay", 0)
+    await tlog.set_quota(project, total)  # (another apiserver sees it within QUOTA_CACHE_S)
+    message = ""
+    try:
+        await tlog.append(a.id, step("over"), known=(found[1], None))
+    except QuotaExceeded as exc:
+        message = str(exc)
+    assert "quota" in message, "a stale usage entry is re-read, and the quota holds"

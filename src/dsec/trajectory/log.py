@@ -6,15 +6,19 @@ Layout (all keys under ``/dsec/trajectory/``)::
                        bytes, replay cursor and mode, policy, checkpoints, last divergence
     s/<id>/<n:010d>    step n (JSON): canonical request, result, payload; or, when the
                        encoded step is over 64 KiB, a stub naming its blob (``blobs.py``)
-    b/<sandbox id>     the trajectory a sandbox is bound to
+    b/<sandbox id>     the record of the trajectory the sandbox is bound to: a copy of
+                       t/<id>, written in the same transactions, so the hot path (a call
+                       of a bound sandbox) finds its trajectory with one read
     u/<project>        bytes of log the project holds (for its quota)
     q/<project>        the project's quota on log bytes (absent: the server default)
 
 A step is appended in one transaction with the record (step count, bytes) and the
 project's usage, each guarded by its ``mod_revision``: two writers never number two steps
-alike and usage is never lost. The blob (if any) is written and fsynced first, so a step in
-the store always has its payload. ``<id>`` is derived from (project, name), so the same
-name in two projects is two trajectories.
+alike and usage is never lost. Each log object remembers the usage entry it last wrote or
+read; a stale one only makes the guarded transaction fail once and read again. The blob
+(if any) is written and fsynced first, so a step in the store always has its payload.
+``<id>`` is derived from (project, name), so the same name in two projects is two
+trajectories.
 """
 
 from __future__ import annotations
@@ -147,6 +151,15 @@ def _quota_key(project: str) -> bytes:
     return PREFIX + b"q/" + project.encode()
 
 
+def _record_puts(t: Trajectory) -> list[TxnOp]:
+    """The record, and its copy under the sandbox binding (see the module docstring)."""
+    raw = json.dumps(t.to_json()).encode()
+    puts: list[TxnOp] = [Put(_meta_key(t.id), raw)]
+    if t.sandbox_id:
+        puts.append(Put(_bind_key(t.sandbox_id), raw))
+    return puts
+
+
 def _guard(key: bytes, kv: KeyValue | None) -> Compare:
     return Compare(key, Target.MOD, Op.EQ, kv.mod_revision if kv else 0)
 
@@ -171,6 +184,7 @@ class TrajectoryLog:
         self.default_quota_bytes = default_quota_bytes
         self.clock = clock
         self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
+        self._usage: dict[str, KeyValue | None] = {}  # project -> usage entry last seen
 
     # -- records --------------------------------------------------------------------------
 
@@ -211,8 +225,7 @@ class TrajectoryLog:
             else:
                 t, kv = await self._read(tid)
             new = replace(fn(t), updated_at=self.clock())
-            put = Put(kv.key, json.dumps(new.to_json()).encode())
-            res = await self.store.txn([_guard(kv.key, kv)], [put, *extra])
+            res = await self.store.txn([_guard(kv.key, kv)], [*_record_puts(new), *extra])
             if res.succeeded:
                 return new
 
@@ -270,10 +283,10 @@ class TrajectoryLog:
     async def bind(self, tid: str, sandbox_id: str) -> Trajectory:
         """Bind ``sandbox_id`` to the trajectory (its calls are recorded from now on)."""
         bound = await self.store.get(_bind_key(sandbox_id))
-        if bound is not None and bound.value.decode() != tid:
+        if bound is not None and json.loads(bound.value)["id"] != tid:
             raise AlreadyExists(f"sandbox {sandbox_id} is bound to another trajectory")
         t = await self.get(tid)
-        extra: tuple[TxnOp, ...] = (Put(_bind_key(sandbox_id), tid.encode()),)
+        extra: tuple[TxnOp, ...] = ()
         if t.sandbox_id and t.sandbox_id != sandbox_id:
             extra += (Delete(_bind_key(t.sandbox_id)),)
         return await self.update(tid, lambda t: replace(t, sandbox_id=sandbox_id), extra)
@@ -288,10 +301,9 @@ class TrajectoryLog:
         kv = await self.store.get(_bind_key(sandbox_id))
         if kv is None:
             return None
-        try:
-            return await self._read(kv.value.decode())
-        except NotFound:
-            return None
+        t = Trajectory.from_json(json.loads(kv.value))
+        # Written in the same transaction as t/<id>: the same mod_revision guards both.
+        return t, replace(kv, key=_meta_key(t.id))
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -342,7 +354,10 @@ class TrajectoryLog:
         """Refuse (QuotaExceeded) when the project's log is at or over its quota; the step
         that crosses it is still recorded, the calls after it are refused before they run.
         Returns the usage as read (for ``known=`` in :meth:`append`)."""
-        kv = await self.store.get(_usage_key(project))
+        if project in self._usage:
+            kv = self._usage[project]
+        else:
+            kv = self._usage[project] = await self.store.get(_usage_key(project))
         await self._check_quota(project, _int(kv))
         return kv
 
@@ -364,6 +379,10 @@ class TrajectoryLog:
                 t = Trajectory.from_json(json.loads(meta.value))
             else:
                 t, meta = await self._read(tid)
+            ukey = _usage_key(t.project)
+            if known is None:
+                usage = await self.store.get(ukey)
+            known = None
             step = make(t.steps)
             raw = step.encode()
             size = len(raw)
@@ -371,10 +390,6 @@ class TrajectoryLog:
             if size > INLINE_MAX:
                 digest = await self.blobs.put(raw)
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
-            ukey = _usage_key(t.project)
-            if known is None:
-                usage = await self.store.get(ukey)
-            known = None
             await self._check_quota(t.project, _int(usage))
             new = replace(
                 t,
@@ -384,16 +399,18 @@ class TrajectoryLog:
                 mode="record",
                 updated_at=self.clock(),
             )
+            used = str(_int(usage) + size).encode()
             res = await self.store.txn(
                 [_guard(meta.key, meta), _guard(ukey, usage)],
-                [
-                    Put(_step_key(tid, step.n), stored),
-                    Put(meta.key, json.dumps(new.to_json()).encode()),
-                    Put(ukey, str(_int(usage) + size).encode()),
-                ],
+                [Put(_step_key(tid, step.n), stored), *_record_puts(new), Put(ukey, used)],
             )
             if res.succeeded:
+                self._saw_usage(ukey, t.project, used, res.revision)
                 return step
+            self._usage.pop(t.project, None)
+
+    def _saw_usage(self, ukey: bytes, project: str, value: bytes, revision: int) -> None:
+        self._usage[project] = KeyValue(ukey, value, revision, revision, 1)
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:
         res = await self.store.range(_steps_prefix(tid))
@@ -415,14 +432,13 @@ class TrajectoryLog:
             ukey = _usage_key(t.project)
             usage = await self.store.get(ukey)
             new = replace(fn(t), steps=min(t.steps, start), bytes=max(0, t.bytes - freed))
+            used = str(max(0, _int(usage) - freed)).encode()
             res = await self.store.txn(
                 [_guard(meta.key, meta), _guard(ukey, usage)],
-                [
-                    Put(meta.key, json.dumps(new.to_json()).encode()),
-                    Put(ukey, str(max(0, _int(usage) - freed)).encode()),
-                ],
+                [*_record_puts(new), Put(ukey, used)],
             )
             if res.succeeded:
+                self._saw_usage(ukey, t.project, used, res.revision)
                 break
         for i in range(0, len(keys), _DELETE_BATCH):
             await self.store.txn([], [Delete(k) for k in keys[i : i + _DELETE_BATCH]])
@@ -434,15 +450,17 @@ class TrajectoryLog:
         while True:
             ukey = _usage_key(t.project)
             usage = await self.store.get(ukey)
+            used = str(max(0, _int(usage) - t.bytes)).encode()
             ops: list[TxnOp] = [
                 Delete(meta.key),
                 Delete(_steps_prefix(tid), prefix=True),
-                Put(ukey, str(max(0, _int(usage) - t.bytes)).encode()),
+                Put(ukey, used),
             ]
             if t.sandbox_id:
                 ops.append(Delete(_bind_key(t.sandbox_id)))
             res = await self.store.txn([_guard(meta.key, meta), _guard(ukey, usage)], ops)
             if res.succeeded:
+                self._saw_usage(ukey, t.project, used, res.revision)
                 return t
             t, meta = await self._read(tid)
 

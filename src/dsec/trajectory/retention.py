@@ -22,7 +22,7 @@ class Retention:
     max_age_s: float = 0  # 0: no age limit
     max_bytes: int = 0  # 0: no size limit
     blob_grace_s: float = 3600
-    interval_s: float = 60
+    interval_s: float = 600
 
 
 @dataclass(frozen=True)
