@@ -145,9 +145,14 @@ async def replay(
             f"call differs from step {step.n} of trajectory {t.name!r} at {diff!r}: "
             f"recorded {div['recorded']!r}, got {div['actual']!r} (on_mismatch='fail')"
         )
-    await tlog.truncate(
-        t.id, step.n, lambda x: replace(x, mode="record", cursor=step.n, divergence=div)
-    )
+    cut = step.n
+
+    def diverge(x: Trajectory) -> Trajectory:
+        # Checkpoints after the cut hold state of steps that are no longer in the log.
+        kept = [k for k in x.checkpoints if int(k["step"]) <= cut]
+        return replace(x, mode="record", cursor=cut, divergence=div, checkpoints=kept)
+
+    await tlog.truncate(t.id, cut, diverge)
     return None
 
 
