@@ -198,6 +198,7 @@ async def checkpoint(request: web.Request) -> web.Response:
 
 
 async def list_(request: web.Request) -> web.Response:
+    """Trajectories of a project (filter by ``name``)."""
     p = principal(request)
     p.require("viewer")
     project = request.query.get("project", "" if p.admin else p.project)
@@ -211,6 +212,7 @@ async def list_(request: web.Request) -> web.Response:
 
 
 async def show(request: web.Request) -> web.Response:
+    """One trajectory: steps, bytes, replay state, checkpoints, divergence."""
     return ok(summary(await _get(request, "viewer")))
 
 
@@ -234,6 +236,7 @@ async def export(request: web.Request) -> web.StreamResponse:
 
 
 async def remove(request: web.Request) -> web.Response:
+    """Remove a trajectory and its steps (checkpoint images stay)."""
     t = await _get(request, "member")
     request[audit.TARGET] = f"{t.project}:{t.name}"
     request["audit_project"] = t.project
@@ -242,6 +245,7 @@ async def remove(request: web.Request) -> web.Response:
 
 
 async def get_quota(request: web.Request) -> web.Response:
+    """A project's quota on trajectory log bytes, and its usage."""
     p = principal(request)
     p.require("viewer")
     project = request.query.get("project") or p.project
@@ -258,6 +262,7 @@ async def get_quota(request: web.Request) -> web.Response:
 
 
 async def put_quota(request: web.Request) -> web.Response:
+    """Set a project's quota on trajectory log bytes (admin; 0: none)."""
     p = principal(request)
     p.require("admin")
     body = await json_body(request)

@@ -190,7 +190,9 @@ async def record(
         )
 
     t = b.t
+    start = time.perf_counter()
     step = await c.trajectories.append(t.id, make, known=b.known())
+    c.metrics.observe("trajectory_append", time.perf_counter() - start)
     _set_headers(request, t, "diverged" if mode == "mismatch" else "recorded", step.n)
     c.metrics.inc("trajectory_steps_recorded")
     if t.checkpoint_every and (step.n + 1) % t.checkpoint_every == 0:
