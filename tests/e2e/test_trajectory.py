@@ -209,6 +209,8 @@ def test_cli_bind_checkpoint_policy_and_quota(platform: RunningPlatform, api: Cl
         sbx.exec("echo hi > /x")
         sbx.files.write("/big", b"z" * 200_000)  # over 64 KiB: kept as a blob
         assert sbx.files.read("/big") == b"z" * 200_000
+        list(sbx.exec_stream("echo streamed"))  # the runtime WebSocket: not recorded
+        assert sbx.trajectory_status()["steps"] == 3
         ls = _cli(platform, "trajectory", "ls", "--json")
         assert name in [t["name"] for t in json.loads(ls.stdout)]
         show = _cli(platform, "trajectory", "show", name)

@@ -83,6 +83,15 @@ async def bound(c: Ctx, sandbox_id: str) -> Bound | None:
     return Bound(*found) if found else None
 
 
+async def mark_unrecorded(request: web.Request, c: Ctx, sandbox_id: str) -> None:
+    """Streams over the runtime WebSocket are not recorded: say so to a bound sandbox's
+    client (``X-Dsec-Trajectory-Mode: unrecorded`` on the upgrade answer) and count it."""
+    b = await bound(c, sandbox_id)
+    if b is not None:
+        c.metrics.inc("trajectory_unrecorded_calls")
+        request[HEADERS] = {"X-Dsec-Trajectory": b.t.name, "X-Dsec-Trajectory-Mode": "unrecorded"}
+
+
 async def replay(
     request: web.Request, tlog: TrajectoryLog, b: Bound, canon: dict[str, Any]
 ) -> Step | None:
