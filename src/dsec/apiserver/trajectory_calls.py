@@ -47,7 +47,8 @@ from dsec.trajectory.log import Step, Trajectory, TrajectoryLog
 
 _log = logging.getLogger("dsec.apiserver.trajectory")
 
-HEADERS = "trajectory_headers"  # request key: headers the response gets (app.py adds them)
+# Headers the response gets (app.py adds them when the response is prepared).
+HEADERS: web.RequestKey[dict[str, str]] = web.RequestKey("trajectory_headers", dict[str, str])
 MAX_BOUND_TRANSFER = 256 * 1024**2  # file bytes a bound call buffers to record them
 READ_ONLY_OPS = frozenset({"files.read", "files.stat", "files.list", "process.list", "shell.list"})
 PACK_TIMEOUT_S = 600
