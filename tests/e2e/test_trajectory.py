@@ -224,6 +224,13 @@ def test_cli_bind_checkpoint_policy_and_quota(platform: RunningPlatform, api: Cl
         other.exec("true")
         (ckpt,) = other.trajectory_status()["checkpoints"]
         assert ckpt["step"] == 2
+        for _ in range(6):
+            other.exec("true")
+        kept = [k["step"] for k in other.trajectory_status()["checkpoints"]]
+        assert kept == [4, 6, 8], "the latest three checkpoints are kept"
+        images = {i["name"] for i in api.list_images()}
+        assert ckpt["image"] not in images
+        assert other.trajectory_status()["checkpoints"][-1]["image"] in images
         # The project's quota on log bytes.
         project = api.whoami().project
         before = api.trajectory_quota(project)

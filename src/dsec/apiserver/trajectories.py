@@ -236,11 +236,12 @@ async def export(request: web.Request) -> web.StreamResponse:
 
 
 async def remove(request: web.Request) -> web.Response:
-    """Remove a trajectory and its steps (checkpoint images stay)."""
+    """Remove a trajectory, its steps and its checkpoint images."""
     t = await _get(request, "member")
     request[audit.TARGET] = f"{t.project}:{t.name}"
     request["audit_project"] = t.project
     await _log(request).remove(t.id)
+    await traj.drop_images(ctx(request), principal(request), t.checkpoints)
     return ok(summary(t))
 
 

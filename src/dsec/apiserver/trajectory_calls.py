@@ -52,6 +52,7 @@ HEADERS: web.RequestKey[dict[str, str]] = web.RequestKey("trajectory_headers", d
 MAX_BOUND_TRANSFER = 256 * 1024**2  # file bytes a bound call buffers to record them
 READ_ONLY_OPS = frozenset({"files.read", "files.stat", "files.list", "process.list", "shell.list"})
 PACK_TIMEOUT_S = 600
+KEEP_CHECKPOINTS = 3  # the latest ones; older images are removed
 
 
 def idempotent(request: web.Request) -> bool:
@@ -226,13 +227,39 @@ async def checkpoint(c: Ctx, p: Principal, tid: str, sandbox_id: str) -> dict[st
     )
     entry = {"step": t.steps, "image": name, "sandbox_id": sandbox_id, "at": time.time()}
 
+    dropped: list[dict[str, Any]] = []
+
     def add(x: Trajectory) -> Trajectory:
         kept = [k for k in x.checkpoints if k["step"] != entry["step"]]
-        return replace(x, checkpoints=[*kept, entry])
+        kept = sorted([*kept, entry], key=lambda k: int(k["step"]))
+        dropped[:] = kept[:-KEEP_CHECKPOINTS]
+        return replace(x, checkpoints=kept[-KEEP_CHECKPOINTS:])
 
     await c.trajectories.update(tid, add)
+    await drop_images(c, p, dropped)
     c.metrics.inc("trajectory_checkpoints")
     return entry
+
+
+async def drop_images(c: Ctx, p: Principal, checkpoints: list[dict[str, Any]]) -> None:
+    """Forget checkpoint images (best effort: their layers go at the edge's next gc)."""
+    for k in checkpoints:
+        try:
+            stub = await c.upstream.edge_for(str(k["sandbox_id"]))
+            await rpc(
+                "edge",
+                stub.RemoveImage(
+                    pb.ImageRef(name=str(k["image"])), metadata=p.metadata(), timeout=10
+                ),
+            )
+        except DsecError as exc:
+            log(
+                _log,
+                "checkpoint image not removed",
+                level=logging.WARNING,
+                image=k["image"],
+                error=exc.message,
+            )
 
 
 # -- unary calls ------------------------------------------------------------------------

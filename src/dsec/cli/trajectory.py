@@ -106,7 +106,7 @@ def export(name: str, project: str | None, output: Any) -> None:
 @click.argument("names", nargs=-1, required=True)
 @project_option
 def rm(names: tuple[str, ...], project: str | None) -> None:
-    """Remove trajectories and their steps (checkpoint images stay)."""
+    """Remove trajectories, their steps and their checkpoint images."""
     for name in names:
         t = _resolve(name, project)
         state().client().remove_trajectory(t["id"])
