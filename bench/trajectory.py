@@ -4,14 +4,14 @@ step in the WAL before it is answered; fsynced at WAL checkpoints).
 
 * recording overhead: ``exec("true")`` round trip in a sandbox bound to a trajectory (each
   call appended to the log before it is answered) against the same in an unbound sandbox,
-  alternating blocks of calls so load drift hits both alike;
+  alternating call by call so load drift hits both alike;
 * replay speed: re-opening a recorded 200-step trajectory and issuing the same 200 calls,
   which are answered from the log (steps/s);
 * resume vs re-run: a preempted task's restart that replays 200 recorded steps (create with
   the trajectory + 200 replayed calls) against running the 200 steps again in a new
   sandbox (create + 200 real calls).
 
-    .venv/bin/python -m bench.trajectory [--steps 200] [--calls 200]
+    .venv/bin/python -m bench.trajectory [--steps 200] [--calls 400]
 
 Prints JSON and writes ``bench/results/trajectory.json``.
 """
@@ -30,7 +30,7 @@ from bench.foundation import settle, summary
 from dsec.sdk import Client, Sandbox
 from dsec.testing.platform import running_platform
 
-BLOCK = 20
+BLOCK = 1  # alternate call by call, so load drift hits both sides alike
 
 
 def step_cmd(i: int) -> str:
@@ -119,7 +119,7 @@ def run(sync: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--calls", type=int, default=200, help="exec calls per side (overhead)")
+    ap.add_argument("--calls", type=int, default=400, help="exec calls per side (overhead)")
     args = ap.parse_args()
     results = {f"sync_{mode.lower()}": run(mode, args) for mode in ("FULL", "NORMAL")}
     text = json.dumps(results, indent=2)
