@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from dsec.core.errors import InvalidArgument
+from dsec.store.etcd import EtcdStore
 from dsec.store.memory import MemoryStore
 from dsec.store.sqlite import SqliteStore
 from dsec.testing.trajectory_checks import CHECKS
 from dsec.trajectory.blobs import FileBlobStore
 from dsec.trajectory.canon import canonical, field_at, first_difference
 from dsec.trajectory.log import TrajectoryLog
+from dsec.trajectory.setup import open_log, open_store
 
 
 @pytest_asyncio.fixture(params=["memory", "sqlite"])
@@ -91,3 +94,16 @@ def test_field_at() -> None:
     assert field_at(obj, "env.A") == "1"
     assert field_at(obj, "cwd") is None
     assert field_at(obj, "cmd[5]") is None
+
+
+@pytest.mark.asyncio
+async def test_open_store_urls(tmp_path: Path) -> None:
+    tlog = await open_log(f"sqlite:{tmp_path / 'a' / 'log.db'}", tmp_path / "b", sync="normal")
+    assert isinstance(tlog.store, SqliteStore)
+    await tlog.store.aclose()
+    etcd = await open_store("etcd:http://127.0.0.1:2379,127.0.0.1:2380")
+    assert isinstance(etcd, EtcdStore)
+    await etcd.aclose()
+    for bad in ("", "sqlite:", "redis:x", "etcd:"):
+        with pytest.raises(InvalidArgument):
+            await open_store(bad)
