@@ -15,6 +15,7 @@ from aiohttp import web
 from dsec.agent import protocol
 from dsec.apiserver import relay
 from dsec.apiserver import trajectory_calls as traj
+from dsec.apiserver import trajectory_sandbox as traj_io
 from dsec.apiserver.context import ctx, flag, json_body, ok, principal, query, sandbox_id
 from dsec.core.errors import (
     DeadlineExceeded,
@@ -263,7 +264,7 @@ async def files_read(request: web.Request) -> web.StreamResponse:
     if t is not None:
 
         async def run() -> tuple[dict[str, Any], bytes | None]:
-            data = await traj.read_file(c, p, sid, req)
+            data = await traj_io.read_file(c, p, sid, req)
             return {"size": len(data)}, data
 
         _, data = await traj.transfer(request, c, p, t, sid, req, None, run)
@@ -322,10 +323,10 @@ async def files_write(request: web.Request) -> web.Response:
             raise InvalidArgument("'mode' must be octal, e.g. 644") from None
     t = await traj.bound(c, sid)
     if t is not None:
-        body = await traj.read_body(request)
+        body = await traj_io.read_body(request)
 
         async def run() -> tuple[dict[str, Any], bytes | None]:
-            return await traj.write_file(c, p, sid, req, body), None
+            return await traj_io.write_file(c, p, sid, req, body), None
 
         result, _ = await traj.transfer(request, c, p, t, sid, req, body, run)
         return ok(result)

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from dsec.apiserver import audit, sandboxes
-from dsec.apiserver import trajectory_calls as traj
+from dsec.apiserver import trajectory_sandbox as traj_io
 from dsec.apiserver.auth import Principal
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.upstream import rpc
@@ -89,7 +89,7 @@ async def _restore(
     image = str(ckpt["image"]) if ckpt else str(t.spec.get("image", "base"))
     after = [s async for s in tlog.steps(t.id, base)]
     for s in after:
-        if not s.idempotent and s.op not in traj.READ_ONLY_OPS and s.status == 200:
+        if not s.idempotent and s.op not in traj_io.READ_ONLY_OPS and s.status == 200:
             where = f"the checkpoint at step {base}" if ckpt else "the start (no checkpoint)"
             raise NotRestorable(
                 f"trajectory {t.name!r}: its sandbox {t.sandbox_id or '(none)'} is gone, and "
@@ -101,7 +101,7 @@ async def _restore(
     info = await sandboxes.create_sandbox(request, project, spec)
     try:
         for s in after:
-            await traj.rerun(c, p, info.id, s)
+            await traj_io.rerun(c, p, info.id, s)
     except BaseException:
         stub = await c.upstream.edge_for(info.id)
         try:
@@ -194,7 +194,7 @@ async def checkpoint(request: web.Request) -> web.Response:
     if t is None:
         raise NotFound(f"sandbox {sid} is not bound to a trajectory")
     _check_access(p, t)
-    return ok(await traj.checkpoint(c, p, t.id, sid), status=201)
+    return ok(await traj_io.checkpoint(c, p, t.id, sid), status=201)
 
 
 async def list_(request: web.Request) -> web.Response:
@@ -241,7 +241,7 @@ async def remove(request: web.Request) -> web.Response:
     request[audit.TARGET] = f"{t.project}:{t.name}"
     request["audit_project"] = t.project
     await _log(request).remove(t.id)
-    await traj.drop_images(ctx(request), principal(request), t.checkpoints)
+    await traj_io.drop_images(ctx(request), principal(request), t.checkpoints)
     return ok(summary(t))
 
 
