@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,14 +28,19 @@ from dsec.apiserver import (
     runtime,
     sandboxes,
     tokens_routes,
+    trajectories,
     ws,
 )
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.context import CTX, Ctx, ctx, ok
+from dsec.apiserver.trajectory_calls import HEADERS as TRAJECTORY_HEADERS
 from dsec.apiserver.upstream import Upstream
 from dsec.core.errors import DsecError, Internal, NotFound
 from dsec.obs import Metrics, log
 from dsec.paths import Paths
+from dsec.trajectory.log import TrajectoryLog
+from dsec.trajectory.retention import Retention, run_sweeper
+from dsec.trajectory.setup import open_log
 
 _log = logging.getLogger("dsec.apiserver")
 
@@ -87,6 +93,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *projects.ROUTES,
         *images.ROUTES,
         *backends.ROUTES,
+        *trajectories.ROUTES,
     ]
 
 
@@ -138,21 +145,41 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         c.metrics.inc("http_requests", route=route, method=request.method, code=str(status_code))
 
 
-def make_app(upstream: Upstream, components: dict[str, str]) -> web.Application:
+async def _trajectory_headers(request: web.Request, response: web.StreamResponse) -> None:
+    for k, v in request.get(TRAJECTORY_HEADERS, {}).items():
+        response.headers[k] = v
+
+
+def make_app(
+    upstream: Upstream,
+    components: dict[str, str],
+    *,
+    trajectories: TrajectoryLog | None = None,
+    retention: Retention | None = None,
+) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
     app[CTX] = Ctx(
         upstream=upstream,
         auth=Authenticator(upstream),
         metrics=Metrics("dsec_apiserver"),
         components=components,
+        trajectories=trajectories,
     )
     for method, path, handler in all_routes():
         app.router.add_route(method, path, handler)
+    app.on_response_prepare.append(_trajectory_headers)
+    sweeper_stop = asyncio.Event()
+    sweeper: list[asyncio.Task[None]] = []
 
     async def on_startup(app: web.Application) -> None:
         await app[CTX].auth.start()
+        if trajectories is not None and retention is not None:
+            sweeper.append(asyncio.create_task(run_sweeper(trajectories, retention, sweeper_stop)))
 
     async def on_cleanup(app: web.Application) -> None:
+        sweeper_stop.set()
+        for task in sweeper:
+            await task
         await app[CTX].auth.stop()
 
     app.on_startup.append(on_startup)
@@ -169,7 +196,17 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     paths = Paths.from_env(args.home)
     upstream = Upstream(paths.pki, iam=args.iam, watcher=args.watcher)
     components = {"apiserver": args.listen, "iam": args.iam, "watcher": args.watcher}
-    runner = web.AppRunner(make_app(upstream, components), access_log=None)
+    tlog = await open_log(
+        args.trajectory_store or f"sqlite:{paths.home / 'trajectory' / 'log.db'}",
+        args.trajectory_blobs or paths.home / "trajectory" / "blobs",
+        default_quota_bytes=args.trajectory_quota_bytes,
+        sync=args.trajectory_sync,
+    )
+    retention = Retention(
+        max_age_s=args.trajectory_max_age_days * 86400, max_bytes=args.trajectory_max_bytes
+    )
+    app = make_app(upstream, components, trajectories=tlog, retention=retention)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = _split(args.listen)
     site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -180,6 +217,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     finally:
         await runner.cleanup()
         await upstream.aclose()
+        await tlog.store.aclose()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,6 +227,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iam", default="127.0.0.1:8421")
     ap.add_argument("--watcher", default="127.0.0.1:8422")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument(
+        "--trajectory-store",
+        default="",
+        help="sqlite:PATH (default <home>/trajectory/log.db) or etcd:http://HOST:PORT[,...]",
+    )
+    ap.add_argument("--trajectory-blobs", type=Path, default=None, help="blob directory")
+    ap.add_argument(
+        "--trajectory-sync",
+        choices=["FULL", "NORMAL", "full", "normal"],
+        default=os.environ.get("DSEC_TRAJECTORY_SYNC", "FULL"),
+        help="SQLite log: FULL fsyncs each step, NORMAL survives apiserver crashes only",
+    )
+    ap.add_argument("--trajectory-quota-bytes", type=int, default=1024**3)
+    ap.add_argument("--trajectory-max-age-days", type=float, default=30.0)
+    ap.add_argument("--trajectory-max-bytes", type=int, default=0)
     return ap.parse_args(argv)
 
 

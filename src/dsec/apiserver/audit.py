@@ -29,6 +29,10 @@ ACTIONS: dict[tuple[str, str], str] = {
     ("POST", f"{_S}/pause"): "sandbox.pause",
     ("POST", f"{_S}/resume"): "sandbox.resume",
     ("POST", f"{_S}/timeout"): "sandbox.set_timeout",
+    ("POST", f"{_S}/trajectory"): "trajectory.bind",
+    ("POST", f"{_S}/checkpoint"): "trajectory.checkpoint",
+    ("DELETE", "/v1/trajectories/{tid}"): "trajectory.remove",
+    ("PUT", "/v1/trajectory-quota"): "trajectory.set_quota",
 }
 
 TARGET = "audit_target"  # request key a handler sets when the target is not in the path

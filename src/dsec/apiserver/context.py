@@ -12,6 +12,7 @@ from dsec.apiserver.auth import Authenticator, Principal
 from dsec.apiserver.upstream import Upstream
 from dsec.core.errors import InvalidArgument, PayloadTooLarge
 from dsec.obs import Metrics
+from dsec.trajectory.log import TrajectoryLog
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,7 @@ class Ctx:
     auth: Authenticator
     metrics: Metrics
     components: dict[str, str]  # component name -> address, for /v1/status
+    trajectories: TrajectoryLog | None = None  # the trajectory log (None: not recording)
 
 
 CTX: web.AppKey[Ctx] = web.AppKey("ctx", Ctx)

@@ -14,6 +14,8 @@ from aiohttp import web
 
 from dsec.agent import protocol
 from dsec.apiserver import relay
+from dsec.apiserver import trajectory_calls as traj
+from dsec.apiserver import trajectory_sandbox as traj_io
 from dsec.apiserver.context import ctx, flag, json_body, ok, principal, query, sandbox_id
 from dsec.core.errors import (
     DeadlineExceeded,
@@ -115,7 +117,7 @@ async def exec_(request: web.Request) -> web.Response:
         **_proc_args(body),
         **_call_args(body),
     }
-    reply = await relay.call(c, p, sid, req, stdin, deadline_s=timeout + 30)
+    reply = await traj.call(request, c, p, sid, req, stdin, deadline_s=timeout + 30)
     return _finish(_output(reply, encoding))
 
 
@@ -154,7 +156,7 @@ async def shell_run(request: web.Request) -> web.Response:
         "timeout": timeout,
         **_proc_args(body),
     }
-    reply = await relay.call(c, p, sid, req, deadline_s=timeout + 30)
+    reply = await traj.call(request, c, p, sid, req, deadline_s=timeout + 30)
     return _finish(_output(reply, "utf-8"))
 
 
@@ -163,7 +165,7 @@ async def _unary(
 ) -> web.Response:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require(role)
-    reply = await relay.call(c, p, sid, req, stdin, deadline_s=60)
+    reply = await traj.call(request, c, p, sid, req, stdin, deadline_s=60)
     return ok(reply.result)
 
 
@@ -281,9 +283,17 @@ async def _read_final(stream: relay.EdgeStream) -> dict[str, Any]:
 async def files_read(request: web.Request) -> web.StreamResponse:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("viewer")
-    stream = await relay.EdgeStream.open(
-        c, p, sid, {"op": "files.read", "path": query(request, "path")}
-    )
+    req = {"op": "files.read", "path": query(request, "path")}
+    t = await traj.bound(c, sid)
+    if t is not None:
+
+        async def run() -> tuple[dict[str, Any], bytes | None]:
+            data = await traj_io.read_file(c, p, sid, req)
+            return {"size": len(data)}, data
+
+        _, data = await traj.transfer(request, c, p, t, sid, req, None, run)
+        return web.Response(body=data or b"", content_type="application/octet-stream")
+    stream = await relay.EdgeStream.open(c, p, sid, req)
     resp: web.StreamResponse | None = None
     try:
         await stream.done_writing()
@@ -335,6 +345,15 @@ async def files_write(request: web.Request) -> web.Response:
             req["mode"] = int(request.query["mode"], 8)
         except ValueError:
             raise InvalidArgument("'mode' must be octal, e.g. 644") from None
+    t = await traj.bound(c, sid)
+    if t is not None:
+        body = await traj_io.read_body(request)
+
+        async def run() -> tuple[dict[str, Any], bytes | None]:
+            return await traj_io.write_file(c, p, sid, req, body), None
+
+        result, _ = await traj.transfer(request, c, p, t, sid, req, body, run)
+        return ok(result)
     stream = await relay.EdgeStream.open(c, p, sid, req)
     try:
         sent = 0

@@ -67,7 +67,7 @@ def _placement(edges: list[EdgeEntry], backend: str) -> list[EdgeEntry]:
 
 
 async def create(request: web.Request) -> web.Response:
-    c, p = ctx(request), principal(request)
+    p = principal(request)
     p.require("member")
     body = await json_body(request)
     project = body.pop("project", None) or p.project
@@ -77,7 +77,17 @@ async def create(request: web.Request) -> web.Response:
     if not (p.admin or projects.contains(p.project, project)):
         raise PermissionDenied(f"project {project!r} is outside your project {p.project!r}")
     request["audit_project"] = project
-    spec = SandboxSpec.from_dict(body)
+    if body.get("trajectory") is not None:
+        from dsec.apiserver import trajectories
+
+        return await trajectories.create(request, project, body)
+    info = await create_sandbox(request, project, SandboxSpec.from_dict(body))
+    return ok(info_json(info), status=201)
+
+
+async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) -> pb.SandboxInfo:
+    """Admit and place one sandbox (trying up to MAX_EDGE_TRIES edges) and start it."""
+    c, p = ctx(request), principal(request)
     req_spec = spec_to_pb(spec)
     last: DsecError = NodeFull("every edge is full")
     for entry in _placement(await c.upstream.edges(), spec.backend)[:MAX_EDGE_TRIES]:
@@ -109,7 +119,8 @@ async def create(request: web.Request) -> web.Response:
                 continue
             raise
         c.metrics.inc("sandboxes_created")
-        return ok(info_json(info), status=201)
+        assert isinstance(info, pb.SandboxInfo)
+        return info
     raise last
 
 

@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from dsec.agent import protocol
-from dsec.apiserver import relay
+from dsec.apiserver import relay, trajectory_calls
 from dsec.apiserver.context import ctx, principal, sandbox_id
 from dsec.core.errors import DsecError, InvalidArgument
 
@@ -24,6 +24,7 @@ _WRITE_OPS = frozenset(
 async def runtime_ws(request: web.Request) -> web.WebSocketResponse:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     ws = web.WebSocketResponse(heartbeat=30, max_msg_size=MAX_MESSAGE)
+    await trajectory_calls.mark_unrecorded(request, c, sid)
     await ws.prepare(request)
     try:
         first = await ws.receive(timeout=30)

@@ -23,6 +23,7 @@ from dsec.cli.output import EXIT_INTERRUPTED, CliState, report
 from dsec.cli.projects import project_group, quota_group
 from dsec.cli.sandbox import sandbox_group
 from dsec.cli.tokens import token_group, user_group
+from dsec.cli.trajectory import trajectory_group
 from dsec.core.errors import DsecError
 
 
@@ -71,6 +72,7 @@ cli.add_command(e2b_group)
 cli.add_command(image_group)
 cli.add_command(registry_group)
 cli.add_command(backends)
+cli.add_command(trajectory_group)
 
 
 def _register_platform_commands(group: click.Group) -> None:

@@ -54,6 +54,19 @@ RULE_HELP = "Allow rule: CIDR, CIDR:PORT[-PORT][/udp], DOMAIN or *.DOMAIN (repea
 @click.option("--project", default=None, help="Project path (default: the key's project).")
 @click.option("--allow", "allow", multiple=True, metavar="RULE", help=RULE_HELP)
 @click.option("--deny", "deny", multiple=True, metavar="RULE", help="Deny rule (wins; repeatable).")
+@click.option(
+    "--trajectory", default=None, help="Record calls into this trajectory (or replay it)."
+)
+@click.option(
+    "--on-mismatch",
+    type=click.Choice(["diverge", "fail"]),
+    default="diverge",
+    show_default=True,
+    help="When a replayed call differs from the log.",
+)
+@click.option(
+    "--checkpoint-every", type=int, default=0, show_default=True, help="Checkpoint every N steps."
+)
 @json_option
 def create(
     image: str,
@@ -67,6 +80,9 @@ def create(
     project: str | None,
     allow: tuple[str, ...],
     deny: tuple[str, ...],
+    trajectory: str | None,
+    on_mismatch: str,
+    checkpoint_every: int,
     as_json: bool,
 ) -> None:
     """Create a sandbox and print its id (its network allows nothing unless --allow)."""
@@ -84,6 +100,9 @@ def create(
             metadata=meta_map,
             project=project,
             network={"allow": list(allow), "deny": list(deny)} if allow or deny else None,
+            trajectory=trajectory,
+            on_mismatch=on_mismatch,
+            checkpoint_every=checkpoint_every,
             client=client,
         )
     if as_json:

@@ -18,6 +18,8 @@ the fault, carries a stable wire ``code`` and the HTTP status the public API ans
     │   │   ├── ProcessNotFound     404 process_not_found
     │   │   └── LeaseNotFound       404 lease_not_found
     │   ├── InvalidState            409 invalid_state
+    │   │   ├── TrajectoryMismatch  409 trajectory_mismatch
+    │   │   └── NotRestorable       409 trajectory_not_restorable
     │   ├── AlreadyExists           409 already_exists
     │   ├── Compacted               410 compacted
     │   ├── PayloadTooLarge         413 payload_too_large
@@ -114,6 +116,18 @@ class InvalidState(ClientError):
 
     code = "invalid_state"
     http_status = 409
+
+
+class TrajectoryMismatch(InvalidState):
+    """A replayed call differs from the recorded step and the policy is ``fail``."""
+
+    code = "trajectory_mismatch"
+
+
+class NotRestorable(InvalidState):
+    """A trajectory's sandbox is gone and its state cannot be rebuilt safely."""
+
+    code = "trajectory_not_restorable"
 
 
 class AlreadyExists(ClientError):

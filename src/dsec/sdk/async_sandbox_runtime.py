@@ -20,6 +20,7 @@ from dsec.agent.protocol import CHUNK
 from dsec.core.errors import Internal, InvalidArgument, NotFound
 from dsec.sdk import runtime_calls as rc
 from dsec.sdk import streams
+from dsec.sdk import trajectory_calls as tc
 from dsec.sdk.async_io import AsyncContent, AsyncRuntimeSocket, AsyncTransport
 from dsec.sdk.models import ExecEvent, ExecResult, FileEntry, ProcessInfo, WriteResult
 from dsec.sdk.sandbox_runtime import DOWNLOAD_MODE
@@ -46,10 +47,14 @@ class AsyncFiles:
                 yield chunk
 
     async def write(
-        self, path: str, data: bytes | str | BinaryIO, mode: int | None = None
+        self,
+        path: str,
+        data: bytes | str | BinaryIO,
+        mode: int | None = None,
+        idempotent: bool = False,
     ) -> WriteResult:
         """Write (atomically replace) a file, creating missing parent directories."""
-        call = rc.write_file(self._id, path, mode=mode)
+        call = tc.idempotent(rc.write_file(self._id, path, mode=mode), idempotent)
         content: AsyncContent
         if isinstance(data, str):
             content = data.encode()
@@ -268,11 +273,12 @@ class AsyncShell:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         user: str | int | None = None,
+        idempotent: bool = False,
     ) -> ExecResult:
         call = rc.run_in_shell(
             self._id, self.name, cmd, timeout=timeout, env=env, cwd=cwd, user=user
         )
-        return await self._t.call(call)
+        return await self._t.call(tc.idempotent(call, idempotent))
 
     async def close(self) -> None:
         """End the session (its shell process exits)."""

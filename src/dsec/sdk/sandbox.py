@@ -18,6 +18,7 @@ import httpx
 from dsec.core.errors import NotFound
 from dsec.sdk import build, images, streams, wire
 from dsec.sdk import runtime_calls as rc
+from dsec.sdk import trajectory_calls as tc
 from dsec.sdk.config import ClientConfig, resolve_config
 from dsec.sdk.models import (
     AccessToken,
@@ -224,6 +225,27 @@ class Client:
         """Forget an image on every edge (admin); its layers go at the next gc."""
         return self.transport.call(images.remove_image(name))
 
+    def list_trajectories(
+        self, project: str | None = None, name: str | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        return self.transport.call(tc.list_trajectories(project, name))
+
+    def get_trajectory(self, trajectory_id: str) -> dict[str, Any]:
+        return self.transport.call(tc.get(trajectory_id))
+
+    def export_trajectory(self, trajectory_id: str) -> builtins.list[dict[str, Any]]:
+        """Every step (request, result, payloads as base64), as JSON Lines records."""
+        return self.transport.call(tc.export(trajectory_id))
+
+    def remove_trajectory(self, trajectory_id: str) -> dict[str, Any]:
+        return self.transport.call(tc.remove(trajectory_id))
+
+    def trajectory_quota(self, project: str | None = None) -> dict[str, Any]:
+        return self.transport.call(tc.quota(project))
+
+    def set_trajectory_quota(self, project: str, limit_bytes: int) -> dict[str, Any]:
+        return self.transport.call(tc.set_quota(project, limit_bytes))
+
     def gc_images(self) -> dict[str, Any]:
         """Remove unreferenced layers and blobs on every edge (admin)."""
         return self.transport.call(images.gc_images())
@@ -267,11 +289,22 @@ class Sandbox:
         network: Mapping[str, Any] | None = None,
         *,
         project: str | None = None,
+        trajectory: str | None = None,
+        on_mismatch: str = "diverge",
+        checkpoint_every: int = 0,
         api_key: str | None = None,
         api_url: str | None = None,
         client: Client | None = None,
     ) -> Sandbox:
-        """Create a sandbox and wait until it runs; ``timeout`` is its lifetime in seconds."""
+        """Create a sandbox and wait until it runs; ``timeout`` is its lifetime in seconds.
+
+        With ``trajectory``, every runtime call is recorded in that trajectory's log. If the
+        trajectory already has steps (a preempted task starting again), this re-attaches to
+        its sandbox (or restores one) and the calls replay the recorded results until one
+        differs; then ``on_mismatch`` decides: ``"diverge"`` runs it for real from there,
+        ``"fail"`` raises ``TrajectoryMismatch``. ``checkpoint_every=N`` packs the sandbox
+        every N steps so it can be restored if it is lost.
+        """
         call = wire.create_sandbox(
             backend=backend,
             image=image,
@@ -283,6 +316,7 @@ class Sandbox:
             metadata=metadata,
             project=project,
             network=network,
+            extra=tc.policy_body(trajectory, on_mismatch, checkpoint_every),
         )
         owned = client is None
         c = client or Client(api_url, api_key)
@@ -359,6 +393,21 @@ class Sandbox:
     def resume(self) -> SandboxInfo:
         return self._t.call(wire.resume_sandbox(self._id))
 
+    def bind_trajectory(
+        self, trajectory: str, *, on_mismatch: str = "diverge", checkpoint_every: int = 0
+    ) -> dict[str, Any]:
+        """Record this sandbox's runtime calls into ``trajectory`` from now on."""
+        return self._t.call(tc.bind(self._id, trajectory, on_mismatch, checkpoint_every))
+
+    def trajectory_status(self) -> dict[str, Any]:
+        """The bound trajectory: steps, ``mode`` (record/replay), ``cursor``, ``replayed``,
+        ``checkpoints`` and the last ``divergence`` (step, field, recorded, actual)."""
+        return self._t.call(tc.status(self._id))
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Pack the sandbox as the bound trajectory's latest checkpoint."""
+        return self._t.call(tc.checkpoint(self._id))
+
     def pack(
         self,
         name: str,
@@ -392,12 +441,16 @@ class Sandbox:
         files: Mapping[str, str | bytes] | None = None,
         outputs: Sequence[str] | None = None,
         memory_mb: int | None = None,
+        idempotent: bool = False,
     ) -> ExecResult:
         """Run ``cmd`` to completion; raises ``CommandTimeout`` (with ``.result``) on timeout.
 
         ``files`` (path -> content) are written before the command runs and ``outputs``
         (paths) come back in ``result.files``; ``memory_mb`` lowers the memory limit for
         this call alone (the function backend; others share the sandbox's limit).
+
+        ``idempotent=True`` tells a trajectory log that this call may run again when the
+        sandbox has to be rebuilt from a checkpoint.
         """
         call = rc.exec_command(
             self._id,
@@ -411,7 +464,7 @@ class Sandbox:
             outputs=outputs,
             memory_mb=memory_mb,
         )
-        return self._t.call(call)
+        return self._t.call(tc.idempotent(call, idempotent))
 
     def exec_stream(
         self,

@@ -185,8 +185,10 @@ def create_sandbox(
     metadata: Mapping[str, str] | None,
     project: str | None = None,
     network: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Call[SandboxInfo]:
-    """``POST /v1/sandboxes``: omitted (None) fields take the server's defaults."""
+    """``POST /v1/sandboxes``: omitted (None) fields take the server's defaults; ``extra``
+    adds fields (the trajectory binding)."""
     body = compact(
         backend=backend,
         image=image,
@@ -199,6 +201,7 @@ def create_sandbox(
         project=project,
         network=_network_body(network) if network is not None else None,
     )
+    body.update(extra or {})
     req = json_request("POST", "/v1/sandboxes", body, timeout=CREATE_TIMEOUT_S)
     return Call(req, SandboxInfo.from_wire)
 

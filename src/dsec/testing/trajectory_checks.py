@@ -1,0 +1,242 @@
+"""Checks every trajectory log must pass, whatever state store it runs on.
+
+``CHECKS[name](tlog, project)`` runs one check against ``tlog`` (a fresh
+:class:`~dsec.trajectory.log.TrajectoryLog` whose blobs live in a private directory), using
+only trajectories of ``project`` (unique per call), so checks can share one store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+from dsec.core.errors import AlreadyExists, InvalidArgument, QuotaExceeded
+from dsec.trajectory.blobs import INLINE_MAX
+from dsec.trajectory.log import PREFIX, Step, TrajectoryLog
+from dsec.trajectory.retention import Retention, sweep
+
+Check = Callable[[TrajectoryLog, str], Awaitable[None]]
+CHECKS: dict[str, Check] = {}
+
+
+def check(fn: Check) -> Check:
+    CHECKS[fn.__name__.removeprefix("check_")] = fn
+    return fn
+
+
+def step(cmd: str, out: str = "", *, idempotent: bool = False) -> Callable[[int], Step]:
+    def make(n: int) -> Step:
+        return Step(
+            n=n,
+            op="exec",
+            request={"op": "exec", "cmd": cmd},
+            status=200,
+            result={"stdout": out},
+            at=1.0,
+            sandbox_id="sbx-test",
+            idempotent=idempotent,
+            raw_request={"op": "exec", "cmd": cmd, "timeout": 5},
+        )
+
+    return make
+
+
+@check
+async def check_record_then_replay(tlog: TrajectoryLog, project: str) -> None:
+    t, new = await tlog.open(project, "run1/ep1", spec={"image": "base"})
+    assert new
+    assert t.steps == 0
+    assert t.mode == "record"
+    for i in range(3):
+        s = await tlog.append(t.id, step(f"echo {i}", f"{i}\n"))
+        assert s.n == i
+    t = await tlog.get(t.id)
+    assert (t.steps, t.cursor, t.mode) == (3, 3, "record")
+    again, new = await tlog.open(project, "run1/ep1", spec={}, on_mismatch="fail")
+    assert not new
+    assert (again.mode, again.cursor, again.on_mismatch) == ("replay", 0, "fail")
+    got = await tlog.step(t.id, 1)
+    assert got is not None
+    assert got.result == {"stdout": "1\n"}
+    assert got.raw_request["timeout"] == 5
+    assert [s.n async for s in tlog.steps(t.id)] == [0, 1, 2]
+    assert await tlog.step(t.id, 3) is None
+    assert await tlog.find(project, "run1/ep1") == again
+    assert [x.name for x in await tlog.list(project)] == ["run1/ep1"]
+    assert t.bytes == await tlog.usage(project) > 0
+
+
+@check
+async def check_bad_input(tlog: TrajectoryLog, project: str) -> None:
+    for kwargs in ({"on_mismatch": "ignore"}, {"checkpoint_every": -1}):
+        try:
+            await tlog.open(project, "x", spec={}, **kwargs)
+        except InvalidArgument:
+            pass
+        else:
+            raise AssertionError(f"open accepted {kwargs}")
+    for name in ("", "a\nb", "x" * 201):
+        try:
+            await tlog.open(project, name, spec={})
+        except InvalidArgument:
+            pass
+        else:
+            raise AssertionError(f"open accepted the name {name!r}")
+    assert await tlog.list(project) == []
+
+
+@check
+async def check_large_step_goes_to_a_blob(tlog: TrajectoryLog, project: str) -> None:
+    t, _ = await tlog.open(project, "big", spec={})
+    big = "x" * (INLINE_MAX * 2)
+    await tlog.append(t.id, step("cat big", big))
+    kv = await tlog.store.get(PREFIX + b"s/" + t.id.encode() + b"/0000000000")
+    assert kv is not None
+    assert len(kv.value) < 1024, "the store holds only a stub"
+    stub = json.loads(kv.value)
+    got = await tlog.step(t.id, 0)
+    assert got is not None
+    assert got.result["stdout"] == big
+    assert stub["blob"] in await tlog.referenced_blobs()
+    assert (await tlog.get(t.id)).bytes == stub["size"] > INLINE_MAX * 2
+    keep = Retention(blob_grace_s=0)
+    await sweep(tlog, keep, tlog.clock() + 1)
+    assert (await tlog.step(t.id, 0)) is not None, "a referenced blob survives the sweep"
+    await tlog.remove(t.id)
+    res = await sweep(tlog, keep, tlog.clock() + 1)
+    assert res.blobs_removed >= 1
+    assert stub["blob"] not in {d for d, _ in tlog.blobs.digests()}
+
+
+@check
+async def check_quota(tlog: TrajectoryLog, project: str) -> None:
+    await tlog.set_quota(project, 1000)
+    t, _ = await tlog.open(project, "q", spec={})
+    await tlog.append(t.id, step("a", "y" * 2000))  # crosses the quota: still recorded
+    for attempt in (tlog.append(t.id, step("b")), tlog.check_quota(project)):
+        message = ""
+        try:
+            await attempt
+        except QuotaExceeded as exc:
+            message = str(exc)
+        assert project in message, "a step beyond the quota was recorded"
+        assert "1000" in message
+    assert (await tlog.get(t.id)).steps == 1
+    await tlog.remove(t.id)
+    assert await tlog.usage(project) == 0
+    try:
+        await tlog.set_quota(project, -1)
+    except InvalidArgument:
+        pass
+    else:
+        raise AssertionError("a negative quota was accepted")
+
+
+@check
+async def check_truncate(tlog: TrajectoryLog, project: str) -> None:
+    t, _ = await tlog.open(project, "cut", spec={})
+    for i in range(5):
+        await tlog.append(t.id, step(f"s{i}", "z" * (100 * i)))
+    full = (await tlog.get(t.id)).bytes
+    cut = await tlog.truncate(t.id, 2, lambda x: replace(x, divergence={"step": 2}))
+    assert cut.steps == 2
+    assert cut.divergence == {"step": 2}
+    assert 0 < cut.bytes < full
+    assert await tlog.step(t.id, 2) is None
+    assert await tlog.step(t.id, 1) is not None
+    assert await tlog.usage(project) == cut.bytes
+    s = await tlog.append(t.id, step("new"))
+    assert s.n == 2
+
+
+@check
+async def check_bindings(tlog: TrajectoryLog, project: str) -> None:
+    a, _ = await tlog.open(project, "a", spec={})
+    b, _ = await tlog.open(project, "b", spec={})
+    sbx1, sbx2 = f"sbx-1-{a.id[:6]}", f"sbx-2-{a.id[:6]}"
+    await tlog.bind(a.id, sbx1)
+    got = await tlog.for_sandbox(sbx1)
+    assert got is not None
+    assert got.id == a.id
+    assert got.sandbox_id == sbx1
+    try:
+        await tlog.bind(b.id, sbx1)
+    except AlreadyExists:
+        pass
+    else:
+        raise AssertionError("one sandbox was bound to two trajectories")
+    await tlog.bind(a.id, sbx2)  # the trajectory moves to a restored sandbox
+    assert await tlog.for_sandbox(sbx1) is None
+    assert (await tlog.get(a.id)).sandbox_id == sbx2
+    await tlog.remove(a.id)
+    assert await tlog.for_sandbox(sbx2) is None
+
+
+@check
+async def check_concurrent_appends(tlog: TrajectoryLog, project: str) -> None:
+    t, _ = await tlog.open(project, "par", spec={})
+    got = await asyncio.gather(*(tlog.append(t.id, step(f"c{i}")) for i in range(12)))
+    assert sorted(s.n for s in got) == list(range(12))
+    t = await tlog.get(t.id)
+    assert t.steps == 12
+    assert t.bytes == await tlog.usage(project)
+
+
+@check
+async def check_retention(tlog: TrajectoryLog, project: str) -> None:
+    """(The sweep is global: this check first clears the store of trajectories.)"""
+    for t in await tlog.list():
+        await tlog.remove(t.id)
+    real = tlog.clock
+    base = real()
+    try:
+        tlog.clock = lambda: base - 10_000
+        old, _ = await tlog.open(project, "old", spec={})
+        tlog.clock = lambda: base - 100
+        mid, _ = await tlog.open(project, "mid", spec={})
+        await tlog.append(mid.id, step("a", "b" * 500))
+        tlog.clock = lambda: base
+        new, _ = await tlog.open(project, "new", spec={})
+        await tlog.append(new.id, step("a", "b" * 500))
+        res = await sweep(tlog, Retention(max_age_s=3600), base)
+        assert res.removed == (old.id,)
+        sizes = {t.id: t.bytes for t in await tlog.list()}
+        res = await sweep(tlog, Retention(max_bytes=sum(sizes.values()) - 1), base)
+        assert res.removed == (mid.id,), "the least recently used goes first"
+        assert [t.id for t in await tlog.list()] == [new.id]
+    finally:
+        tlog.clock = real
+
+
+@check
+async def check_two_apiservers(tlog: TrajectoryLog, project: str) -> None:
+    """Two log objects on one store (two apiservers): usage and the binding's copy of the
+    record stay exact although each caches what it last saw."""
+    other = TrajectoryLog(tlog.store, tlog.blobs)
+    a, _ = await tlog.open(project, "a", spec={})
+    b, _ = await other.open(project, "b", spec={})
+    await tlog.bind(a.id, f"sbx-a-{a.id[:6]}")
+    for i in range(4):
+        await tlog.check_quota(project)
+        await tlog.append(a.id, step(f"a{i}", "x" * 10 * i))
+        await other.check_quota(project)
+        await other.append(b.id, step(f"b{i}", "y" * 7 * i))
+    total = (await tlog.get(a.id)).bytes + (await tlog.get(b.id)).bytes
+    assert await tlog.usage(project) == total
+    found = await other.lookup(f"sbx-a-{a.id[:6]}")
+    assert found is not None
+    assert found[0].steps == 4
+    # A reopen by one apiserver is what the other sees on its next call.
+    await other.open(project, "a", spec={})
+    found = await tlog.lookup(f"sbx-a-{a.id[:6]}")
+    assert found is not None
+    assert (found[0].mode, found[0].cursor) == ("replay", 0)
+    await tlog.set_quota(project, total)  # (another apiserver sees it within QUOTA_CACHE_S)
+    message = ""
+    try:
+        await tlog.append(a.id, step("over"), known=(found[1], None))
+    except QuotaExceeded as exc:
+        message = str(exc)
+    assert "quota" in message, "a stale usage entry is re-read, and the quota holds"
