@@ -44,6 +44,7 @@ from dsec.sdk.models import (
 )
 from dsec.sdk.sandbox import Client, Sandbox
 from dsec.sdk.sandbox_runtime import Files, Processes, Pty, Ptys, Shell
+from dsec.sdk.tcp import AsyncTcpStream, TcpStream
 
 __all__ = [
     "AsyncClient",
@@ -53,6 +54,7 @@ __all__ = [
     "AsyncPtys",
     "AsyncSandbox",
     "AsyncShell",
+    "AsyncTcpStream",
     "Client",
     "ClientConfig",
     "CommandTimeout",
@@ -74,6 +76,7 @@ __all__ = [
     "Shell",
     "ShellSession",
     "SpecInfo",
+    "TcpStream",
     "WriteResult",
     "resolve_config",
 ]
