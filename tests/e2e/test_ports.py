@@ -10,9 +10,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import connect as ws_connect
+from websockets.typing import Subprotocol
 
 from dsec.core.errors import InvalidArgument, Unavailable
 from dsec.sdk import AsyncClient, Sandbox
@@ -173,3 +177,65 @@ def test_port_forward_closes_a_connection_when_nothing_listens(
         proc.wait(timeout=10)
     assert proc.stderr is not None
     assert "cannot connect to port 7998" in proc.stderr.read()
+
+
+WS_PORT = 7190
+WS_SERVER = Path(__file__).with_name("ws_server.py").read_text()
+
+
+@pytest.fixture
+def ws_sandbox(sbx: Sandbox) -> Sandbox:
+    sbx.files.write("/root/ws_server.py", WS_SERVER)
+    sbx.processes.start(["python3", "/root/ws_server.py", str(WS_PORT)])
+    _wait_port(sbx, WS_PORT)
+    return sbx
+
+
+def _ws_url(platform: RunningPlatform, sbx: Sandbox, port: int, path: str) -> str:
+    base = platform.api_url.replace("http://", "ws://")
+    return f"{base}/v1/sandboxes/{sbx.id}/ports/{port}{path}"
+
+
+def test_websocket_through_the_port_proxy(ws_sandbox: Sandbox, platform: RunningPlatform) -> None:
+    auth = {"Authorization": f"Bearer {platform.admin_key}"}
+    url = _ws_url(platform, ws_sandbox, WS_PORT, "/chat?room=1")
+    with ws_connect(url, additional_headers=auth, subprotocols=[Subprotocol("chat.v2")]) as ws:
+        assert ws.subprotocol == "chat.v2"  # negotiated by the sandbox's server
+        # the path and query reach the server; our credentials do not
+        assert ws.recv() == "hello /chat?room=1 auth=False"
+        ws.send("hello")
+        assert ws.recv() == "HELLO"
+        blob = bytes(range(256)) * 1200  # 300 KiB in one frame, both ways
+        ws.send(blob)
+        assert ws.recv() == blob[::-1]
+        ws.ping(b"p").wait(10)
+        ws.close(code=4002, reason="client done")
+    deadline = time.monotonic() + 10
+    while not ws_sandbox.files.exists("/root/ws-closed"):
+        assert time.monotonic() < deadline, "the server never saw the close"
+        time.sleep(0.1)
+    assert ws_sandbox.files.read_text("/root/ws-closed") == "4002"
+
+    with ws_connect(url, additional_headers=auth) as ws:
+        ws.recv()
+        ws.send("bye")  # the server closes: its code and reason reach the client
+        with pytest.raises(ConnectionClosed) as info:
+            ws.recv()
+    assert info.value.rcvd is not None
+    assert info.value.rcvd.code == 4001
+    assert info.value.rcvd.reason == "server says bye"
+
+
+def test_websocket_upgrade_refusals(
+    ws_sandbox: Sandbox, servers: Sandbox, platform: RunningPlatform
+) -> None:
+    auth = {"Authorization": f"Bearer {platform.admin_key}"}
+    with pytest.raises(InvalidStatus) as refused:  # http.server does not upgrade
+        ws_connect(_ws_url(platform, servers, HTTP_PORT, "/hello.txt"), additional_headers=auth)
+    assert refused.value.response.status_code in (200, 400, 404, 501)
+    with pytest.raises(InvalidStatus) as closed:  # nothing listens
+        ws_connect(_ws_url(platform, servers, 7997, "/"), additional_headers=auth)
+    assert closed.value.response.status_code == 503
+    with pytest.raises(InvalidStatus) as anonymous:
+        ws_connect(_ws_url(platform, servers, WS_PORT, "/"))
+    assert anonymous.value.response.status_code == 401
