@@ -24,6 +24,8 @@ from dsec.testing.platform import RunningPlatform
 
 ECHO_PORT = 7100
 HTTP_PORT = 7180
+WS_PORT = 7190
+WS_SERVER = Path(__file__).with_name("ws_server.py").read_text()
 # Upper-cases each line back as it arrives, several connections at once; on EOF from the
 # client it answers "bye <n bytes>" and closes.
 ECHO_SERVER = f"""
@@ -55,8 +57,8 @@ def _wait_port(sbx: Sandbox, port: int) -> None:
             time.sleep(0.2)
 
 
-@pytest.fixture
-def servers(sbx: Sandbox) -> Sandbox:
+def start_servers(sbx: Sandbox) -> Sandbox:
+    """The echo server and a static HTTP server (``/root/www``) in ``sbx``."""
     sbx.files.write("/root/echo.py", ECHO_SERVER)
     sbx.files.write("/root/www/hello.txt", "hello from the sandbox\n")
     sbx.processes.start(["python3", "/root/echo.py"])
@@ -66,6 +68,18 @@ def servers(sbx: Sandbox) -> Sandbox:
     _wait_port(sbx, ECHO_PORT)
     _wait_port(sbx, HTTP_PORT)
     return sbx
+
+
+def start_ws_server(sbx: Sandbox) -> Sandbox:
+    sbx.files.write("/root/ws_server.py", WS_SERVER)
+    sbx.processes.start(["python3", "/root/ws_server.py", str(WS_PORT)])
+    _wait_port(sbx, WS_PORT)
+    return sbx
+
+
+@pytest.fixture
+def servers(sbx: Sandbox) -> Sandbox:
+    return start_servers(sbx)
 
 
 def test_connect_tcp_streams_both_ways_and_half_closes(servers: Sandbox) -> None:
@@ -179,16 +193,9 @@ def test_port_forward_closes_a_connection_when_nothing_listens(
     assert "cannot connect to port 7998" in proc.stderr.read()
 
 
-WS_PORT = 7190
-WS_SERVER = Path(__file__).with_name("ws_server.py").read_text()
-
-
 @pytest.fixture
 def ws_sandbox(sbx: Sandbox) -> Sandbox:
-    sbx.files.write("/root/ws_server.py", WS_SERVER)
-    sbx.processes.start(["python3", "/root/ws_server.py", str(WS_PORT)])
-    _wait_port(sbx, WS_PORT)
-    return sbx
+    return start_ws_server(sbx)
 
 
 def _ws_url(platform: RunningPlatform, sbx: Sandbox, port: int, path: str) -> str:

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from dsec import __version__
 from dsec.apiserver import (
     audit,
+    hostroute,
     images,
     keys,
     openapi,
@@ -31,9 +33,10 @@ from dsec.apiserver import (
 from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.context import CTX, Ctx, ctx, ok
 from dsec.apiserver.upstream import Upstream
-from dsec.core.errors import DsecError, Internal, NotFound
+from dsec.core.errors import DsecError, Internal, InvalidArgument, NotFound
 from dsec.obs import Metrics, log
 from dsec.paths import Paths
+from dsec.rpc.tls import web_ssl_context
 
 _log = logging.getLogger("dsec.apiserver")
 
@@ -136,8 +139,13 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         c.metrics.inc("http_requests", route=route, method=request.method, code=str(status_code))
 
 
-def make_app(upstream: Upstream, components: dict[str, str]) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
+def make_app(
+    upstream: Upstream, components: dict[str, str], *, domain: str | None = None
+) -> web.Application:
+    middlewares: list[Middleware] = [errors_and_auth]
+    if domain:  # <port>-<sandbox id>.<domain> reaches the sandbox's port (hostroute.py)
+        middlewares.insert(0, hostroute.middleware(domain, errors_and_auth))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[CTX] = Ctx(
         upstream=upstream,
         auth=Authenticator(upstream),
@@ -167,12 +175,20 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     paths = Paths.from_env(args.home)
     upstream = Upstream(paths.pki, iam=args.iam, watcher=args.watcher)
     components = {"apiserver": args.listen, "iam": args.iam, "watcher": args.watcher}
-    runner = web.AppRunner(make_app(upstream, components), access_log=None)
+    app = make_app(upstream, components, domain=args.domain)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = _split(args.listen)
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
-    log(_log, "apiserver listening", address=args.listen)
+    log(_log, "apiserver listening", address=args.listen, domain=args.domain or "")
+    if args.tls_listen:
+        if not args.domain:
+            raise InvalidArgument("--tls-listen needs --domain (the certificate's name)")
+        host, port = _split(args.tls_listen)
+        ssl_ctx = web_ssl_context(paths.pki, args.domain)
+        await web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True).start()
+        log(_log, "apiserver listening (TLS)", address=args.tls_listen, domain=args.domain)
     try:
         await stop.wait()
     finally:
@@ -186,6 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--listen", default="127.0.0.1:8420")
     ap.add_argument("--iam", default="127.0.0.1:8421")
     ap.add_argument("--watcher", default="127.0.0.1:8422")
+    ap.add_argument(
+        "--domain", default="", help="serve <port>-<sandbox id>.<domain> (host-style routing)"
+    )
+    ap.add_argument(
+        "--tls-listen", default="", help="also serve HTTPS here, with a *.<domain> certificate"
+    )
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
