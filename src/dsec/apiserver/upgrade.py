@@ -48,13 +48,21 @@ def is_upgrade(request: web.Request) -> bool:
     return "upgrade" in conn and request.headers.get("Upgrade", "").lower() in SUPPORTED
 
 
-def request_head(request: web.Request, target: str, host: str, drop: Iterable[str] = ()) -> bytes:
-    """The upgrade request as sent to the server: ``target`` path, ``host``, minus ``drop``."""
+def request_head(
+    request: web.Request,
+    target: str,
+    host: str,
+    drop: Iterable[str] = (),
+    *,
+    extra: Iterable[tuple[str, str]] = (),
+) -> bytes:
+    """The upgrade request as sent on: ``target`` path, ``host``, minus ``drop``, plus ``extra``."""
     skip = {"host", "content-length", "transfer-encoding", *(d.lower() for d in drop)}
     lines = [f"{request.method} {target} HTTP/1.1", f"Host: {host}"]
     for k, v in request.headers.items():
         if k.lower() not in skip:
             lines.append(f"{k}: {v}")
+    lines.extend(f"{k}: {v}" for k, v in extra)
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 

@@ -97,7 +97,7 @@ def sandbox_json(g: Gateway, info: SandboxInfo, key: str) -> dict[str, Any]:
         "clientID": info.edge_id or "dsec",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": key,
-        "trafficAccessToken": None,
+        "trafficAccessToken": key,  # sandbox ports need it (gateway/userports.py)
         "domain": g.domain,
     }
 
