@@ -174,6 +174,8 @@ def test_sandboxes_cannot_reach_each_other_unless_a_rule_says_so(
         assert addr_a != addr_b
         assert tcp(a, addr_b, 7000) == "denied"
         assert tcp(b, addr_a, 7000) == "denied"
+        a.set_network({"allow": ["0.0.0.0/0"]})  # "everything" does not include the peers
+        assert tcp(a, addr_b, 7000) == "denied"
         # a rule on a's egress names b: a reaches b, and only on that port
         a.set_network({"allow": [f"{addr_b}/32:7000"]})
         assert tcp(a, addr_b, 7000) == "hello"

@@ -20,7 +20,16 @@ from dsec.core.netpolicy import NetworkPolicy
 from dsec.edge.net import ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
-from tests.integration.fakenet import DNS_IP, UDP_PORT, WEB1, WEB2, WEB3, FakeInternet, probe
+from tests.integration.fakenet import (
+    DNS_IP,
+    UDP_PORT,
+    WEB1,
+    WEB2,
+    WEB3,
+    FakeInternet,
+    probe,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.root]
 
@@ -205,28 +214,48 @@ async def test_live_policy_change_keeps_established(edgenet: EdgeNetwork) -> Non
     assert denied(await aprobe(ns, "tcp", WEB2, 80))
 
 
+HELLO = (
+    "import socket\ns=socket.socket(); s.bind(('',7000)); s.listen()\n"
+    "while True:\n    c,_=s.accept(); c.sendall(b'hello'); c.close()\n"
+)
+
+
 @pytest.mark.asyncio
 async def test_sandboxes_cannot_reach_each_other(edgenet: EdgeNetwork) -> None:
+    # a broad rule (the whole 10/8, which holds the pool) does not cover other sandboxes
     a = await edgenet.create("sbx-a", NetworkPolicy.from_dict({"allow": ["10.0.0.0/8"]}))
     b = await edgenet.create("sbx-b", NetworkPolicy())
-    srv = subprocess.Popen(
-        [
-            "nsenter",
-            f"--net={b.netns}",
-            "python3",
-            "-c",
-            LISTEN,
-        ],
-    )
+    srv = subprocess.Popen(["nsenter", f"--net={b.netns}", "python3", "-c", HELLO])
     try:
-        time.sleep(0.3)
-        assert denied(await aprobe(a.netns, "tcp", b.address, 7000, 1.0))  # b's ingress
+        assert wait_for(lambda: probe(b.netns, "tcp", "127.0.0.1", 7000) == "hello")
+        assert denied(await aprobe(a.netns, "tcp", b.address, 7000, 1.0))
         assert denied(await aprobe(b.netns, "tcp", a.address, 7000, 1.0))  # b's egress
         assert denied(await aprobe(a.netns, "tcp", a.gateway, 22, 1.0))
         assert denied(await aprobe(a.netns, "tcp", "169.254.169.254", 80, 1.0))
+        # a rule naming b opens exactly that
+        await edgenet.set_policy(
+            "sbx-a", NetworkPolicy.from_dict({"allow": ["0.0.0.0/0", f"{b.address}/32:7000"]})
+        )
+        assert (await aprobe(a.netns, "tcp", b.address, 7000, 1.0)) == "hello"
+        assert denied(await aprobe(b.netns, "tcp", a.address, 7000, 1.0))
     finally:
         srv.kill()
         srv.wait()
+
+
+@pytest.mark.asyncio
+async def test_dns_over_tcp(edgenet: EdgeNetwork, internet: FakeInternet) -> None:
+    pol = NetworkPolicy.from_dict({"allow": ["web2.test.example"], "deny": []})
+    net = await edgenet.create("sbx-dnstcp", pol)
+    before = len(internet.dns_queries())
+    # two queries on one TCP connection, to the gateway and to an "outside" resolver
+    # (redirected to the edge's as for UDP): allowed name answered, the other NXDOMAIN
+    for server in (net.gateway, DNS_IP):
+        out = await aprobe(net.netns, "dnstcp", "web2.test.example,evil.example", server=server)
+        assert out == f"NOERROR {WEB2} | NXDOMAIN"
+        # the answer opened the address (web2's TTL is 2 s: check at once)
+        assert (await aprobe(net.netns, "tcp", WEB2, 80)) == f"hello {WEB2}:80"
+    assert len(internet.dns_queries()) == before + 2  # only the allowed name went upstream
 
 
 @pytest.mark.asyncio
