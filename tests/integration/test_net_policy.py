@@ -323,3 +323,62 @@ async def test_warm_pool(internet: FakeInternet, tmp_path: Path) -> None:
     finally:
         await net.release()
     assert not any((tmp_path / "netns").glob("*"))
+
+
+V6_SERVER = (
+    "import socket\ns=socket.socket(socket.AF_INET6); s.bind(('::',7000)); s.listen()\n"
+    "while True:\n    c,_=s.accept(); c.sendall(b'hello'); c.close()\n"
+)
+
+
+def _sh(ns: str | Path, script: str) -> str:
+    out = subprocess.run(
+        ["nsenter", f"--net={ns}", "sh", "-c", script], capture_output=True, text=True, timeout=10
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def _mac(ip_link: str) -> str:
+    return ip_link.split("link/ether ", 1)[1].split()[0]
+
+
+@pytest.mark.asyncio
+async def test_ipv6_is_denied_whatever_the_policy(
+    edgenet: EdgeNetwork, internet: FakeInternet
+) -> None:
+    """Even if IPv6 were switched on in two sandboxes (here by the test, as root outside
+    them) and routed between them, the edge's table refuses it, under an allow-all policy."""
+    everything = NetworkPolicy.from_dict({"allow": ["0.0.0.0/0"]})
+    a = await edgenet.create("sbx-v6a", everything)
+    b = await edgenet.create("sbx-v6b", everything)
+    gw = internet.gw_path
+    on = "echo 0 > /proc/sys/net/ipv6/conf/{}/disable_ipv6"
+    for net, sub in ((a, "fd00:a"), (b, "fd00:b")):
+        host = edgenet.ifname(net)
+        host_mac = _mac(_sh(gw, f"ip -o link show dev {host}"))
+        eth_mac = _mac(_sh(net.netns, "ip -o link show dev eth0"))
+        # static neighbours: the sandbox's NDP to the gateway is refused by the table too
+        _sh(
+            net.netns,
+            f"{on.format('all')}; {on.format('eth0')}; ip -6 addr add {sub}::2/64 dev eth0 nodad;"
+            f" ip -6 route add default via {sub}::1;"
+            f" ip -6 neigh replace {sub}::1 lladdr {host_mac} dev eth0",
+        )
+        _sh(
+            gw,
+            f"{on.format(host)}; echo 1 > /proc/sys/net/ipv6/conf/all/forwarding;"
+            f" ip -6 addr add {sub}::1/64 dev {host} nodad;"
+            f" ip -6 neigh replace {sub}::2 lladdr {eth_mac} dev {host}",
+        )
+    srv = subprocess.Popen(["nsenter", f"--net={b.netns}", "python3", "-c", V6_SERVER])
+    try:
+        assert wait_for(lambda: probe(b.netns, "tcp", "::1", 7000) == "hello")
+        before = (await edgenet.counters())["sbx-v6a"]["denied_connections"]
+        assert denied(await aprobe(a.netns, "tcp", "fd00:b::2", 7000, 1.0))
+        after = (await edgenet.counters())["sbx-v6a"]["denied_connections"]
+        assert after > before  # refused by the sandbox's chain, not lost on the way
+        assert denied(await aprobe(b.netns, "tcp", "fd00:a::2", 7000, 1.0))
+    finally:
+        srv.kill()
+        srv.wait()

@@ -10,11 +10,12 @@ One ``inet`` table per edge, in the gateway namespace (where the veth host ends 
     prerouting (nat):         sandbox UDP and TCP :53 -> the resolver's port
     postrouting (nat):        masquerade the pool towards everything but sandboxes
 
-``out_<k>`` checks, in order: spoofed source (drop), deny CIDRs and deny CIDR.proto.ports
-(reject: deny wins, even on established flows), established (accept), allow CIDRs, allow
-CIDR.proto.ports, addresses the resolver returned for allowed names (a set with timeouts),
-and rejects the rest with ICMP admin-prohibited so denied connections fail at once.
-``in_<k>`` accepts replies only. Named counters per sandbox count what passed and what not.
+``out_<k>`` checks, in order: IPv6 (reject), spoofed source (drop), deny CIDRs and deny
+CIDR.proto.ports (reject: deny wins, even on established flows), established (accept),
+allow CIDRs, allow CIDR.proto.ports, addresses the resolver returned for allowed names (a
+set with timeouts), and rejects the rest with ICMP admin-prohibited so denied connections
+fail at once. ``in_<k>`` drops IPv6 and accepts replies only. Named counters per sandbox
+count what passed and what not.
 Allow rules never cover the pool itself unless they lie inside it (:func:`outside_pool`),
 and resolved addresses inside it are not added, so a sandbox reaches another sandbox only
 through a rule naming it.
@@ -159,6 +160,8 @@ def add_slot(t: TableSpec, key: str, address: str) -> str:
         f"add set {ft} dp_{key} {{ {ported} }}",
         f"add set {ft} dns_{key} {{ type ipv4_addr; flags timeout; }}",
         f"add chain {ft} out_{key}",
+        # no IPv6 at all, whatever the policy (rules are IPv4; sandboxes get no IPv6 address)
+        f"add rule {ft} out_{key} meta nfproto ipv6 {c['deny']} {c['new_deny']} {REJECT}",
         f"add rule {ft} out_{key} ip saddr != {address} {c['deny']} drop",
         f"add rule {ft} out_{key} ip daddr @d_{key} {c['deny']} {c['new_deny']} {REJECT}",
         f"add rule {ft} out_{key} ip daddr . meta l4proto . th dport @dp_{key} "
@@ -170,6 +173,7 @@ def add_slot(t: TableSpec, key: str, address: str) -> str:
         f"add rule {ft} out_{key} ip daddr @dns_{key} {c['ok']} {c['new_ok']} accept",
         f"add rule {ft} out_{key} {c['deny']} {c['new_deny']} {REJECT}",
         f"add chain {ft} in_{key}",
+        f"add rule {ft} in_{key} meta nfproto ipv6 {c['deny']} {c['new_deny']} drop",
         f"add rule {ft} in_{key} ct state established,related {c['ok']} accept",
         f"add rule {ft} in_{key} {c['deny']} {c['new_deny']} drop",
     ]
