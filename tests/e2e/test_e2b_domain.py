@@ -1,10 +1,11 @@
 """The unmodified E2B SDK in ``E2B_DOMAIN`` mode: ``https://api.<domain>`` for the control
 plane, ``https://<port>-<sandbox id>.<domain>`` for envd and for ``sbx.get_host(port)``.
 
-Written as E2B user code. The environment only sets ``E2B_DOMAIN``, ``E2B_API_KEY``,
-``SSL_CERT_FILE`` (the cluster CA) and, because this machine has no DNS for the test
-domain, ``HTTPS_PROXY`` pointing at a test proxy that sends ``*.dsec.test:443`` to the
-gateway's TLS port (see ``hostnet.py``); nothing on the machine is changed.
+Written as E2B user code. The environment only sets ``E2B_DOMAIN``, ``E2B_API_KEY`` and
+``SSL_CERT_FILE`` (the cluster CA). Because this machine has no DNS for the test domain,
+every client is given ``proxy=``: a test proxy that sends ``*.dsec.test:443`` to the
+gateway's TLS port (see ``hostnet.py``), so no client ever resolves the name itself and
+nothing on the machine is changed.
 """
 
 from __future__ import annotations
@@ -39,22 +40,21 @@ def proxy(platform: RunningPlatform) -> Iterator[ConnectProxy]:
             mp.setenv("E2B_DOMAIN", DOMAIN)
             mp.setenv("E2B_API_KEY", platform.admin_key)
             mp.setenv("SSL_CERT_FILE", str(platform.paths.home / "pki" / "ca.crt"))
-            mp.setenv("HTTPS_PROXY", p.url)
             yield p
         p.close()
 
 
-def _get_until_up(url: str, headers: dict[str, str]) -> httpx.Response:
+def _get_until_up(url: str, headers: dict[str, str], proxy: str) -> httpx.Response:
     deadline = time.monotonic() + 20
     while True:
-        r = httpx.get(url, headers=headers)
+        r = httpx.get(url, headers=headers, proxy=proxy)
         if r.status_code != 502 or time.monotonic() > deadline:  # 502: port not open yet
             return r
         time.sleep(0.2)
 
 
 def test_sandbox_and_its_ports_by_domain(proxy: ConnectProxy) -> None:
-    sbx = Sandbox.create(timeout=120)
+    sbx = Sandbox.create(timeout=120, proxy=proxy.url)
     try:
         assert sbx.commands.run("echo over tls").stdout == "over tls\n"
         assert f"49983-{sbx.sandbox_id}.{DOMAIN}" in proxy.hosts  # envd by host
@@ -67,10 +67,10 @@ def test_sandbox_and_its_ports_by_domain(proxy: ConnectProxy) -> None:
         host = sbx.get_host(8000)
         assert host == f"8000-{sbx.sandbox_id}.{DOMAIN}"
         token = {"e2b-traffic-access-token": sbx.traffic_access_token or ""}
-        r = _get_until_up(f"https://{host}/index.html", token)
+        r = _get_until_up(f"https://{host}/index.html", token, proxy.url)
         assert r.status_code == 200
         assert r.text == "served from an e2b sandbox"
-        assert httpx.get(f"https://{host}/index.html").status_code == 401
+        assert httpx.get(f"https://{host}/index.html", proxy=proxy.url).status_code == 401
 
         sbx.files.write("/root/ws_server.py", WS_SERVER)
         sbx.commands.run(f"python3 /root/ws_server.py {WS_PORT}", background=True)
@@ -78,7 +78,7 @@ def test_sandbox_and_its_ports_by_domain(proxy: ConnectProxy) -> None:
         deadline = time.monotonic() + 20
         while True:
             try:
-                ws = ws_connect(ws_url, additional_headers=token)
+                ws = ws_connect(ws_url, additional_headers=token, proxy=proxy.url)
                 break
             except InvalidStatus as exc:
                 if exc.response.status_code not in (502, 503) or time.monotonic() > deadline:
@@ -89,18 +89,20 @@ def test_sandbox_and_its_ports_by_domain(proxy: ConnectProxy) -> None:
             ws.send(b"\x00\x01binary")
             assert ws.recv() == b"yranib\x01\x00"
         with pytest.raises(InvalidStatus) as anonymous:
-            ws_connect(ws_url)
+            ws_connect(ws_url, proxy=proxy.url)
         assert anonymous.value.response.status_code == 401
     finally:
         sbx.kill()
 
 
 def test_async_client_by_domain(proxy: ConnectProxy) -> None:
-    async def main() -> str:
-        sbx = await AsyncSandbox.create(timeout=60)
+    async def main() -> tuple[str, str]:
+        sbx = await AsyncSandbox.create(timeout=60, proxy=proxy.url)
         try:
-            return (await sbx.commands.run("echo async")).stdout
+            return sbx.sandbox_id, (await sbx.commands.run("echo async")).stdout
         finally:
             await sbx.kill()
 
-    assert asyncio.run(main()) == "async\n"
+    sandbox_id, out = asyncio.run(main())
+    assert out == "async\n"
+    assert f"49983-{sandbox_id}.{DOMAIN}" in proxy.hosts

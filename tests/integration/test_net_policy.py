@@ -38,7 +38,8 @@ LISTEN = "import socket,time;s=socket.socket();s.bind(('',7000));s.listen();time
 
 
 def denied(outcome: str) -> bool:
-    return outcome.startswith(("refused", "OSError", "TimeoutError", "timeout"))
+    # PermissionError: EACCES, how Linux reports an ICMPv6 admin-prohibited reject
+    return outcome.startswith(("refused", "OSError", "TimeoutError", "timeout", "PermissionError"))
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from dsec.core.errors import Unavailable
 
 MAX_HEAD = 64 * 1024
 MAX_REFUSAL_BODY = 1024 * 1024
+REFUSAL_READ_S = 5.0
 CLIENT_QUEUE_HIGH = 64  # chunks queued from the client before it is paused
 CLOSE_GRACE_S = 5.0
 HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"})
@@ -98,8 +99,10 @@ async def _refusal(
     length = next((v for k, v in headers if k.lower() == "content-length"), None)
     want = int(length) if length and length.isdigit() else MAX_REFUSAL_BODY
     body = rest
-    while len(body) < min(want, MAX_REFUSAL_BODY) and (chunk := await pipe.recv()):
-        body += chunk
+    with contextlib.suppress(TimeoutError):  # no length and the server keeps the connection
+        async with asyncio.timeout(REFUSAL_READ_S):
+            while len(body) < min(want, MAX_REFUSAL_BODY) and (chunk := await pipe.recv()):
+                body += chunk
     resp = web.Response(status=status, reason=reason or None, body=body[:want])
     for k, v in headers:
         if k.lower() not in HOP and k.lower() not in ("content-length", "transfer-encoding"):
