@@ -6,9 +6,11 @@ sent to a real external address and the host's own namespace is not touched.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -131,3 +133,60 @@ def test_http_network_field_is_validated(netplatform: RunningPlatform) -> None:
         assert r.status_code == 400
         r = h.put("/v1/sandboxes/e0000000-doesnotexist/network", json={"allow": []})
         assert r.status_code in (400, 404)
+
+
+PEER_SERVER = (
+    "import socket\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('0.0.0.0', 7000)); s.listen()\n"
+    "while True:\n"
+    "    c, _ = s.accept(); c.sendall(b'hello'); c.close()\n"
+)
+
+
+def sandbox_address(sbx: Sandbox) -> str:
+    """The sandbox's own IPv4 address, read from the kernel's table inside it."""
+    lines = sbx.exec("cat /proc/net/fib_trie").stdout.splitlines()
+    for prev, line in itertools.pairwise(lines):
+        if "/32 host LOCAL" in line:
+            addr = prev.split()[-1]
+            if not addr.startswith("127."):
+                return addr
+    raise AssertionError("no address in /proc/net/fib_trie")
+
+
+@pytest.mark.timeout(300)
+def test_sandboxes_cannot_reach_each_other_unless_a_rule_says_so(
+    netplatform: RunningPlatform, client: Client
+) -> None:
+    a = Sandbox.create(memory_mb=256, client=client)
+    b = Sandbox.create(memory_mb=256, client=client)
+    try:
+        for s in (a, b):
+            s.files.write("/root/peer.py", PEER_SERVER)
+            s.processes.start(["python3", "/root/peer.py"])
+        for s in (a, b):
+            deadline = time.monotonic() + 20
+            while tcp(s, "127.0.0.1", 7000) != "hello":  # the servers run
+                assert time.monotonic() < deadline, "the peer server did not start"
+                time.sleep(0.2)
+        addr_a, addr_b = sandbox_address(a), sandbox_address(b)
+        assert addr_a != addr_b
+        assert tcp(a, addr_b, 7000) == "denied"
+        assert tcp(b, addr_a, 7000) == "denied"
+        a.set_network({"allow": ["0.0.0.0/0"]})  # "everything" does not include the peers
+        assert tcp(a, addr_b, 7000) == "denied"
+        # a rule on a's egress names b: a reaches b, and only on that port
+        a.set_network({"allow": [f"{addr_b}/32:7000"]})
+        assert tcp(a, addr_b, 7000) == "hello"
+        assert tcp(a, addr_b, 7001) == "denied"
+        assert tcp(b, addr_a, 7000) == "denied"  # nothing allows the other direction
+        # a rule for the whole pool does not bypass a deny of the peer
+        a.set_network({"allow": [f"{addr_b}/16"], "deny": [f"{addr_b}/32"]})
+        assert tcp(a, addr_b, 7000) == "denied"
+        a.set_network({"allow": []})
+        assert tcp(a, addr_b, 7000) == "denied"
+    finally:
+        for s in (a, b):
+            s.kill()
+            s.close()

@@ -141,6 +141,19 @@ try:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(float(sys.argv[4]))
         s.sendto(q.pack(), (sys.argv[5], 53)); r = DNSRecord.parse(s.recv(4096))
         print(RCODE.get(r.header.rcode), *[str(a.rdata) for a in r.rr])
+    elif kind == "dnstcp":  # two queries on one connection (RFC 7766 framing)
+        from dnslib import DNSRecord, RCODE
+        s = socket.create_connection((sys.argv[5], 53), timeout=float(sys.argv[4]))
+        out = []
+        for name in host.split(","):
+            q = DNSRecord.question(name).pack()
+            s.sendall(len(q).to_bytes(2, "big") + q)
+            n = int.from_bytes(s.recv(2), "big"); data = b""
+            while len(data) < n:
+                data += s.recv(n - len(data))
+            r = DNSRecord.parse(data)
+            out.append(" ".join([RCODE.get(r.header.rcode), *[str(a.rdata) for a in r.rr]]))
+        print(" | ".join(out))
 except socket.gaierror as e:
     print("gaierror", e.errno)
 except ConnectionRefusedError:

@@ -20,7 +20,16 @@ from dsec.core.netpolicy import NetworkPolicy
 from dsec.edge.net import ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
-from tests.integration.fakenet import DNS_IP, UDP_PORT, WEB1, WEB2, WEB3, FakeInternet, probe
+from tests.integration.fakenet import (
+    DNS_IP,
+    UDP_PORT,
+    WEB1,
+    WEB2,
+    WEB3,
+    FakeInternet,
+    probe,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.root]
 
@@ -29,7 +38,8 @@ LISTEN = "import socket,time;s=socket.socket();s.bind(('',7000));s.listen();time
 
 
 def denied(outcome: str) -> bool:
-    return outcome.startswith(("refused", "OSError", "TimeoutError", "timeout"))
+    # PermissionError: EACCES, how Linux reports an ICMPv6 admin-prohibited reject
+    return outcome.startswith(("refused", "OSError", "TimeoutError", "timeout", "PermissionError"))
 
 
 @pytest.fixture(scope="module")
@@ -205,28 +215,48 @@ async def test_live_policy_change_keeps_established(edgenet: EdgeNetwork) -> Non
     assert denied(await aprobe(ns, "tcp", WEB2, 80))
 
 
+HELLO = (
+    "import socket\ns=socket.socket(); s.bind(('',7000)); s.listen()\n"
+    "while True:\n    c,_=s.accept(); c.sendall(b'hello'); c.close()\n"
+)
+
+
 @pytest.mark.asyncio
 async def test_sandboxes_cannot_reach_each_other(edgenet: EdgeNetwork) -> None:
+    # a broad rule (the whole 10/8, which holds the pool) does not cover other sandboxes
     a = await edgenet.create("sbx-a", NetworkPolicy.from_dict({"allow": ["10.0.0.0/8"]}))
     b = await edgenet.create("sbx-b", NetworkPolicy())
-    srv = subprocess.Popen(
-        [
-            "nsenter",
-            f"--net={b.netns}",
-            "python3",
-            "-c",
-            LISTEN,
-        ],
-    )
+    srv = subprocess.Popen(["nsenter", f"--net={b.netns}", "python3", "-c", HELLO])
     try:
-        time.sleep(0.3)
-        assert denied(await aprobe(a.netns, "tcp", b.address, 7000, 1.0))  # b's ingress
+        assert wait_for(lambda: probe(b.netns, "tcp", "127.0.0.1", 7000) == "hello")
+        assert denied(await aprobe(a.netns, "tcp", b.address, 7000, 1.0))
         assert denied(await aprobe(b.netns, "tcp", a.address, 7000, 1.0))  # b's egress
         assert denied(await aprobe(a.netns, "tcp", a.gateway, 22, 1.0))
         assert denied(await aprobe(a.netns, "tcp", "169.254.169.254", 80, 1.0))
+        # a rule naming b opens exactly that
+        await edgenet.set_policy(
+            "sbx-a", NetworkPolicy.from_dict({"allow": ["0.0.0.0/0", f"{b.address}/32:7000"]})
+        )
+        assert (await aprobe(a.netns, "tcp", b.address, 7000, 1.0)) == "hello"
+        assert denied(await aprobe(b.netns, "tcp", a.address, 7000, 1.0))
     finally:
         srv.kill()
         srv.wait()
+
+
+@pytest.mark.asyncio
+async def test_dns_over_tcp(edgenet: EdgeNetwork, internet: FakeInternet) -> None:
+    pol = NetworkPolicy.from_dict({"allow": ["web2.test.example"], "deny": []})
+    net = await edgenet.create("sbx-dnstcp", pol)
+    before = len(internet.dns_queries())
+    # two queries on one TCP connection, to the gateway and to an "outside" resolver
+    # (redirected to the edge's as for UDP): allowed name answered, the other NXDOMAIN
+    for server in (net.gateway, DNS_IP):
+        out = await aprobe(net.netns, "dnstcp", "web2.test.example,evil.example", server=server)
+        assert out == f"NOERROR {WEB2} | NXDOMAIN"
+        # the answer opened the address (web2's TTL is 2 s: check at once)
+        assert (await aprobe(net.netns, "tcp", WEB2, 80)) == f"hello {WEB2}:80"
+    assert len(internet.dns_queries()) == before + 2  # only the allowed name went upstream
 
 
 @pytest.mark.asyncio
@@ -294,3 +324,62 @@ async def test_warm_pool(internet: FakeInternet, tmp_path: Path) -> None:
     finally:
         await net.release()
     assert not any((tmp_path / "netns").glob("*"))
+
+
+V6_SERVER = (
+    "import socket\ns=socket.socket(socket.AF_INET6); s.bind(('::',7000)); s.listen()\n"
+    "while True:\n    c,_=s.accept(); c.sendall(b'hello'); c.close()\n"
+)
+
+
+def _sh(ns: str | Path, script: str) -> str:
+    out = subprocess.run(
+        ["nsenter", f"--net={ns}", "sh", "-c", script], capture_output=True, text=True, timeout=10
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def _mac(ip_link: str) -> str:
+    return ip_link.split("link/ether ", 1)[1].split()[0]
+
+
+@pytest.mark.asyncio
+async def test_ipv6_is_denied_whatever_the_policy(
+    edgenet: EdgeNetwork, internet: FakeInternet
+) -> None:
+    """Even if IPv6 were switched on in two sandboxes (here by the test, as root outside
+    them) and routed between them, the edge's table refuses it, under an allow-all policy."""
+    everything = NetworkPolicy.from_dict({"allow": ["0.0.0.0/0"]})
+    a = await edgenet.create("sbx-v6a", everything)
+    b = await edgenet.create("sbx-v6b", everything)
+    gw = internet.gw_path
+    on = "echo 0 > /proc/sys/net/ipv6/conf/{}/disable_ipv6"
+    for net, sub in ((a, "fd00:a"), (b, "fd00:b")):
+        host = edgenet.ifname(net)
+        host_mac = _mac(_sh(gw, f"ip -o link show dev {host}"))
+        eth_mac = _mac(_sh(net.netns, "ip -o link show dev eth0"))
+        # static neighbours: the sandbox's NDP to the gateway is refused by the table too
+        _sh(
+            net.netns,
+            f"{on.format('all')}; {on.format('eth0')}; ip -6 addr add {sub}::2/64 dev eth0 nodad;"
+            f" ip -6 route add default via {sub}::1;"
+            f" ip -6 neigh replace {sub}::1 lladdr {host_mac} dev eth0",
+        )
+        _sh(
+            gw,
+            f"{on.format(host)}; echo 1 > /proc/sys/net/ipv6/conf/all/forwarding;"
+            f" ip -6 addr add {sub}::1/64 dev {host} nodad;"
+            f" ip -6 neigh replace {sub}::2 lladdr {eth_mac} dev {host}",
+        )
+    srv = subprocess.Popen(["nsenter", f"--net={b.netns}", "python3", "-c", V6_SERVER])
+    try:
+        assert wait_for(lambda: probe(b.netns, "tcp", "::1", 7000) == "hello")
+        before = (await edgenet.counters())["sbx-v6a"]["denied_connections"]
+        assert denied(await aprobe(a.netns, "tcp", "fd00:b::2", 7000, 1.0))
+        after = (await edgenet.counters())["sbx-v6a"]["denied_connections"]
+        assert after > before  # refused by the sandbox's chain, not lost on the way
+        assert denied(await aprobe(b.netns, "tcp", "fd00:a::2", 7000, 1.0))
+    finally:
+        srv.kill()
+        srv.wait()

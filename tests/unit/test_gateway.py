@@ -8,6 +8,7 @@ import struct
 import urllib.parse
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -193,3 +194,19 @@ def test_cli_e2b_env_prints_exports(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     res = CliRunner().invoke(cli, ["e2b", "env", "--home", str(tmp_path / "none")])
     assert res.exit_code == 1
     assert "no E2B gateway" in res.output
+
+
+def test_cli_e2b_env_domain_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from dsec.cli.main import cli
+
+    monkeypatch.setenv("DSEC_HOME", str(tmp_path))
+    monkeypatch.setenv("DSEC_API_KEY", "dsk_k")
+    res = CliRunner().invoke(cli, ["e2b", "env", "--domain", "dsec.example"])
+    assert res.exit_code == 0, res.output
+    assert res.output.splitlines() == [
+        "export E2B_DOMAIN=dsec.example",
+        "export E2B_API_KEY=dsk_k",
+        f"export SSL_CERT_FILE={tmp_path}/pki/ca.crt",
+    ]

@@ -16,6 +16,7 @@ PAIRS = [
     (sdk.Ptys, sdk.AsyncPtys),
     (sdk.Pty, sdk.AsyncPty),
     (sdk.Shell, sdk.AsyncShell),
+    (sdk.TcpStream, sdk.AsyncTcpStream),
 ]
 # Local-resource cleanup and the protocols follow asyncio naming; everything else is equal.
 RENAMED = {

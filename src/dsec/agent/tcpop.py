@@ -1,7 +1,8 @@
 """The ``tcp`` op: a raw TCP stream to a port inside the sandbox.
 
 ``I`` frames are written to the connection and what the server sends comes back as ``O``
-frames; ``C`` half-closes the sandbox side (shutdown for writing). The call ends when the
+frames; ``C`` half-closes the sandbox side (shutdown for writing). Once connected it sends
+the event ``connected`` (so a client knows the port answered before sending). The call ends when the
 server closes its side, with ``{"sent": n, "received": n}``. It reaches the server through
 the runtime channel, so the sandbox needs no network rule for it.
 """
@@ -34,6 +35,7 @@ def op_tcp(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
         up.close()
         raise AgentError("unavailable", f"cannot connect to port {port}: {exc.strerror}") from None
     up.settimeout(None)
+    conn.event("connected")
     sent = received = 0
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)

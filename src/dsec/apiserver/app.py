@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from dsec import __version__
 from dsec.apiserver import (
     audit,
     backends,
+    hostroute,
     images,
     keys,
     openapi,
@@ -35,9 +37,10 @@ from dsec.apiserver.auth import Authenticator
 from dsec.apiserver.context import CTX, Ctx, ctx, ok
 from dsec.apiserver.trajectory_calls import HEADERS as TRAJECTORY_HEADERS
 from dsec.apiserver.upstream import Upstream
-from dsec.core.errors import DsecError, Internal, NotFound
+from dsec.core.errors import DsecError, Internal, InvalidArgument, NotFound
 from dsec.obs import Metrics, log
 from dsec.paths import Paths
+from dsec.rpc.tls import web_ssl_context
 from dsec.trajectory.log import TrajectoryLog
 from dsec.trajectory.retention import Retention, run_sweeper
 from dsec.trajectory.setup import open_log
@@ -156,8 +159,12 @@ def make_app(
     *,
     trajectories: TrajectoryLog | None = None,
     retention: Retention | None = None,
+    domain: str | None = None,
 ) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=64 * 1024 * 1024)
+    middlewares: list[Middleware] = [errors_and_auth]
+    if domain:  # <port>-<sandbox id>.<domain> reaches the sandbox's port (hostroute.py)
+        middlewares.insert(0, hostroute.middleware(domain, errors_and_auth))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[CTX] = Ctx(
         upstream=upstream,
         auth=Authenticator(upstream),
@@ -205,13 +212,20 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     retention = Retention(
         max_age_s=args.trajectory_max_age_days * 86400, max_bytes=args.trajectory_max_bytes
     )
-    app = make_app(upstream, components, trajectories=tlog, retention=retention)
+    app = make_app(upstream, components, trajectories=tlog, retention=retention, domain=args.domain)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = _split(args.listen)
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
-    log(_log, "apiserver listening", address=args.listen)
+    log(_log, "apiserver listening", address=args.listen, domain=args.domain or "")
+    if args.tls_listen:
+        if not args.domain:
+            raise InvalidArgument("--tls-listen needs --domain (the certificate's name)")
+        host, port = _split(args.tls_listen)
+        ssl_ctx = web_ssl_context(paths.pki, args.domain)
+        await web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True).start()
+        log(_log, "apiserver listening (TLS)", address=args.tls_listen, domain=args.domain)
     try:
         await stop.wait()
     finally:
@@ -226,6 +240,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--listen", default="127.0.0.1:8420")
     ap.add_argument("--iam", default="127.0.0.1:8421")
     ap.add_argument("--watcher", default="127.0.0.1:8422")
+    ap.add_argument(
+        "--domain", default="", help="serve <port>-<sandbox id>.<domain> (host-style routing)"
+    )
+    ap.add_argument(
+        "--tls-listen", default="", help="also serve HTTPS here, with a *.<domain> certificate"
+    )
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument(
         "--trajectory-store",

@@ -84,7 +84,8 @@ class Authenticator:
                 await self._poller
 
     async def principal(self, request: web.Request) -> Principal:
-        credential = bearer(request)
+        # host-style routing may have found it in a cookie or query parameter (hostroute.py)
+        credential = request.get("credential") or bearer(request)
         if tokens.looks_like_token(credential):
             return await self._from_token(credential)
         return await self._from_key(credential)

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from dsec.agent import protocol
-from dsec.apiserver import relay
+from dsec.apiserver import ports, relay
 from dsec.apiserver import trajectory_calls as traj
 from dsec.apiserver import trajectory_sandbox as traj_io
 from dsec.apiserver.context import ctx, flag, json_body, ok, principal, query, sandbox_id
@@ -25,22 +25,6 @@ from dsec.core.errors import (
 
 MAX_UPLOAD_BYTES = 4 * 1024**3
 DEFAULT_EXEC_TIMEOUT_S = 60
-_HOP_HEADERS = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Authorization",
-        "Host",
-        "Content-Length",
-    )
-)
 
 
 def _command(body: dict[str, Any]) -> str | list[str]:
@@ -370,55 +354,11 @@ async def files_write(request: web.Request) -> web.Response:
 
 
 async def port_proxy(request: web.Request) -> web.StreamResponse:
-    c, p, sid = ctx(request), principal(request), sandbox_id(request)
-    p.require("member")
     port_raw = request.match_info["port"]
     if not port_raw.isdigit() or not 1 <= int(port_raw) <= 65535:
         raise InvalidArgument(f"invalid port {port_raw!r}")
     path = "/" + request.match_info.get("path", "")
-    if request.query_string:
-        path += "?" + request.query_string
-    headers = [[k, v] for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
-    headers.append(["Host", f"localhost:{port_raw}"])
-    stream = await relay.EdgeStream.open(
-        c,
-        p,
-        sid,
-        {
-            "op": "http",
-            "port": int(port_raw),
-            "method": request.method,
-            "path": path,
-            "headers": headers,
-        },
-    )
-    try:
-        async for chunk in request.content.iter_chunked(protocol.CHUNK):
-            await stream.send(protocol.KIND_IN, chunk)
-        await stream.send(protocol.KIND_CLOSE)
-        await stream.done_writing()
-        resp: web.StreamResponse | None = None
-        while (frame := await stream.read()) is not None:
-            kind, data = frame
-            if kind == protocol.KIND_OUT and resp is not None:
-                await resp.write(data)
-            elif kind == protocol.KIND_JSON:
-                msg = protocol.decode_json(data)
-                if msg.get("event") == "response" and resp is None:
-                    resp = web.StreamResponse(status=int(msg.get("status", 502)))
-                    for k, v in msg.get("headers", []):
-                        if str(k).lower() not in _HOP_HEADERS:
-                            resp.headers.add(str(k), str(v))
-                    await resp.prepare(request)
-                elif "result" in msg or "error" in msg:
-                    relay.raise_for_final(msg)
-                    if resp is None:
-                        raise DeadlineExceeded("the sandbox server sent no response")
-                    await resp.write_eof()
-                    return resp
-        raise DeadlineExceeded("the proxied request ended without a result")
-    finally:
-        stream.cancel()
+    return await ports.forward(request, sandbox_id(request), int(port_raw), path)
 
 
 _S = "/v1/sandboxes/{sandbox_id}"

@@ -41,12 +41,26 @@ def e2b_group() -> None:
     envvar="DSEC_E2B_URL",
     help="The gateway's URL [env DSEC_E2B_URL]; default: the local platform's.",
 )
-def env(home: Path | None, gateway_url: str | None) -> None:
+@click.option(
+    "--domain",
+    default=None,
+    help="The gateway's --domain (it serves HTTPS): print E2B_DOMAIN and SSL_CERT_FILE instead.",
+)
+def env(home: Path | None, gateway_url: str | None, domain: str | None) -> None:
     """Print `export` lines for E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY.
 
     Use them with: eval "$(dsec e2b env)". The key is the one this CLI uses (--api-key,
     DSEC_API_KEY or the local client file), so sandboxes land in that key's project.
+    With --domain: E2B_DOMAIN, E2B_API_KEY and SSL_CERT_FILE (the cluster CA).
     """
+    if domain:
+        st = state()
+        key = resolve_config(st.api_url, st.api_key, environ=st.environ).api_key
+        ca = Paths.from_env(home).pki / "ca.crt"
+        lines = (("E2B_DOMAIN", domain), ("E2B_API_KEY", key), ("SSL_CERT_FILE", str(ca)))
+        for name, value in lines:
+            click.echo(f"export {name}={shlex.quote(value)}")
+        return
     url = gateway_url or local_gateway_url(home)
     if not url:
         raise click.ClickException(

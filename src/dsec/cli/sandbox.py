@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from dsec.cli import files as files_cmd
-from dsec.cli import terminal
+from dsec.cli import portforward, terminal
 from dsec.cli.output import (
     EXIT_TIMEOUT,
     json_option,
@@ -31,6 +31,7 @@ def sandbox_group() -> None:
 
 
 sandbox_group.add_command(files_cmd.files_group)
+sandbox_group.add_command(portforward.port_forward)
 
 
 RULE_HELP = "Allow rule: CIDR, CIDR:PORT[-PORT][/udp], DOMAIN or *.DOMAIN (repeatable)."

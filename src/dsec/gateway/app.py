@@ -25,6 +25,8 @@ from dsec.gateway import control, envd
 from dsec.gateway.control import GATEWAY, Gateway, dsec_error_response, error_response
 from dsec.gateway.upstream import Clients, target
 from dsec.obs import log
+from dsec.paths import Paths
+from dsec.rpc.tls import web_ssl_context
 
 _log = logging.getLogger("dsec.gateway")
 
@@ -92,6 +94,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     site = web.TCPSite(runner, host or "127.0.0.1", int(port), reuse_address=True)
     await site.start()
     log(_log, "gateway listening", address=args.listen, api_url=args.api_url)
+    if args.tls_listen:
+        # E2B_DOMAIN mode: https://api.<domain> and https://<port>-<id>.<domain>
+        ssl_ctx = web_ssl_context(Paths.from_env(args.home).pki, args.domain)
+        host, _, port = args.tls_listen.rpartition(":")
+        tls_site = web.TCPSite(runner, host or "127.0.0.1", int(port), ssl_context=ssl_ctx)
+        await tls_site.start()
+        log(_log, "gateway listening (TLS)", address=args.tls_listen, domain=args.domain)
     try:
         await stop.wait()
     finally:
@@ -105,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--listen", default="127.0.0.1:3000")
     ap.add_argument("--api-url", default="http://127.0.0.1:8420")
     ap.add_argument("--domain", default="localhost", help="sandbox domain E2B clients are told")
+    ap.add_argument(
+        "--tls-listen", default="", help="also serve HTTPS here (*.<domain> cert of the cluster CA)"
+    )
     ap.add_argument("--cpu", type=float, default=1.0, help="cores of every sandbox")
     ap.add_argument("--memory-mb", type=int, default=512, help="memory of every sandbox")
     ap.add_argument(

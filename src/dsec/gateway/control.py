@@ -98,7 +98,8 @@ def sandbox_json(g: Gateway, info: SandboxInfo, key: str) -> dict[str, Any]:
         "clientID": info.edge_id or "dsec",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": key,
-        # e2b_code_interpreter sends it (not X-Access-Token) on its /contexts calls.
+        # Sandbox ports need it (gateway/userports.py), and e2b_code_interpreter sends it
+        # (not X-Access-Token) on its /contexts calls.
         "trafficAccessToken": key,
         "domain": g.domain,
     }

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from dsec.agent.protocol import CHUNK
+from dsec.apiserver import upgrade
 from dsec.core.errors import (
     DsecError,
     InvalidArgument,
@@ -28,7 +29,7 @@ from dsec.core.errors import (
     Unauthenticated,
     Unavailable,
 )
-from dsec.gateway import filesystem, process
+from dsec.gateway import filesystem, process, userports
 from dsec.gateway.connect import (
     STREAM_TYPE,
     ConnectError,
@@ -245,6 +246,7 @@ _HOP = frozenset(
         "trailer",
         "x-access-token",
         "e2b-traffic-access-token",
+        "authorization",
         "e2b-sandbox-id",
         "e2b-sandbox-port",
     )
@@ -259,8 +261,8 @@ PORT_OPEN_WAIT_S = 30.0
 async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.Response:
     """Forward a request to a server on ``port`` inside the sandbox (buffered, HTTP only).
 
-    It is authenticated by ``X-Access-Token`` like envd calls (E2B's traffic token mode)."""
-    client = gw(request).clients.get(access_token(request))
+    It is authenticated by the traffic access token (``userports.port_token``)."""
+    client = gw(request).clients.get(userports.port_token(request))
     body = await request.content.read(MAX_PORT_BODY + 1)
     if len(body) > MAX_PORT_BODY:
         raise InvalidArgument(f"request bodies to sandbox ports are limited to {MAX_PORT_BODY}")
@@ -294,6 +296,8 @@ async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.Stre
     """Serve one sandbox-bound request."""
     if port != ENVD_PORT:
         try:
+            if upgrade.is_upgrade(request):
+                return await userports.splice_port(request, sandbox_id, port)
             return await port_proxy(request, sandbox_id, port)
         except SandboxNotFound:
             return sandbox_gone(sandbox_id)

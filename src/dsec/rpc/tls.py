@@ -27,6 +27,7 @@ import fcntl
 import ipaddress
 import os
 import secrets
+import ssl
 import string
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -396,3 +397,109 @@ def _issue_leaf(
     _write_atomic(
         pki_dir / f"{ident.name}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
     )
+
+
+# -- web certificates (host-style routing over HTTPS) -----------------------------------------
+
+WEB_CERT = "web"
+
+
+def web_names(domain: str) -> list[str]:
+    """The DNS names of the web certificate for ``domain``: itself and ``*.<domain>``.
+
+    Raises:
+        InvalidArgument: ``domain`` is not a DNS name of at least two labels (a wildcard on
+            a single label, ``*.test``, is refused by TLS clients).
+    """
+    labels = domain.lower().split(".")
+    if len(labels) < 2 or not all(
+        lab and len(lab) <= 63 and set(lab) <= _NAME_CHARS and not lab.startswith("-")
+        for lab in labels
+    ):
+        raise InvalidArgument(f"--domain must be a DNS name of two or more labels, got {domain!r}")
+    return [domain.lower(), f"*.{domain.lower()}"]
+
+
+def ensure_web_cert(pki_dir: Path, domain: str) -> tuple[Path, Path]:
+    """A server certificate for ``domain`` and ``*.<domain>`` issued by the cluster CA.
+
+    It carries no SPIFFE id and only the serverAuth usage, so it can never act as a mesh
+    identity. Re-issued when missing, due, or for another domain. Returns (cert, key) paths.
+    """
+    names = web_names(domain)
+    cert_path, key_path = pki_dir / f"{WEB_CERT}.crt", pki_dir / f"{WEB_CERT}.key"
+    pki_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(pki_dir / ".lock"):
+        now = dt.datetime.now(dt.UTC)
+        ca = _load_ca(pki_dir, now, dt.timedelta(0))
+        if ca is None:
+            raise Unavailable(f"no cluster CA in {pki_dir}: set up the PKI first")
+        ca_key, ca_cert = ca
+        if not _web_ok(cert_path, key_path, names, ca_cert, now):
+            _issue_web(cert_path, key_path, names, ca_key, ca_cert, now)
+    return cert_path, key_path
+
+
+def _web_ok(
+    cert_path: Path, key_path: Path, names: list[str], ca: x509.Certificate, now: dt.datetime
+) -> bool:
+    key, cert = _load_key(key_path), _load_cert(cert_path)
+    if key is None or cert is None or not _same_key(cert, key):
+        return False
+    try:
+        cert.verify_directly_issued_by(ca)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+        return False
+    return cert.not_valid_after_utc - now >= RENEW_BEFORE and sorted(
+        sans.get_values_for_type(x509.DNSName)
+    ) == sorted(names)
+
+
+def _issue_web(
+    cert_path: Path,
+    key_path: Path,
+    names: list[str],
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    now: dt.datetime,
+) -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "OpenDsec"),
+            x509.NameAttribute(NameOID.COMMON_NAME, names[0]),
+        ]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(min(now + LEAF_LIFETIME, ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(ca=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_atomic(key_path, _key_pem(key), 0o600)
+    _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
+def web_ssl_context(pki_dir: Path, domain: str) -> ssl.SSLContext:
+    """A TLS server context with the web certificate for ``domain`` (HTTP/1.1 via ALPN)."""
+    cert, key = ensure_web_cert(pki_dir, domain)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert, key)
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx

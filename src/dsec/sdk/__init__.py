@@ -45,6 +45,7 @@ from dsec.sdk.models import (
 )
 from dsec.sdk.sandbox import Client, Sandbox
 from dsec.sdk.sandbox_runtime import Files, Processes, Pty, Ptys, Shell
+from dsec.sdk.tcp import AsyncTcpStream, TcpStream
 
 __all__ = [
     "AsyncClient",
@@ -54,6 +55,7 @@ __all__ = [
     "AsyncPtys",
     "AsyncSandbox",
     "AsyncShell",
+    "AsyncTcpStream",
     "BatchResult",
     "Client",
     "ClientConfig",
@@ -76,6 +78,7 @@ __all__ = [
     "Shell",
     "ShellSession",
     "SpecInfo",
+    "TcpStream",
     "WriteResult",
     "resolve_config",
 ]

@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from dsec.agent.protocol import CHUNK, MAX_FRAME
-from dsec.core.errors import DsecError
+from dsec.core.errors import DsecError, Internal
 from dsec.sdk.config import ClientConfig, tls_verify
 from dsec.sdk.models import ExecEvent, HttpResponse
 from dsec.sdk.runtime_calls import port_response
@@ -79,6 +79,19 @@ class AsyncRuntimeSocket:
     async def __aiter__(self) -> AsyncIterator[ExecEvent]:
         while (event := await self.next_event()) is not None:
             yield event
+
+    async def wait_event(self, name: str) -> None:
+        """Wait for the server's ``name`` event (a final error frame raises it)."""
+        while not self.stream.done:
+            try:
+                message = await self._ws.recv()
+            except ConnectionClosed as exc:
+                raise self.stream.closed_early(str(exc)) from None
+            if self.stream.feed(message) is not None:
+                raise Internal(f"the runtime stream sent output before the {name!r} event")
+            if self.stream.events and self.stream.events[-1].get("event") == name:
+                return
+        raise Internal(f"the runtime call ended without the {name!r} event")
 
     async def close(self) -> None:
         await self._ws.close()

@@ -36,6 +36,7 @@ from dsec.sdk.models import (
     SandboxInfo,
     ShellSession,
 )
+from dsec.sdk.tcp import AsyncTcpStream
 
 
 class AsyncClient:
@@ -496,6 +497,10 @@ class AsyncSandbox:
         """Send an HTTP request to ``port`` inside the sandbox: ``(status, headers, body)``."""
         req = rc.port_request(self._id, port, method, path, headers, body, timeout)
         return await self._t.port(req)
+
+    async def connect_tcp(self, port: int) -> AsyncTcpStream:
+        """Open a raw TCP stream to ``port`` inside the sandbox (no network rule needed)."""
+        return await AsyncTcpStream.open(self._t, self._id, port)
 
     async def aclose(self) -> None:
         """Close the HTTP client if this sandbox created it (the sandbox keeps running)."""

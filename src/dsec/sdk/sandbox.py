@@ -35,6 +35,7 @@ from dsec.sdk.models import (
 )
 from dsec.sdk.sandbox_runtime import Files, Processes, Ptys, Shell
 from dsec.sdk.sync_io import SyncTransport
+from dsec.sdk.tcp import TcpStream
 
 Stdin = bytes | Iterable[bytes]
 
@@ -502,6 +503,10 @@ class Sandbox:
     ) -> HttpResponse:
         """Send an HTTP request to ``port`` inside the sandbox: ``(status, headers, body)``."""
         return self._t.port(rc.port_request(self._id, port, method, path, headers, body, timeout))
+
+    def connect_tcp(self, port: int) -> TcpStream:
+        """Open a raw TCP stream to ``port`` inside the sandbox (no network rule needed)."""
+        return TcpStream.open(self._t, self._id, port)
 
     def close(self) -> None:
         """Close the HTTP client if this sandbox created it (the sandbox keeps running)."""

@@ -17,7 +17,7 @@ from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
 from dsec.agent.protocol import CHUNK, MAX_FRAME
-from dsec.core.errors import DeadlineExceeded, DsecError
+from dsec.core.errors import DeadlineExceeded, DsecError, Internal
 from dsec.sdk.config import ClientConfig, tls_verify
 from dsec.sdk.models import ExecEvent, HttpResponse
 from dsec.sdk.runtime_calls import port_response
@@ -96,6 +96,19 @@ class SyncRuntimeSocket:
     def __iter__(self) -> Iterator[ExecEvent]:
         while (event := self.next_event()) is not None:
             yield event
+
+    def wait_event(self, name: str) -> None:
+        """Block until the server's ``name`` event (a final error frame raises it)."""
+        while not self.stream.done:
+            try:
+                message = self._ws.recv()
+            except ConnectionClosed as exc:
+                raise self.stream.closed_early(str(exc)) from None
+            if self.stream.feed(message) is not None:
+                raise Internal(f"the runtime stream sent output before the {name!r} event")
+            if self.stream.events and self.stream.events[-1].get("event") == name:
+                return
+        raise Internal(f"the runtime call ended without the {name!r} event")
 
     def close(self) -> None:
         self._ws.close()

@@ -9,6 +9,10 @@ connection that follows is never refused. Other names get NXDOMAIN, other opcode
 multi-question queries REFUSED, and AAAA records are dropped (sandboxes have no IPv6).
 Nothing but allowed names reaches the upstream, so DNS cannot tunnel data to arbitrary
 resolvers (only to the authorities of allowed domains).
+
+DNS over TCP (RFC 7766: two-byte length prefix, several queries per connection) is served
+on the same port with the same rules, for clients that retry a truncated answer over TCP or
+use TCP outright; the upstream is still asked over UDP.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ _log = logging.getLogger(__name__)
 UPSTREAM_TIMEOUT_S = 2.0
 MAX_TTL_S = 3600
 MAX_PENDING = 4096
+TCP_IDLE_S = 10.0
+MAX_TCP_CONNECTIONS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +70,12 @@ class DnsProxy:
         upstream: tuple[str, int],
         lookup: Lookup,
         on_answer: OnAnswer,
+        listen_tcp: socket.socket | None = None,
     ) -> None:
         self._listen_sock = listen
+        self._listen_tcp = listen_tcp
+        self._tcp_server: asyncio.Server | None = None
+        self._tcp_conns = 0
         self._up_sock = upstream_sock
         self._upstream = upstream
         self._lookup = lookup
@@ -86,6 +96,9 @@ class DnsProxy:
         self._client, _ = await loop.create_datagram_endpoint(
             lambda: _Proto(self._on_upstream), sock=self._up_sock
         )
+        if self._listen_tcp is not None:
+            self._listen_tcp.setblocking(False)
+            self._tcp_server = await asyncio.start_server(self._on_tcp, sock=self._listen_tcp)
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -96,6 +109,8 @@ class DnsProxy:
         for tr in (self._server, self._client):
             if tr is not None:
                 tr.close()
+        if self._tcp_server is not None:
+            self._tcp_server.close()
 
     def _on_query(self, data: bytes, addr: tuple[str, int]) -> None:
         asker = self._lookup(addr[0])
@@ -121,26 +136,53 @@ class DnsProxy:
             self._server.sendto(reply.pack(), addr)
 
     async def _answer(self, data: bytes, addr: tuple[str, int], asker: Asker) -> None:
+        reply = await self._reply(data, asker)
+        if reply is not None:
+            self._send(reply, addr)
+
+    async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        asker = self._lookup(peer[0]) if peer else None
+        if asker is None or self._tcp_conns >= MAX_TCP_CONNECTIONS:
+            writer.close()
+            return
+        self._tcp_conns += 1
+        try:
+            while True:
+                async with asyncio.timeout(TCP_IDLE_S):
+                    size = int.from_bytes(await reader.readexactly(2), "big")
+                    data = await reader.readexactly(size)
+                reply = await self._reply(data, asker)
+                if reply is None:
+                    return
+                packed = reply.pack()
+                writer.write(len(packed).to_bytes(2, "big") + packed)
+                await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._tcp_conns -= 1
+            writer.close()
+
+    async def _reply(self, data: bytes, asker: Asker) -> DNSRecord | None:
+        """The answer to one query from ``asker`` (None: not a DNS query at all)."""
         try:
             query = DNSRecord.parse(data)
         except (DNSError, ValueError, IndexError):
-            return
+            return None
         if query.header.opcode != 0 or len(query.questions) != 1 or query.header.qr:
             self.stats["refused"] += 1
-            self._send(_error(query, RCODE.REFUSED), addr)
-            return
+            return _error(query, RCODE.REFUSED)
         qname = str(query.q.qname).rstrip(".")
         if not asker.policy.name_allowed(qname):
             self.stats["refused"] += 1
-            self._send(_error(query, RCODE.NXDOMAIN), addr)
-            return
+            return _error(query, RCODE.NXDOMAIN)
         try:
             reply = await self._forward(query)
         except (TimeoutError, OSError) as exc:
             self.stats["failed"] += 1
             log(_log, "upstream dns failed", logging.WARNING, name=qname, err=repr(exc))
-            self._send(_error(query, RCODE.SERVFAIL), addr)
-            return
+            return _error(query, RCODE.SERVFAIL)
         reply.header.id = query.header.id
         reply.rr = [rr for rr in reply.rr if rr.rtype != QTYPE.AAAA]
         addrs = [
@@ -153,10 +195,9 @@ class DnsProxy:
                 await self._on_answer(asker.sandbox_id, qname, addrs)
             except Exception as exc:  # the sandbox may be going away
                 log(_log, "opening resolved addresses failed", logging.WARNING, err=repr(exc))
-                self._send(_error(query, RCODE.SERVFAIL), addr)
-                return
+                return _error(query, RCODE.SERVFAIL)
         self.stats["answered"] += 1
-        self._send(reply, addr)
+        return reply
 
     async def _forward(self, query: DNSRecord) -> DNSRecord:
         out = DNSRecord.parse(query.pack())

@@ -143,7 +143,7 @@ class EdgeNetwork:
         # reach crun; elsewhere crun shares the edge's mount namespace.
         cfg.netns_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         try:
-            listen, upstream_sock = await self._run(self._setup_gateway)
+            listen, listen_tcp, upstream_sock = await self._run(self._setup_gateway)
         except OSError as exc:
             await self.close()
             raise BackendUnavailable(f"sandbox networking: {exc}") from None
@@ -152,6 +152,7 @@ class EdgeNetwork:
             raise
         self._dns = DnsProxy(
             listen=listen,
+            listen_tcp=listen_tcp,
             upstream_sock=upstream_sock,
             upstream=cfg.upstream(),
             lookup=self._asker,
@@ -176,7 +177,7 @@ class EdgeNetwork:
             adopted=len(self._nets),
         )
 
-    def _setup_gateway(self) -> tuple[socket.socket, socket.socket]:
+    def _setup_gateway(self) -> tuple[socket.socket, socket.socket, socket.socket]:
         fwd = Path("/proc/sys/net/ipv4/ip_forward")
         if self.config.gateway_netns:
             fwd.write_text("1")  # namespace-local: the gateway is not the host's namespace
@@ -187,16 +188,21 @@ class EdgeNetwork:
         if f"table {self.t.family_table}\n" not in tables + "\n":
             self._nft.run(ruleset.base(self.t))
         listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        listen_tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         up = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listen.bind(("0.0.0.0", self.config.dns_port))
+            listen_tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listen_tcp.bind(("0.0.0.0", self.config.dns_port))
+            listen_tcp.listen(128)
             up.bind(("0.0.0.0", 0))
         except OSError:
             listen.close()
+            listen_tcp.close()
             up.close()
             raise
-        return listen, up
+        return listen, listen_tcp, up
 
     async def close(self) -> None:
         """Stop the resolver and the worker; sandbox networks stay (see :meth:`release`)."""
@@ -437,7 +443,7 @@ class EdgeNetwork:
         new = replace(net, policy=policy)
         await self._run(
             lambda: self._nft_run(
-                ruleset.replace_policy(self.t.family_table, net.key, policy, keep)
+                ruleset.replace_policy(self.t.family_table, net.key, policy, keep, self.t.pool)
             )
         )
         self._nets[sandbox_id] = new
@@ -482,6 +488,10 @@ class EdgeNetwork:
         net = self._nets.get(sandbox_id)
         if net is None:
             raise SandboxNotFound(sandbox_id)
+        # a name resolving to another sandbox opens nothing: peers need a CIDR rule
+        addrs = [(ip, ttl) for ip, ttl in addrs if not ruleset.in_pool(ip, self.t.pool)]
+        if not addrs:
+            return
         await self._run(self._add_resolved, net.key, addrs)
         now = time.monotonic()
         seen = self._resolved.setdefault(sandbox_id, {})

@@ -7,18 +7,23 @@ One ``inet`` table per edge, in the gateway namespace (where the veth host ends 
                               any other sandbox interface: reject / drop
     input   (hook):           from a sandbox: only its DNS queries to the resolver
     output  (hook):           to a sandbox: only replies
-    prerouting (nat):         sandbox UDP :53 -> the resolver's port
+    prerouting (nat):         sandbox UDP and TCP :53 -> the resolver's port
     postrouting (nat):        masquerade the pool towards everything but sandboxes
 
-``out_<k>`` checks, in order: spoofed source (drop), deny CIDRs and deny CIDR.proto.ports
-(reject: deny wins, even on established flows), established (accept), allow CIDRs, allow
-CIDR.proto.ports, addresses the resolver returned for allowed names (a set with timeouts),
-and rejects the rest with ICMP admin-prohibited so denied connections fail at once.
-``in_<k>`` accepts replies only. Named counters per sandbox count what passed and what not.
+``out_<k>`` checks, in order: IPv6 (reject), spoofed source (drop), deny CIDRs and deny
+CIDR.proto.ports (reject: deny wins, even on established flows), established (accept),
+allow CIDRs, allow CIDR.proto.ports, addresses the resolver returned for allowed names (a
+set with timeouts), and rejects the rest with ICMP admin-prohibited so denied connections
+fail at once. ``in_<k>`` drops IPv6 and accepts replies only. Named counters per sandbox
+count what passed and what not.
+Allow rules never cover the pool itself unless they lie inside it (:func:`outside_pool`),
+and resolved addresses inside it are not added, so a sandbox reaches another sandbox only
+through a rule naming it.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 
@@ -54,13 +59,14 @@ add rule {ft} forward iifname "{pfx}*" {REJECT}
 add rule {ft} forward oifname "{pfx}*" drop
 add chain {ft} input {{ type filter hook input priority -10; policy accept; }}
 add rule {ft} input iifname "{pfx}*" ct state established,related accept
-add rule {ft} input iifname "{pfx}*" meta l4proto udp th dport {t.dns_port} accept
+add rule {ft} input iifname "{pfx}*" meta l4proto {{ udp, tcp }} th dport {t.dns_port} accept
 add rule {ft} input iifname "{pfx}*" {REJECT}
 add chain {ft} output {{ type filter hook output priority -10; policy accept; }}
 add rule {ft} output oifname "{pfx}*" ct state established,related accept
 add rule {ft} output oifname "{pfx}*" drop
 add chain {ft} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}
 add rule {ft} prerouting iifname "{pfx}*" udp dport 53 redirect to :{t.dns_port}
+add rule {ft} prerouting iifname "{pfx}*" tcp dport 53 redirect to :{t.dns_port}
 add chain {ft} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
 add rule {ft} postrouting ip saddr {t.pool} oifname != "{pfx}*" masquerade
 """
@@ -77,11 +83,38 @@ def _cidr_elements(rules: list[CidrRule], ported: bool) -> list[str]:
     return out
 
 
-def policy_elements(ft: str, key: str, policy: NetworkPolicy) -> str:
+def outside_pool(rules: list[CidrRule], pool: str) -> list[CidrRule]:
+    """Allow rules minus the edge's sandbox pool, unless a rule lies within the pool.
+
+    Other sandboxes are reachable only through a rule that names them (a network inside
+    the pool, e.g. a peer's ``/32``); a broad rule such as ``10.0.0.0/8`` or ``0.0.0.0/0``
+    covers everything else but not them.
+    """
+    if not pool:
+        return rules
+    net_pool = ipaddress.IPv4Network(pool)
+    out = []
+    for r in rules:
+        net = ipaddress.IPv4Network(r.network)
+        if not net.overlaps(net_pool) or net.subnet_of(net_pool):
+            out.append(r)
+            continue
+        parts = sorted(net.address_exclude(net_pool))
+        out.extend(CidrRule(str(p), r.proto, r.port_lo, r.port_hi) for p in parts)
+    return out
+
+
+def in_pool(address: str, pool: str) -> bool:
+    return bool(pool) and ipaddress.IPv4Address(address) in ipaddress.IPv4Network(pool)
+
+
+def policy_elements(ft: str, key: str, policy: NetworkPolicy, pool: str = "") -> str:
     """Commands that fill the four rule sets of sandbox ``key`` (after they were flushed)."""
     lines = []
     for which, prefix in (("allow", "a"), ("deny", "d")):
         rules = policy.cidrs(which)
+        if which == "allow":
+            rules = outside_pool(rules, pool)
         plain = _cidr_elements(rules, ported=False)
         ported = _cidr_elements(rules, ported=True)
         if plain:
@@ -101,7 +134,7 @@ def attach(t: TableSpec, key: str, policy: NetworkPolicy) -> str:
     ft = t.family_table
     ifname = t.if_prefix + key
     return (
-        policy_elements(ft, key, policy)
+        policy_elements(ft, key, policy, t.pool)
         + "\n".join(
             [
                 f'add element {ft} egress {{ "{ifname}" : jump out_{key} }}',
@@ -127,6 +160,8 @@ def add_slot(t: TableSpec, key: str, address: str) -> str:
         f"add set {ft} dp_{key} {{ {ported} }}",
         f"add set {ft} dns_{key} {{ type ipv4_addr; flags timeout; }}",
         f"add chain {ft} out_{key}",
+        # no IPv6 at all, whatever the policy (rules are IPv4; sandboxes get no IPv6 address)
+        f"add rule {ft} out_{key} meta nfproto ipv6 {c['deny']} {c['new_deny']} {REJECT}",
         f"add rule {ft} out_{key} ip saddr != {address} {c['deny']} drop",
         f"add rule {ft} out_{key} ip daddr @d_{key} {c['deny']} {c['new_deny']} {REJECT}",
         f"add rule {ft} out_{key} ip daddr . meta l4proto . th dport @dp_{key} "
@@ -138,17 +173,20 @@ def add_slot(t: TableSpec, key: str, address: str) -> str:
         f"add rule {ft} out_{key} ip daddr @dns_{key} {c['ok']} {c['new_ok']} accept",
         f"add rule {ft} out_{key} {c['deny']} {c['new_deny']} {REJECT}",
         f"add chain {ft} in_{key}",
+        f"add rule {ft} in_{key} meta nfproto ipv6 {c['deny']} {c['new_deny']} drop",
         f"add rule {ft} in_{key} ct state established,related {c['ok']} accept",
         f"add rule {ft} in_{key} {c['deny']} {c['new_deny']} drop",
     ]
     return "\n".join(cmds) + "\n"
 
 
-def replace_policy(ft: str, key: str, policy: NetworkPolicy, dns_keep: list[str]) -> str:
+def replace_policy(
+    ft: str, key: str, policy: NetworkPolicy, dns_keep: list[str], pool: str = ""
+) -> str:
     """One transaction swapping the rule sets; ``dns_keep`` are "ip timeout Ns" entries
     of resolved names that stay allowed."""
     cmds = [f"flush set {ft} {s}_{key}" for s in ("a", "d", "ap", "dp", "dns")]
-    text = "\n".join(cmds) + "\n" + policy_elements(ft, key, policy)
+    text = "\n".join(cmds) + "\n" + policy_elements(ft, key, policy, pool)
     if dns_keep:
         text += f"add element {ft} dns_{key} {{ {', '.join(dns_keep)} }}\n"
     return text
