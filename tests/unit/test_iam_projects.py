@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from dsec.core import errors as e
 from dsec.core.ids import new_sandbox_id
 from dsec.iam.db import Admission, IamDb, Project
+from dsec.store.api import StateStore
+from dsec.store.memory import MemoryStore
+from dsec.testing.iam_sync import SyncKvIam
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[IamDb]:
-    d = IamDb(tmp_path / "iam.db")
+async def _memory_store() -> StateStore:
+    return MemoryStore()
+
+
+@pytest.fixture(params=["sqlite", "kv"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[IamDb]:
+    """The SQLite tables, and the same API on the StateStore layout (dsec.iam.kv)."""
+    if request.param == "sqlite":
+        d = IamDb(tmp_path / "iam.db")
+    else:
+        d = cast(IamDb, SyncKvIam(_memory_store, clock=time.time))
     yield d
     d.close()
 

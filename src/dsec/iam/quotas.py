@@ -158,7 +158,7 @@ class QuotasMixin:
         for level, row in chain:  # a quota bounds everything beneath its project
             if row == (0, 0, 0):
                 continue
-            _check_quota(level, row, _subtree_usage(db, level), cpu_milli, a.memory_mb)
+            check_quota(level, row, _subtree_usage(db, level), cpu_milli, a.memory_mb)
         db.execute(
             "INSERT INTO allocations VALUES (?, ?, ?, ?, ?, ?)",
             (a.sandbox_id, a.project, owner, cpu_milli, a.memory_mb, self._clock()),
@@ -281,7 +281,7 @@ def _subtree_usage(db: sqlite3.Connection, project: str) -> tuple[int, int, int]
     return int(row[0]), int(row[1]), int(row[2])
 
 
-def _check_quota(
+def check_quota(
     project: str,
     limits: tuple[int, int, int],
     used: tuple[int, int, int],
