@@ -12,6 +12,7 @@ import pytest
 
 from dsec.core import errors as e
 from dsec.core.ids import new_sandbox_id
+from dsec.iam.audit import AuditQuery
 from dsec.iam.db import DEFAULT_PROJECT, Admission, IamDb, Project
 from dsec.store.api import StateStore
 from dsec.store.memory import MemoryStore
@@ -265,3 +266,33 @@ def test_admit_many_decides_each_in_order(db: IamDb) -> None:
     assert results[4] is True
     assert isinstance(results[5], e.QuotaExceeded)
     assert {a.sandbox_id for a in db.allocations()} == {sid("ab12", 1), sid("ab12", 3)}
+
+
+def test_role_grants(db: IamDb) -> None:
+    db.bootstrap(lambda kid, key: None)
+    assert [(g.project, g.subject, g.role) for g in db.list_grants("admin")] == [
+        ("*", "admin", "admin")
+    ]
+    db.put_project(Project("org", 0, 0, 0))
+    db.put_project(Project("org/team", 0, 0, 0))
+    db.grant_role("org", "alice", "viewer")
+    db.grant_role("org/team", "alice", "admin")
+    db.grant_role("org/team", "bob", "member")
+    db.grant_role("org", "alice", "member")  # replaces her viewer grant on org
+    assert [(g.project, g.role) for g in db.list_grants("alice")] == [
+        ("org", "member"),
+        ("org/team", "admin"),
+    ]
+    assert {g.subject for g in db.list_grants(project="org/team")} == {"alice", "bob"}
+    db.grant_role("org/team", "bob", "")  # taken away
+    assert db.list_grants("bob") == []
+    with pytest.raises(e.NotFound):
+        db.grant_role("missing", "alice", "member")
+    with pytest.raises(e.InvalidArgument):
+        db.grant_role("org", "alice", "root")
+    with pytest.raises(e.InvalidArgument):
+        db.grant_role("org", "", "member")
+    db.delete_project("org/team")  # its grants go with it
+    assert [g.project for g in db.list_grants("alice")] == ["org"]
+    actions = [x.action for x in db.query_audit(AuditQuery(action="role."))]
+    assert actions == ["role.grant"] * 4 + ["role.remove"]

@@ -23,6 +23,7 @@ from dsec.apiserver import (
     keys,
     openapi,
     projects,
+    roles,
     runtime,
     sandboxes,
     tokens_routes,
@@ -84,6 +85,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *audit.ROUTES,
         *tokens_routes.ROUTES,
         *projects.ROUTES,
+        *roles.ROUTES,
         *images.ROUTES,
     ]
 

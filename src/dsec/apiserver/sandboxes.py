@@ -11,7 +11,9 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
 from dsec.apiserver import audit
+from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
+from dsec.apiserver.roles import require_admin_on
 from dsec.apiserver.upstream import EdgeEntry, rpc
 from dsec.core import projects
 from dsec.core.errors import (
@@ -19,7 +21,6 @@ from dsec.core.errors import (
     DsecError,
     InvalidArgument,
     NodeFull,
-    PermissionDenied,
     Unavailable,
 )
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
@@ -74,8 +75,7 @@ async def create(request: web.Request) -> web.Response:
     if not isinstance(project, str):
         raise InvalidArgument("'project' must be a project path")
     projects.validate(project)
-    if not (p.admin or projects.contains(p.project, project)):
-        raise PermissionDenied(f"project {project!r} is outside your project {p.project!r}")
+    p.require_on(project, "member")
     request["audit_project"] = project
     spec = SandboxSpec.from_dict(body)
     req_spec = spec_to_pb(spec)
@@ -127,7 +127,7 @@ async def list_(request: web.Request) -> web.Response:
     p.require("viewer")
     include = request.query.get("all", "").lower() in ("1", "true", "yes")
     edges = [e for e in await c.upstream.edges() if e.healthy]
-    project = request.query.get("project", "" if p.admin else p.project)
+    project = request.query.get("project", "")  # the edges show only what the caller sees
     req = pb.ListSandboxesRequest(project=project, include_terminated=include)
     replies = await asyncio.gather(
         *(
@@ -214,7 +214,7 @@ async def set_network(request: web.Request) -> web.Response:
 
 async def edges(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
-    p.require("admin")
+    require_admin_on(p, PLATFORM)
     out = []
     for e in await c.upstream.edges(fresh=True):
         d = MessageToDict(e.view.status, preserving_proto_field_name=True)

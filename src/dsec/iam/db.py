@@ -41,12 +41,15 @@ from dsec.iam.records import (
     DEFAULT_PROJECT,
     DEFAULT_QUOTA,
     KEY_ROLES,
+    PLATFORM,
     Admission,
     Allocation,
+    Grant,
     KeyRecord,
     Principal,
     Project,
     Usage,
+    check_grant,
     text,
 )
 
@@ -104,6 +107,12 @@ CREATE TABLE IF NOT EXISTS allocations (
 CREATE INDEX IF NOT EXISTS allocations_by_project
     ON allocations(project, cpu_milli, memory_mb);
 CREATE INDEX IF NOT EXISTS allocations_by_edge ON allocations(edge_id, created_at);
+CREATE TABLE IF NOT EXISTS grants (
+    project TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    role TEXT NOT NULL,
+    PRIMARY KEY (project, subject)
+);
 """
 
 
@@ -178,6 +187,7 @@ class IamDb(QuotasMixin):
                 db, "admin", DEFAULT_PROJECT, "admin", "bootstrap", now
             )
             write_admin_key(key_id, token)
+            db.execute("INSERT OR REPLACE INTO grants VALUES (?, 'admin', 'admin')", (PLATFORM,))
             db.execute("INSERT INTO meta VALUES ('bootstrapped', ?)", (repr(now),))
             audit.append(
                 db,
@@ -313,6 +323,46 @@ class IamDb(QuotasMixin):
             (seq, limit),
         )
         return [(int(r[0]), str(r[1]), str(r[2]), float(r[3])) for r in rows]
+
+    # -- role grants -----------------------------------------------------------------------
+
+    def grant_role(
+        self, project: str, subject: str, role: str, *, actor: str = "iam", request_id: str = ""
+    ) -> None:
+        """Give ``subject`` ``role`` on ``project`` and beneath (role "": take it away).
+
+        Raises:
+            InvalidArgument: bad subject or role.
+            NotFound: no such project.
+        """
+        check_grant(project, subject, role)
+        with self._write() as db:
+            if (
+                project != PLATFORM
+                and not db.execute("SELECT 1 FROM projects WHERE name = ?", (project,)).fetchone()
+            ):
+                raise NotFound(f"no project {project!r}")
+            if role:
+                db.execute(
+                    "INSERT OR REPLACE INTO grants VALUES (?, ?, ?)", (project, subject, role)
+                )
+            else:
+                db.execute(
+                    "DELETE FROM grants WHERE project = ? AND subject = ?", (project, subject)
+                )
+            audit.append(db, AuditEvent(
+                ts=self._clock(), actor=actor, action="role.grant" if role else "role.remove",
+                project=project, target=subject, request_id=request_id, details=f"role={role}",
+            ))  # fmt: skip
+
+    def list_grants(self, subject: str = "", project: str = "") -> list[Grant]:
+        """Grants of ``subject`` (all when empty) on ``project`` (all when empty)."""
+        rows = self._read(
+            "SELECT project, subject, role FROM grants WHERE (? = '' OR subject = ?) "
+            "AND (? = '' OR project = ?) ORDER BY project, subject",
+            (subject, subject, project, project),
+        )
+        return [Grant(str(r[0]), str(r[1]), str(r[2])) for r in rows]
 
     # -- audit -----------------------------------------------------------------------------
 

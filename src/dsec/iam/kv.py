@@ -48,12 +48,15 @@ from dsec.iam.records import (
     DEFAULT_PROJECT,
     DEFAULT_QUOTA,
     KEY_ROLES,
+    PLATFORM,
     Admission,
     Allocation,
+    Grant,
     KeyRecord,
     Principal,
     Project,
     Usage,
+    check_grant,
     milli,
     text,
 )
@@ -252,6 +255,37 @@ class KvIam:
 
         await self._atomic(fn)
 
+    # -- role grants -----------------------------------------------------------------------
+
+    async def grant_role(
+        self, project: str, subject: str, role: str, *, actor: str = "iam", request_id: str = ""
+    ) -> None:
+        check_grant(project, subject, role)
+
+        async def fn(stm: Stm) -> None:
+            if project != PLATFORM and await stm.get(_k("projects", project)) is None:
+                raise NotFound(f"no project {project!r}")
+            if role:
+                stm.put(_grant_key(project, subject), role.encode())
+            else:
+                stm.delete(_grant_key(project, subject))
+            await self._audit(stm, AuditEvent(
+                ts=self._clock(), actor=actor, action="role.grant" if role else "role.remove",
+                project=project, target=subject, request_id=request_id, details=f"role={role}",
+            ))  # fmt: skip
+
+        await self._atomic(fn)
+
+    async def list_grants(self, subject: str = "", project: str = "") -> list[Grant]:
+        got = await self.store.range(_k("grants", ""))
+        skip = len(_k("grants", ""))
+        out = []
+        for kv in got.kvs:
+            proj, _, subj = kv.key[skip:].decode().rpartition("/@")
+            if (not subject or subj == subject) and (not project or proj == project):
+                out.append(Grant(proj, subj, kv.value.decode()))
+        return sorted(out, key=lambda g: (g.project, g.subject))
+
     # -- keys ------------------------------------------------------------------------------
 
     async def bootstrap(self, write_admin_key: Callable[[str, str], None]) -> bool:
@@ -263,6 +297,7 @@ class KvIam:
                 self._put_project(stm, DEFAULT_QUOTA, now, None)
             key_id, token = self._new_key(stm, "admin", DEFAULT_PROJECT, "admin", "bootstrap", now)
             write_admin_key(key_id, token)
+            stm.put(_grant_key(PLATFORM, "admin"), b"admin")
             stm.put(_k("meta", "bootstrapped"), repr(now).encode())
             await self._audit(stm, AuditEvent(
                 ts=now, actor="iam", action="iam.bootstrap", project=DEFAULT_PROJECT,
@@ -510,6 +545,10 @@ def _levels(project: str) -> list[str]:
         return projects.ancestors(projects.validate(project))
     except InvalidArgument:
         return []
+
+
+def _grant_key(project: str, subject: str) -> bytes:
+    return _k("grants", f"{project}/@{subject}")
 
 
 def _alloc_key(sandbox_id: str) -> bytes:

@@ -245,6 +245,7 @@ class QuotasMixin:
                     "INSERT INTO revocations (kind, value, at) VALUES ('key', ?, ?)", (k, now)
                 )
             db.execute("DELETE FROM api_keys WHERE project = ?", (name,))  # all revoked above
+            db.execute("DELETE FROM grants WHERE project = ?", (name,))
             db.execute("DELETE FROM projects WHERE name = ?", (name,))
             audit.append(
                 db,

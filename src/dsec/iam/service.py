@@ -208,6 +208,21 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
         await self._state.delete_project(request.project, actor=actor, request_id=rid)
         return pb.Empty()
 
+    async def GrantRole(self, request: pb.RoleGrant, context: _Ctx) -> pb.Empty:
+        actor, rid = actor_of(context)
+        await self._state.grant_role(
+            request.project, request.subject, request.role, actor=actor, request_id=rid
+        )
+        log(_log, "role granted", project=request.project, subject=request.subject,
+            role=request.role or "(none)")  # fmt: skip
+        return pb.Empty()
+
+    async def ListGrants(self, request: pb.ListGrantsRequest, context: _Ctx) -> pb.GrantList:
+        grants = await self._state.list_grants(request.subject, request.project)
+        return pb.GrantList(
+            grants=[pb.RoleGrant(project=g.project, subject=g.subject, role=g.role) for g in grants]
+        )
+
 
 def _key_info(k: KeyRecord) -> pb.KeyInfo:
     return pb.KeyInfo(

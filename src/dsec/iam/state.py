@@ -25,7 +25,15 @@ from dsec.core.audit import AuditEvent
 from dsec.core.errors import InvalidArgument
 from dsec.iam.audit import AuditQuery
 from dsec.iam.db import IamDb
-from dsec.iam.records import Admission, Allocation, KeyRecord, Principal, Project, Usage
+from dsec.iam.records import (
+    Admission,
+    Allocation,
+    Grant,
+    KeyRecord,
+    Principal,
+    Project,
+    Usage,
+)
 from dsec.store.api import StateStore
 
 _T = TypeVar("_T")
@@ -63,6 +71,10 @@ class IamState(Protocol):
         self, name: str, *, actor: str = ..., request_id: str = ...
     ) -> None: ...
     async def allocations(self, *, edge_id: str = "") -> list[Allocation]: ...
+    async def grant_role(
+        self, project: str, subject: str, role: str, *, actor: str = ..., request_id: str = ...
+    ) -> None: ...
+    async def list_grants(self, subject: str = "", project: str = "") -> list[Grant]: ...
     async def close(self) -> None: ...
 
 
@@ -151,6 +163,16 @@ class SqliteIam:
 
     async def allocations(self, *, edge_id: str = "") -> list[Allocation]:
         return await self._run(self.db.allocations, edge_id=edge_id)
+
+    async def grant_role(
+        self, project: str, subject: str, role: str, *, actor: str = "iam", request_id: str = ""
+    ) -> None:
+        await self._run(
+            self.db.grant_role, project, subject, role, actor=actor, request_id=request_id
+        )
+
+    async def list_grants(self, subject: str = "", project: str = "") -> list[Grant]:
+        return await self._run(self.db.list_grants, subject, project)
 
 
 async def open_state(

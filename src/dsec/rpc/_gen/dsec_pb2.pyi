@@ -1440,6 +1440,79 @@ class RevocationList(_message.Message):
 Global___RevocationList: _TypeAlias = RevocationList  # noqa: Y015
 
 @_typing.final
+class RoleGrant(_message.Message):
+    """A role (admin, member, viewer) of a subject on a project and everything beneath it;
+    project "*" is the whole platform.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_FIELD_NUMBER: _builtins.int
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    project: _builtins.str
+    subject: _builtins.str
+    role: _builtins.str
+    def __init__(
+        self,
+        *,
+        project: _builtins.str = ...,
+        subject: _builtins.str = ...,
+        role: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["project", b"project", "role", b"role", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoleGrant: _TypeAlias = RoleGrant  # noqa: Y015
+
+@_typing.final
+class ListGrantsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    PROJECT_FIELD_NUMBER: _builtins.int
+    subject: _builtins.str
+    """empty: every subject"""
+    project: _builtins.str
+    """empty: every project"""
+    def __init__(
+        self,
+        *,
+        subject: _builtins.str = ...,
+        project: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["project", b"project", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListGrantsRequest: _TypeAlias = ListGrantsRequest  # noqa: Y015
+
+@_typing.final
+class GrantList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoleGrant]: ...
+    def __init__(
+        self,
+        *,
+        grants: _abc.Iterable[Global___RoleGrant] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grants", b"grants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantList: _TypeAlias = GrantList  # noqa: Y015
+
+@_typing.final
 class EdgeView(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -844,6 +844,16 @@ class IamStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                 _registered_method=True)
+        self.GrantRole = channel.unary_unary(
+                '/dsec.v1.Iam/GrantRole',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RoleGrant.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ListGrants = channel.unary_unary(
+                '/dsec.v1.Iam/ListGrants',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListGrantsRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GrantList.FromString,
+                _registered_method=True)
 
 
 class IamServicer:
@@ -959,6 +969,19 @@ class IamServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantRole(self, request, context):
+        """role "" takes the grant away
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListGrants(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IamServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1051,6 +1074,16 @@ def add_IamServicer_to_server(servicer, server):
                     servicer.DeleteProject,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'GrantRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantRole,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RoleGrant.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'ListGrants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListGrants,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListGrantsRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GrantList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1539,6 +1572,60 @@ class Iam:
             '/dsec.v1.Iam/DeleteProject',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/GrantRole',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.RoleGrant.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListGrants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/ListGrants',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListGrantsRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.GrantList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -221,6 +221,9 @@ class IamStub:
     ListProjects: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]
     DeleteProject: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Empty]
     """an empty leaf; its keys are revoked"""
+    GrantRole: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.RoleGrant, _dsec_pb2.Empty]
+    """role "" takes the grant away"""
+    ListGrants: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ListGrantsRequest, _dsec_pb2.GrantList]
 
 @_typing.type_check_only
 class IamAsyncStub(IamStub):
@@ -245,6 +248,9 @@ class IamAsyncStub(IamStub):
     ListProjects: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]  # type: ignore[assignment]
     DeleteProject: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Empty]  # type: ignore[assignment]
     """an empty leaf; its keys are revoked"""
+    GrantRole: _aio.UnaryUnaryMultiCallable[_dsec_pb2.RoleGrant, _dsec_pb2.Empty]  # type: ignore[assignment]
+    """role "" takes the grant away"""
+    ListGrants: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ListGrantsRequest, _dsec_pb2.GrantList]  # type: ignore[assignment]
 
 class IamServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -374,6 +380,21 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]:
         """an empty leaf; its keys are revoked"""
+
+    @_abc_1.abstractmethod
+    def GrantRole(
+        self,
+        request: _dsec_pb2.RoleGrant,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]:
+        """role "" takes the grant away"""
+
+    @_abc_1.abstractmethod
+    def ListGrants(
+        self,
+        request: _dsec_pb2.ListGrantsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.GrantList, _abc.Awaitable[_dsec_pb2.GrantList]]: ...
 
 def add_IamServicer_to_server(servicer: IamServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
