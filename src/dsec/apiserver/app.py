@@ -19,6 +19,7 @@ from aiohttp import web
 from dsec import __version__
 from dsec.apiserver import (
     audit,
+    cluster,
     images,
     keys,
     openapi,
@@ -86,6 +87,7 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *tokens_routes.ROUTES,
         *projects.ROUTES,
         *roles.ROUTES,
+        *cluster.ROUTES,
         *images.ROUTES,
     ]
 

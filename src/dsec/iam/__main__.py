@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="directory with ca.pem, client.pem and client-key.pem for etcd (mTLS)",
     )
+    parser.add_argument(
+        "--join-listen",
+        default="",
+        help="HOST:PORT where nodes redeem bootstrap tokens for certificates (off if empty)",
+    )
     args = parser.parse_args(argv)
     config = IamConfig(
         home=resolve_home(args.home),
@@ -41,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         reconcile_grace_s=args.reconcile_grace,
         store=args.store,
         etcd_tls_dir=args.etcd_tls,
+        join_listen=args.join_listen,
     )
 
     async def body(stop: asyncio.Event) -> None:

@@ -17,6 +17,7 @@ import grpc
 from aiohttp import web
 
 from dsec.daemon import bound_port, parse_hostport, serve_metrics
+from dsec.iam.join_rpcs import JoinService, join_server
 from dsec.iam.service import ALLOWED_ROLES, DEFAULT_RECONCILE_GRACE_S, IamService
 from dsec.iam.signing import load_or_create
 from dsec.iam.state import open_state
@@ -48,6 +49,7 @@ class IamConfig:
     reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S
     store: str = ""
     etcd_tls_dir: Path | None = None
+    join_listen: str = ""  # where nodes redeem bootstrap tokens (TLS, no client cert)
 
     @property
     def db_path(self) -> Path:
@@ -74,6 +76,8 @@ class IamApp:
         self._service: IamService | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._store: StateStore | None = None
+        self._join_server: grpc.aio.Server | None = None
+        self.join_port = 0
 
     async def start(self) -> int:
         """Bring the daemon up; returns the gRPC port it listens on."""
@@ -83,8 +87,9 @@ class IamApp:
         state, self._store = await open_state(cfg.store, cfg.home, etcd_tls_dir=cfg.etcd_tls_dir)
         signing = await asyncio.to_thread(load_or_create, cfg.pki_dir / "token-signing.key")
         self._service = IamService(
-            state, metrics=self.metrics, reconcile_grace_s=cfg.reconcile_grace_s, signing=signing
-        )
+            state, metrics=self.metrics, reconcile_grace_s=cfg.reconcile_grace_s, signing=signing,
+            pki_dir=cfg.pki_dir,
+        )  # fmt: skip
         if await state.bootstrap(self._write_admin_key):
             log(_log, "bootstrapped: created project 'default' and an admin key")
         server = make_server(cfg.pki_dir, "iam", cfg.listen, ALLOWED_ROLES, metrics=self.metrics)
@@ -92,6 +97,11 @@ class IamApp:
         pb_grpc.add_IamServicer_to_server(self._service, server)
         await server.start()
         self._server = server
+        if cfg.join_listen:
+            service = JoinService(state, cfg.pki_dir, self.metrics)
+            self._join_server, self.join_port = join_server(cfg.pki_dir, cfg.join_listen, service)
+            await self._join_server.start()
+            log(_log, "join listening", listen=cfg.join_listen, port=self.join_port)
         if cfg.metrics_listen:
             host, port = parse_hostport(cfg.metrics_listen)
             self._metrics_runner = await serve_metrics(self.metrics, host, port)
@@ -107,6 +117,9 @@ class IamApp:
 
     async def stop(self) -> None:
         """Drain in-flight calls (up to 5 s), then close everything."""
+        if self._join_server is not None:
+            await self._join_server.stop(STOP_GRACE_S)
+            self._join_server = None
         if self._server is not None:
             await self._server.stop(STOP_GRACE_S)
             self._server = None

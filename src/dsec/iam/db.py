@@ -28,6 +28,7 @@ from typing import Any
 
 from dsec.core.audit import AuditEvent, verify
 from dsec.core.errors import (
+    AlreadyExists,
     InvalidArgument,
     NotFound,
     Unauthenticated,
@@ -35,7 +36,7 @@ from dsec.core.errors import (
 )
 from dsec.core.ids import parse_api_key
 from dsec.iam import audit
-from dsec.iam.keys import new_api_key, secret_matches
+from dsec.iam.keys import hash_secret, new_api_key, secret_matches
 from dsec.iam.quotas import QuotasMixin
 from dsec.iam.records import (
     DEFAULT_PROJECT,
@@ -107,6 +108,13 @@ CREATE TABLE IF NOT EXISTS allocations (
 CREATE INDEX IF NOT EXISTS allocations_by_project
     ON allocations(project, cpu_milli, memory_mb);
 CREATE INDEX IF NOT EXISTS allocations_by_edge ON allocations(edge_id, created_at);
+CREATE TABLE IF NOT EXISTS join_tokens (
+    token_id TEXT PRIMARY KEY,
+    secret_sha256 TEXT NOT NULL,
+    expires_at REAL NOT NULL,
+    used_by TEXT
+);
+CREATE TABLE IF NOT EXISTS edges (edge_id TEXT PRIMARY KEY, joined_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS grants (
     project TEXT NOT NULL,
     subject TEXT NOT NULL,
@@ -363,6 +371,48 @@ class IamDb(QuotasMixin):
             (subject, subject, project, project),
         )
         return [Grant(str(r[0]), str(r[1]), str(r[2])) for r in rows]
+
+    # -- joining nodes ---------------------------------------------------------------------
+
+    def create_join_token(
+        self, token_id: str, secret: str, ttl_s: float, *, actor: str = "iam",
+        request_id: str = "",
+    ) -> float:  # fmt: skip
+        """Store a one-time bootstrap token (its secret hashed); returns its expiry."""
+        with self._write() as db:
+            now = self._clock()
+            db.execute("INSERT INTO join_tokens VALUES (?, ?, ?, NULL)",
+                       (token_id, hash_secret(secret), now + ttl_s))  # fmt: skip
+            audit.append(db, AuditEvent(
+                ts=now, actor=actor, action="cluster.token.create", target=token_id,
+                request_id=request_id, details=f"ttl_s={ttl_s:g}",
+            ))  # fmt: skip
+            return now + ttl_s
+
+    def redeem_join_token(self, token_id: str, secret: str, edge_id: str) -> None:
+        """Burn the token for ``edge_id`` and record the edge.
+
+        Raises:
+            Unauthenticated: unknown, wrong, expired or already used token (one message).
+            AlreadyExists: an edge with that id has joined before.
+        """
+        with self._write() as db:
+            row = db.execute(
+                "SELECT secret_sha256, expires_at, used_by FROM join_tokens WHERE token_id = ?",
+                (token_id,),
+            ).fetchone()
+            now = self._clock()
+            if (not secret_matches(row[0] if row else None, secret) or row is None
+                    or row[1] < now or row[2] is not None):  # fmt: skip
+                raise Unauthenticated("invalid, expired or used bootstrap token")
+            if db.execute("SELECT 1 FROM edges WHERE edge_id = ?", (edge_id,)).fetchone():
+                raise AlreadyExists(f"an edge {edge_id!r} has joined already")
+            db.execute("UPDATE join_tokens SET used_by = ? WHERE token_id = ?", (edge_id, token_id))
+            db.execute("INSERT INTO edges VALUES (?, ?)", (edge_id, now))
+            audit.append(db, AuditEvent(
+                ts=now, actor=f"edge {edge_id}", action="cluster.join", target=edge_id,
+                details=f"token={token_id}",
+            ))  # fmt: skip
 
     # -- audit -----------------------------------------------------------------------------
 

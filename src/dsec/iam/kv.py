@@ -42,7 +42,7 @@ from dsec.core.errors import (
 )
 from dsec.core.ids import edge_of, is_sandbox_id, parse_api_key, validate_edge_id
 from dsec.iam.audit import AuditQuery
-from dsec.iam.keys import new_api_key, secret_matches
+from dsec.iam.keys import hash_secret, new_api_key, secret_matches
 from dsec.iam.quotas import check_quota
 from dsec.iam.records import (
     DEFAULT_PROJECT,
@@ -285,6 +285,44 @@ class KvIam:
             if (not subject or subj == subject) and (not project or proj == project):
                 out.append(Grant(proj, subj, kv.value.decode()))
         return sorted(out, key=lambda g: (g.project, g.subject))
+
+    # -- joining nodes ---------------------------------------------------------------------
+
+    async def create_join_token(
+        self, token_id: str, secret: str, ttl_s: float, *, actor: str = "iam",
+        request_id: str = "",
+    ) -> float:  # fmt: skip
+        async def fn(stm: Stm) -> float:
+            now = self._clock()
+            rec = {"h": hash_secret(secret), "exp": now + ttl_s, "used_by": None}
+            stm.put(_k("join_tokens", token_id), _dump(rec))
+            await self._audit(stm, AuditEvent(
+                ts=now, actor=actor, action="cluster.token.create", target=token_id,
+                request_id=request_id, details=f"ttl_s={ttl_s:g}",
+            ))  # fmt: skip
+            return now + ttl_s
+
+        expires: float = await self._atomic(fn)
+        return expires
+
+    async def redeem_join_token(self, token_id: str, secret: str, edge_id: str) -> None:
+        async def fn(stm: Stm) -> None:
+            raw = await stm.get(_k("join_tokens", token_id))
+            rec = _load(raw) if raw else None
+            now = self._clock()
+            if (not secret_matches(rec["h"] if rec else None, secret) or rec is None
+                    or rec["exp"] < now or rec["used_by"] is not None):  # fmt: skip
+                raise Unauthenticated("invalid, expired or used bootstrap token")
+            if await stm.get(_k("edges", edge_id)) is not None:
+                raise AlreadyExists(f"an edge {edge_id!r} has joined already")
+            stm.put(_k("join_tokens", token_id), _dump({**rec, "used_by": edge_id}))
+            stm.put(_k("edges", edge_id), repr(now).encode())
+            await self._audit(stm, AuditEvent(
+                ts=now, actor=f"edge {edge_id}", action="cluster.join", target=edge_id,
+                details=f"token={token_id}",
+            ))  # fmt: skip
+
+        await self._atomic(fn)
 
     # -- keys ------------------------------------------------------------------------------
 

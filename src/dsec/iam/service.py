@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
@@ -19,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dsec.core.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from dsec.iam.audit_rpcs import AuditRpcs, actor_of
+from dsec.iam.join_rpcs import JoinTokenRpcs
 from dsec.iam.records import Admission, KeyRecord, Project
 from dsec.iam.signing import key_id as signing_key_id
 from dsec.iam.state import IamState
@@ -40,7 +42,7 @@ ALLOWED_ROLES: dict[str, set[str]] = {
 DEFAULT_RECONCILE_GRACE_S = 30.0
 
 
-class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
+class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
     """Serves the Iam RPCs from an :class:`IamState` it owns (closed by :meth:`close`)."""
 
     def __init__(
@@ -50,8 +52,10 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
         metrics: Metrics | None = None,
         reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S,
         signing: tuple[str, Ed25519PrivateKey] | None = None,
+        pki_dir: Path | None = None,
     ) -> None:
         self._state = state
+        self.pki_dir = pki_dir
         if signing is None:  # tests: an ephemeral key
             key = Ed25519PrivateKey.generate()
             signing = (signing_key_id(key.public_key()), key)

@@ -75,6 +75,11 @@ class IamState(Protocol):
         self, project: str, subject: str, role: str, *, actor: str = ..., request_id: str = ...
     ) -> None: ...
     async def list_grants(self, subject: str = "", project: str = "") -> list[Grant]: ...
+    async def create_join_token(
+        self, token_id: str, secret: str, ttl_s: float, *, actor: str = ...,
+        request_id: str = ...,
+    ) -> float: ...  # fmt: skip
+    async def redeem_join_token(self, token_id: str, secret: str, edge_id: str) -> None: ...
     async def close(self) -> None: ...
 
 
@@ -173,6 +178,16 @@ class SqliteIam:
 
     async def list_grants(self, subject: str = "", project: str = "") -> list[Grant]:
         return await self._run(self.db.list_grants, subject, project)
+
+    async def create_join_token(
+        self, token_id: str, secret: str, ttl_s: float, *, actor: str = "iam",
+        request_id: str = "",
+    ) -> float:  # fmt: skip
+        return await self._run(self.db.create_join_token, token_id, secret, ttl_s, actor=actor,
+                               request_id=request_id)  # fmt: skip
+
+    async def redeem_join_token(self, token_id: str, secret: str, edge_id: str) -> None:
+        await self._run(self.db.redeem_join_token, token_id, secret, edge_id)
 
 
 async def open_state(

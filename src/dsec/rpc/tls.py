@@ -368,6 +368,22 @@ def _issue_leaf(
     lifetime: dt.timedelta,
 ) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
+    cert = leaf_certificate(key.public_key(), ident, ca_key, ca_cert, now, lifetime)
+    _write_atomic(pki_dir / f"{ident.name}.key", _key_pem(key), 0o600)
+    _write_atomic(
+        pki_dir / f"{ident.name}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
+    )
+
+
+def leaf_certificate(
+    public_key: ec.EllipticCurvePublicKey,
+    ident: Identity,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    now: dt.datetime,
+    lifetime: dt.timedelta = LEAF_LIFETIME,
+) -> x509.Certificate:
+    """A leaf for ``ident`` holding ``public_key``, signed by the CA."""
     subject = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "OpenDsec"),
@@ -376,11 +392,11 @@ def _issue_leaf(
     )
     eku = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
     aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
-    cert = (
+    return (
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _CLOCK_SKEW)
         .not_valid_after(min(now + lifetime, ca_cert.not_valid_after_utc))
@@ -388,11 +404,24 @@ def _issue_leaf(
         .add_extension(_key_usage(ca=False), critical=True)
         .add_extension(eku, critical=False)
         .add_extension(x509.SubjectAlternativeName(_required_sans(ident)), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .add_extension(aki, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    _write_atomic(pki_dir / f"{ident.name}.key", _key_pem(key), 0o600)
-    _write_atomic(
-        pki_dir / f"{ident.name}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
-    )
+
+
+def load_ca(pki_dir: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """The CA's key and certificate. Raises Unavailable if they are missing or do not match."""
+    ca = _load_ca(pki_dir, dt.datetime.now(dt.UTC), dt.timedelta(0))
+    if ca is None:
+        raise Unavailable(f"no valid CA in {pki_dir}")
+    return ca
+
+
+def write_leaf(pki_dir: Path, name: str, key_pem: bytes, cert_pem: bytes, ca_pem: bytes) -> None:
+    """Store a leaf obtained elsewhere (e.g. by joining a cluster) and the CA it chains to."""
+    pki_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(pki_dir, 0o700)
+    _write_atomic(pki_dir / "ca.crt", ca_pem, 0o644)
+    _write_atomic(pki_dir / f"{name}.key", key_pem, 0o600)
+    _write_atomic(pki_dir / f"{name}.crt", cert_pem, 0o644)

@@ -130,6 +130,10 @@ class AsyncClient:
     ) -> builtins.list[dict[str, Any]]:
         return await self.transport.call(wire.list_grants(project, subject))
 
+    async def create_join_token(self, ttl_s: int = 3600) -> dict[str, Any]:
+        """A one-time bootstrap token for ``dsec edge join`` (platform admin)."""
+        return await self.transport.call(wire.create_join_token(ttl_s))
+
     async def create_token(self, ttl_s: int = 600) -> AccessToken:
         """Exchange this client's API key for a short-lived access token."""
         return await self.transport.call(wire.create_token(ttl_s))

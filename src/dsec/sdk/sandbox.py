@@ -128,6 +128,10 @@ class Client:
     def list_grants(self, project: str = "", subject: str = "") -> builtins.list[dict[str, Any]]:
         return self.transport.call(wire.list_grants(project, subject))
 
+    def create_join_token(self, ttl_s: int = 3600) -> dict[str, Any]:
+        """A one-time bootstrap token for ``dsec edge join`` (platform admin)."""
+        return self.transport.call(wire.create_join_token(ttl_s))
+
     def create_token(self, ttl_s: int = 600) -> AccessToken:
         """Exchange this client's API key for a short-lived access token."""
         return self.transport.call(wire.create_token(ttl_s))

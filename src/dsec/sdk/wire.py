@@ -319,6 +319,10 @@ def list_grants(project: str = "", subject: str = "") -> Call[list[dict[str, Any
     return Call(json_request("GET", "/v1/grants", params=params), lambda b: list(b["grants"]))
 
 
+def create_join_token(ttl_s: int) -> Call[dict[str, Any]]:
+    return Call(json_request("POST", "/v1/cluster/tokens", {"ttl_s": ttl_s}), dict)
+
+
 def create_token(ttl_s: int) -> Call[AccessToken]:
     return Call(json_request("POST", "/v1/tokens", {"ttl_s": ttl_s}), AccessToken.from_wire)
 
