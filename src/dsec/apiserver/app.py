@@ -169,7 +169,7 @@ def _split(addr: str) -> tuple[str, int]:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     paths = Paths.from_env(args.home)
-    upstream = Upstream(paths.pki, iam=args.iam, watcher=args.watcher)
+    upstream = Upstream(paths.pki, iam=args.iam, watcher=args.watcher, placement=args.placement)
     components = {"apiserver": args.listen, "iam": args.iam, "watcher": args.watcher}
     runner = web.AppRunner(make_app(upstream, components), access_log=None)
     await runner.setup()
@@ -191,6 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iam", default="127.0.0.1:8421")
     ap.add_argument("--watcher", default="127.0.0.1:8422")
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--placement", choices=["spread", "pack"], default="spread",
+                    help="spread sandboxes over edges, or pack them onto the fewest")  # fmt: skip
     return ap.parse_args(argv)
 
 

@@ -14,14 +14,12 @@ from dsec.apiserver import audit
 from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.roles import require_admin_on
-from dsec.apiserver.upstream import EdgeEntry, rpc
+from dsec.apiserver.upstream import rpc
 from dsec.core import projects
 from dsec.core.errors import (
-    BackendUnavailable,
     DsecError,
     InvalidArgument,
     NodeFull,
-    Unavailable,
 )
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
@@ -48,25 +46,6 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
     }
 
 
-def _placement(edges: list[EdgeEntry], backend: str) -> list[EdgeEntry]:
-    """Healthy edges offering the backend, the least loaded (by memory) first."""
-    healthy = [e for e in edges if e.healthy]
-    if not healthy:
-        raise Unavailable("no healthy edge is reporting to the watcher")
-    fit = [e for e in healthy if backend in e.view.status.backends]
-    if not fit:
-        offered = sorted({b for e in healthy for b in e.view.status.backends})
-        raise BackendUnavailable(
-            f"no edge offers backend {backend!r} (offered: {', '.join(offered) or 'none'})"
-        )
-
-    def free(e: EdgeEntry) -> float:
-        s = e.view.status
-        return s.memory_total_mb * 4 - s.memory_allocated_mb
-
-    return sorted(fit, key=free, reverse=True)
-
-
 async def create(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
     p.require("member")
@@ -80,7 +59,10 @@ async def create(request: web.Request) -> web.Response:
     spec = SandboxSpec.from_dict(body)
     req_spec = spec_to_pb(spec)
     last: DsecError = NodeFull("every edge is full")
-    for entry in _placement(await c.upstream.edges(), spec.backend)[:MAX_EDGE_TRIES]:
+    placement = c.upstream.placement
+    for entry in placement.order(await c.upstream.edges(), spec.backend, spec.memory_mb)[
+        :MAX_EDGE_TRIES
+    ]:
         sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
         request[audit.TARGET] = sid
         admit = pb.AdmitRequest(
@@ -108,6 +90,7 @@ async def create(request: web.Request) -> web.Response:
                 last = exc
                 continue
             raise
+        placement.placed(entry.edge_id, spec.memory_mb)
         c.metrics.inc("sandboxes_created")
         return ok(info_json(info), status=201)
     raise last
