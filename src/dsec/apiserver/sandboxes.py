@@ -20,6 +20,7 @@ from dsec.core.errors import (
     DsecError,
     InvalidArgument,
     NodeFull,
+    Unavailable,
 )
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
@@ -86,7 +87,7 @@ async def create(request: web.Request) -> web.Response:
             )
         except BaseException as exc:
             await asyncio.shield(_release(request, sid))
-            if isinstance(exc, NodeFull):
+            if isinstance(exc, Unavailable):  # full, or unreachable (died since its report)
                 last = exc
                 continue
             raise

@@ -16,7 +16,8 @@ nothing rotates them automatically. :func:`ensure_pki` is idempotent and safe to
 several processes at once (it holds an exclusive ``flock``): it keeps valid certificates and
 re-issues ones that are missing, unreadable, not signed by the current CA, lacking a required
 SAN, or expiring within ``renew_before``. A daemon picks up a re-issued certificate when it
-restarts.
+restarts. A directory with ``ca.crt`` but no ``ca.key`` belongs to a member of a cluster
+whose CA lives elsewhere: there it only checks the leaves (see :mod:`dsec.rpc.join`).
 """
 
 from __future__ import annotations
@@ -171,12 +172,25 @@ def ensure_pki(
     with _locked(pki_dir / ".lock"):
         now = dt.datetime.now(dt.UTC)
         ca = _load_ca(pki_dir, now, renew_before)
+        if ca is None and (pki_dir / "ca.crt").exists() and not (pki_dir / "ca.key").exists():
+            _check_member(pki_dir, identities, now)  # a cluster member: the CA is elsewhere
+            return
         if ca is None:
             ca = _new_ca(pki_dir, now)
         ca_key, ca_cert = ca
         for ident in identities:
             if not _leaf_ok(pki_dir, ident, ca_cert, now, renew_before):
                 _issue_leaf(pki_dir, ident, ca_key, ca_cert, now, leaf_lifetime)
+
+
+def _check_member(pki_dir: Path, identities: Sequence[Identity], now: dt.datetime) -> None:
+    ca_cert = _load_cert(pki_dir / "ca.crt")
+    for ident in identities:
+        if ca_cert is None or not _leaf_ok(pki_dir, ident, ca_cert, now, dt.timedelta(0)):
+            raise Unavailable(
+                f"no valid certificate {ident.name!r} in {pki_dir} and no CA key to issue one: "
+                "get it from the cluster's CA (dsec edge join, or copy it from the iam)"
+            )
 
 
 def read_pki(pki_dir: Path, name: str) -> tuple[bytes, bytes, bytes]:
