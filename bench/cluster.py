@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
@@ -109,6 +110,12 @@ async def load_kv(home: Path, store: EtcdStore) -> None:
     await asyncio.gather(*(one(c) for c in chunks))
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with open(log, "ab") as f:
         return subprocess.Popen(argv, stdout=f, stderr=f, stdin=subprocess.DEVNULL, env=env,
@@ -134,9 +141,10 @@ async def load(api: str, key: str, seconds: float, concurrency: int) -> dict[str
     errors: dict[str, int] = {}
     warmup_end = time.monotonic() + 3.0
     end = warmup_end + seconds
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, limits=limits,
-                                 timeout=30) as c:  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"}
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    cpu0 = time.process_time()
+    async with aiohttp.ClientSession(headers=headers, connector=conn) as c:
 
         async def worker(w: int) -> None:
             n = 0
@@ -145,10 +153,11 @@ async def load(api: str, key: str, seconds: float, concurrency: int) -> dict[str
                         "cpu": 0.1, "timeout_s": 3600}  # fmt: skip
                 n += 1
                 t = time.perf_counter()
-                r = await c.post(f"{api}/v1/sandboxes", json=body)
+                async with c.post(f"{api}/v1/sandboxes", json=body) as r:
+                    answer = await r.json()
                 took = time.perf_counter() - t
-                if r.status_code != 201:
-                    code = r.json().get("error", {}).get("code", str(r.status_code))
+                if r.status != 201:
+                    code = answer.get("error", {}).get("code", str(r.status))
                     errors[code] = errors.get(code, 0) + 1
                     continue
                 if time.monotonic() > warmup_end:
@@ -162,6 +171,7 @@ async def load(api: str, key: str, seconds: float, concurrency: int) -> dict[str
         "p50_ms": round(statistics.median(ms), 1) if ms else None,
         "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 1) if ms else None,
         "errors": errors,
+        "client_cpu_ms_per_create": round((time.process_time() - cpu0) * 1000 / max(1, len(ms)), 2),
     }
 
 
@@ -210,7 +220,9 @@ async def run_one(backend: str, root: Path, seconds: float, concurrency: int) ->
         procs.append(_spawn([py, "-m", "dsec.watcher", "--home", str(w_home), "--listen",
                              f"127.0.0.1:{w_port}", "--metrics-listen", "",
                              "--log-level", "WARNING"], home / "watcher.log", env))  # fmt: skip
-        procs.append(_spawn([py, "-m", "dsec.apiserver", "--home", str(a_home), "--listen",
+        prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get(
+            "BENCH_PROFILE") else []  # fmt: skip
+        procs.append(_spawn([py, *prof, "-m", "dsec.apiserver", "--home", str(a_home), "--listen",
                              f"127.0.0.1:{a_port}", "--iam", f"127.0.0.1:{iam_port}",
                              "--watcher", f"127.0.0.1:{w_port}", "--log-level", "WARNING"],
                             home / "apiserver.log", env))  # fmt: skip
@@ -221,7 +233,13 @@ async def run_one(backend: str, root: Path, seconds: float, concurrency: int) ->
         key = (iam_home / "admin.key").read_text().strip()
         api = f"http://127.0.0.1:{a_port}"
         await _wait_edges(api, key, EDGES)
+        names = ["iam", "watcher", "apiserver", "simulated edges"]
+        before = [_cpu_s(p.pid) for p in procs]
         result = await load(api, key, seconds, concurrency)
+        spent = [_cpu_s(p.pid) - b for p, b in zip(procs, before, strict=True)]
+        n = max(1, result["creates"])
+        result["cpu_ms_per_create"] = {k: round(v * 1000 / n, 2)
+                                       for k, v in zip(names, spent, strict=True)}  # fmt: skip
         result["inventory_load_s"] = round(loaded_s, 1)
         return result
     finally:
@@ -258,14 +276,17 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--only", choices=["sqlite", "etcd"], default="")
+    ap.add_argument("--inventory", type=int, default=INVENTORY, help="live sandboxes at start")
     args = ap.parse_args()
+    globals()["INVENTORY"] = args.inventory
     results = asyncio.run(run(args))
     print(f"\n{EDGES} simulated edges, {INVENTORY} live sandboxes, "
           f"{args.concurrency} concurrent clients, {args.seconds:g} s\n")  # fmt: skip
-    print("| iam state | creates/s | p50 ms | p99 ms | errors |")
-    print("|---|---|---|---|---|")
+    print("| iam state | creates/s | p50 ms | p99 ms | CPU ms per create | errors |")
+    print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['creates_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
+        cpu = ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_create"].items())
+        print(f"| {name} | {r['creates_per_s']} | {r['p50_ms']} | {r['p99_ms']} | {cpu} | "
               f"{r['errors'] or '-'} |")  # fmt: skip
     out = Path(__file__).parent / "results" / "cluster.json"
     out.write_text(json.dumps({"edges": EDGES, "inventory": INVENTORY,

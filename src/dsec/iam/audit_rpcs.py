@@ -38,6 +38,9 @@ class AuditRpcs:
 
     _state: IamState
 
+    async def batched_audit(self, event: AuditEvent) -> AuditEvent:
+        raise NotImplementedError
+
     async def AppendAudit(self, request: pb.AuditEntry, context: _Ctx) -> pb.Empty:
         peer = peer_identity(context).spiffe_id
         actor = request.actor or peer
@@ -48,7 +51,7 @@ class AuditRpcs:
             target=request.target, result=request.result or "ok",
             request_id=request.request_id, details=request.details,
         )  # fmt: skip
-        await self._state.append_audit(event)
+        await self.batched_audit(event)
         return pb.Empty()
 
     async def QueryAudit(self, request: pb.AuditQuery, context: _Ctx) -> pb.AuditList:

@@ -120,6 +120,19 @@ class KvIam:
         result: AuditEvent = await self._atomic(fn)
         return result
 
+    async def append_audit_many(self, events: Sequence[AuditEvent]) -> list[AuditEvent]:
+        out: list[AuditEvent] = []
+        for i in range(0, len(events), MAX_BATCH):
+
+            async def fn(
+                stm: Stm, chunk: Sequence[AuditEvent] = events[i : i + MAX_BATCH]
+            ) -> list[AuditEvent]:
+                now = self._clock()
+                return [await self._audit(stm, e if e.ts else replace(e, ts=now)) for e in chunk]
+
+            out += await self._atomic(fn)
+        return out
+
     async def _entries(self) -> list[AuditEvent]:
         got = await self.store.range(_k("audit", ""))
         return [AuditEvent(**_load(kv.value)) for kv in got.kvs]

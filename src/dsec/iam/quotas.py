@@ -274,10 +274,12 @@ _ALLOC_SELECT = (
 
 def _subtree_usage(db: sqlite3.Connection, project: str) -> tuple[int, int, int]:
     """(sandboxes, cpu millicores, memory MiB) allocated in ``project`` and beneath it."""
+    # Two index range scans (the project, then everything from "p/" up to "p0"), not a
+    # table scan: '0' is the character after '/'.
     row = db.execute(
         "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
-        "FROM allocations WHERE project = ? OR substr(project, 1, ?) = ?",
-        (project, len(project) + 1, project + "/"),
+        "FROM allocations WHERE project = ? OR (project >= ? AND project < ?)",
+        (project, project + "/", project + "0"),
     ).fetchone()
     return int(row[0]), int(row[1]), int(row[2])
 

@@ -10,7 +10,6 @@ sandboxes (checked here against the name in its certificate).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -18,8 +17,10 @@ from typing import Any, TypeAlias
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dsec.core.audit import AuditEvent
 from dsec.core.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from dsec.iam.audit_rpcs import AuditRpcs, actor_of
+from dsec.iam.batching import Batcher
 from dsec.iam.join_rpcs import JoinTokenRpcs
 from dsec.iam.records import Admission, KeyRecord, Project
 from dsec.iam.signing import key_id as signing_key_id
@@ -62,39 +63,21 @@ class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
         self._signing = signing
         self._metrics = metrics or Metrics("dsec_iam")
         self._grace = reconcile_grace_s
-        self._admit_queue: list[tuple[Admission, asyncio.Future[bool]]] = []
-        self._admit_drainer: asyncio.Task[None] | None = None
+        self._admissions: Batcher[Admission, bool] = Batcher(state.admit_many)
+        self._audits: Batcher[AuditEvent, AuditEvent] = Batcher(state.append_audit_many)
 
     async def admit(self, admission: Admission) -> bool:
         """Admit through the batching queue; same answers as ``IamDb.admit``."""
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._admit_queue.append((admission, fut))
-        if self._admit_drainer is None:
-            self._admit_drainer = asyncio.create_task(self._drain_admissions())
-        return await fut
+        return await self._admissions.submit(admission)
 
-    async def _drain_admissions(self) -> None:
-        try:
-            while self._admit_queue:
-                batch, self._admit_queue = self._admit_queue, []
-                try:
-                    results = await self._state.admit_many([a for a, _ in batch])
-                except Exception as exc:  # the commit failed: nobody was admitted
-                    results = [exc] * len(batch)
-                for (_, fut), result in zip(batch, results, strict=True):
-                    if fut.done():  # the caller went away; its decision stands
-                        continue
-                    if isinstance(result, Exception):
-                        fut.set_exception(result)
-                    else:
-                        fut.set_result(result)
-        finally:
-            self._admit_drainer = None
+    async def batched_audit(self, event: AuditEvent) -> AuditEvent:
+        """Append through the batching queue."""
+        return await self._audits.submit(event)
 
     async def close(self) -> None:
         """Let queued admissions finish, then close the state."""
-        if self._admit_drainer is not None:
-            await self._admit_drainer
+        await self._admissions.wait_idle()
+        await self._audits.wait_idle()
         await self._state.close()
 
     async def Authenticate(self, request: pb.AuthenticateRequest, context: _Ctx) -> pb.Principal:
