@@ -114,3 +114,14 @@ def test_500_concurrent_admissions_against_a_subtree_quota_admit_exactly_300(db:
     assert sum(r is True for r in results) == 300
     assert sum(isinstance(r, e.QuotaExceeded) for r in results) == 200
     assert db.usage("big").sandboxes == 300
+
+
+def test_a_burst_across_many_projects_is_split_into_transactions_that_fit(db: IamDb) -> None:
+    db.put_project(Project("wide", 0, 0, 0))
+    for i in range(80):
+        db.put_project(Project(f"wide/p{i}", 3, 0, 0))
+    batch = [Admission(f"wide/p{i % 80}", _sid(), 0.1, 10, "e0a1") for i in range(400)]
+    results = db.admit_many(batch)
+    assert sum(r is True for r in results) == 240
+    assert all(isinstance(r, e.QuotaExceeded) for r in results if r is not True)
+    assert db.usage("wide").sandboxes == 240

@@ -64,7 +64,8 @@ from dsec.iam.stm import Stm, atomically
 from dsec.store.api import StateStore
 
 ROOT = b"/dsec/iam/"
-MAX_BATCH = 60  # admissions per transaction (each writes one key; etcd allows 128 ops)
+MAX_BATCH = 60  # records per transaction (etcd allows 128 compares and 128 ops)
+MAX_KEYS = 120  # keys one admission transaction reads (each read is a compare)
 REVOCATION_KINDS = frozenset({"token", "key", "subject"})
 
 
@@ -473,15 +474,22 @@ class KvIam:
 
     async def admit_many(self, batch: Sequence[Admission]) -> list[bool | Exception]:
         out: list[bool | Exception] = []
-        for i in range(0, len(batch), MAX_BATCH):
-            out += await self._admit_batch(batch[i : i + MAX_BATCH])
+        chunk: list[Admission] = []
+        keys: set[bytes] = set()
+        for a in batch:  # one transaction reads (compares) at most MAX_KEYS keys
+            mine = _admission_keys(a)
+            if chunk and len(keys | mine) > MAX_KEYS:
+                out += await self._admit_batch(chunk)
+                chunk, keys = [], set()
+            chunk.append(a)
+            keys |= mine
+        if chunk:
+            out += await self._admit_batch(chunk)
         return out
 
     async def _admit_batch(self, batch: Sequence[Admission]) -> list[bool | Exception]:
         async def fn(stm: Stm) -> list[bool | Exception]:
-            wanted = {_k("projects", lv) for a in batch for lv in _levels(a.project)}
-            wanted |= {_k("usage", lv) for a in batch for lv in _levels(a.project)}
-            wanted |= {_alloc_key(a.sandbox_id) for a in batch if is_sandbox_id(a.sandbox_id)}
+            wanted = set().union(*(_admission_keys(a) for a in batch))
             await asyncio.gather(*(stm.get(k) for k in sorted(wanted)))
             now = self._clock()
             results: list[bool | Exception] = []
@@ -589,6 +597,14 @@ class KvIam:
         got = await self.store.range(_k("alloc", edge_id, "") if edge_id else _k("alloc", ""))
         allocs = [_alloc(kv.key.rsplit(b"/", 1)[1].decode(), _load(kv.value)) for kv in got.kvs]
         return sorted(allocs, key=lambda a: a.created_at)
+
+
+def _admission_keys(a: Admission) -> set[bytes]:
+    """The keys deciding ``a`` reads: its project chain, their usage, its allocation."""
+    keys = {_k(kind, lv) for lv in _levels(a.project) for kind in ("projects", "usage")}
+    if is_sandbox_id(a.sandbox_id):
+        keys.add(_alloc_key(a.sandbox_id))
+    return keys
 
 
 def _levels(project: str) -> list[str]:
