@@ -622,6 +622,15 @@ def _alloc_key(sandbox_id: str) -> bytes:
     return _k("alloc", edge_of(sandbox_id), sandbox_id)
 
 
+# The layout, for tools that write state in bulk (bench/cluster.py).
+alloc_key = _alloc_key
+dump = _dump
+
+
+def usage_key(project: str) -> bytes:
+    return _k("usage", project)
+
+
 def _project(name: str, q: dict[str, Any]) -> Project:
     return Project(name, int(q["s"]), int(q["c"]) / 1000, int(q["m"]))
 
