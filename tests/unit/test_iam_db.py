@@ -6,12 +6,17 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from dsec.core import errors as e
 from dsec.core.ids import new_sandbox_id
+from dsec.iam.audit import AuditQuery
 from dsec.iam.db import DEFAULT_PROJECT, Admission, IamDb, Project
+from dsec.store.api import StateStore
+from dsec.store.memory import MemoryStore
+from dsec.testing.iam_sync import SyncKvIam
 
 
 class Clock:
@@ -31,11 +36,28 @@ def clock() -> Clock:
     return Clock()
 
 
-@pytest.fixture
-def db(tmp_path: Path, clock: Clock) -> Iterator[IamDb]:
-    d = IamDb(tmp_path / "iam.db", clock=clock)
+async def _memory_store() -> StateStore:
+    return MemoryStore()
+
+
+@pytest.fixture(params=["sqlite", "kv"])
+def db(request: pytest.FixtureRequest, tmp_path: Path, clock: Clock) -> Iterator[IamDb]:
+    """The SQLite tables, and the same API on the StateStore layout (dsec.iam.kv)."""
+    if request.param == "sqlite":
+        d = IamDb(tmp_path / "iam.db", clock=clock)
+    else:
+        d = cast(IamDb, SyncKvIam(_memory_store, clock=clock))
     yield d
     d.close()
+
+
+def _stored_bytes(db: IamDb, tmp_path: Path) -> str:
+    if isinstance(db, IamDb):
+        return repr(
+            sqlite3.connect(tmp_path / "iam.db").execute("SELECT * FROM api_keys").fetchall()
+        )
+    kv = cast(SyncKvIam, db).kv
+    return repr(cast(SyncKvIam, db)._call(kv.store.range(b"")).kvs)
 
 
 def test_bootstrap_once(db: IamDb, tmp_path: Path) -> None:
@@ -48,8 +70,9 @@ def test_bootstrap_once(db: IamDb, tmp_path: Path) -> None:
     assert not db.bootstrap(lambda kid, key: written.append((kid, key)))
     assert len(written) == 1
     # Only the hash of the secret is stored.
-    raw = sqlite3.connect(tmp_path / "iam.db").execute("SELECT * FROM api_keys").fetchall()
-    assert token.split("_")[-1] not in repr(raw)
+    raw = _stored_bytes(db, tmp_path)
+    assert key_id in raw
+    assert token.split("_")[-1] not in raw
 
 
 def test_bootstrap_failure_commits_nothing(db: IamDb) -> None:
@@ -243,3 +266,33 @@ def test_admit_many_decides_each_in_order(db: IamDb) -> None:
     assert results[4] is True
     assert isinstance(results[5], e.QuotaExceeded)
     assert {a.sandbox_id for a in db.allocations()} == {sid("ab12", 1), sid("ab12", 3)}
+
+
+def test_role_grants(db: IamDb) -> None:
+    db.bootstrap(lambda kid, key: None)
+    assert [(g.project, g.subject, g.role) for g in db.list_grants("admin")] == [
+        ("*", "admin", "admin")
+    ]
+    db.put_project(Project("org", 0, 0, 0))
+    db.put_project(Project("org/team", 0, 0, 0))
+    db.grant_role("org", "alice", "viewer")
+    db.grant_role("org/team", "alice", "admin")
+    db.grant_role("org/team", "bob", "member")
+    db.grant_role("org", "alice", "member")  # replaces her viewer grant on org
+    assert [(g.project, g.role) for g in db.list_grants("alice")] == [
+        ("org", "member"),
+        ("org/team", "admin"),
+    ]
+    assert {g.subject for g in db.list_grants(project="org/team")} == {"alice", "bob"}
+    db.grant_role("org/team", "bob", "")  # taken away
+    assert db.list_grants("bob") == []
+    with pytest.raises(e.NotFound):
+        db.grant_role("missing", "alice", "member")
+    with pytest.raises(e.InvalidArgument):
+        db.grant_role("org", "alice", "root")
+    with pytest.raises(e.InvalidArgument):
+        db.grant_role("org", "", "member")
+    db.delete_project("org/team")  # its grants go with it
+    assert [g.project for g in db.list_grants("alice")] == ["org"]
+    actions = [x.action for x in db.query_audit(AuditQuery(action="role."))]
+    assert actions == ["role.grant"] * 4 + ["role.remove"]

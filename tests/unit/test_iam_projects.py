@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from dsec.core import errors as e
 from dsec.core.ids import new_sandbox_id
 from dsec.iam.db import Admission, IamDb, Project
+from dsec.store.api import StateStore
+from dsec.store.memory import MemoryStore
+from dsec.testing.iam_sync import SyncKvIam
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[IamDb]:
-    d = IamDb(tmp_path / "iam.db")
+async def _memory_store() -> StateStore:
+    return MemoryStore()
+
+
+@pytest.fixture(params=["sqlite", "kv"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[IamDb]:
+    """The SQLite tables, and the same API on the StateStore layout (dsec.iam.kv)."""
+    if request.param == "sqlite":
+        d = IamDb(tmp_path / "iam.db")
+    else:
+        d = cast(IamDb, SyncKvIam(_memory_store, clock=time.time))
     yield d
     d.close()
 
@@ -101,3 +114,14 @@ def test_500_concurrent_admissions_against_a_subtree_quota_admit_exactly_300(db:
     assert sum(r is True for r in results) == 300
     assert sum(isinstance(r, e.QuotaExceeded) for r in results) == 200
     assert db.usage("big").sandboxes == 300
+
+
+def test_a_burst_across_many_projects_is_split_into_transactions_that_fit(db: IamDb) -> None:
+    db.put_project(Project("wide", 0, 0, 0))
+    for i in range(80):
+        db.put_project(Project(f"wide/p{i}", 3, 0, 0))
+    batch = [Admission(f"wide/p{i % 80}", _sid(), 0.1, 10, "e0a1") for i in range(400)]
+    results = db.admit_many(batch)
+    assert sum(r is True for r in results) == 240
+    assert all(isinstance(r, e.QuotaExceeded) for r in results if r is not True)
+    assert db.usage("wide").sandboxes == 240

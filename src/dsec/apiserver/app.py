@@ -22,11 +22,13 @@ from dsec import __version__
 from dsec.apiserver import (
     audit,
     backends,
+    cluster,
     hostroute,
     images,
     keys,
     openapi,
     projects,
+    roles,
     runtime,
     sandboxes,
     tokens_routes,
@@ -94,6 +96,8 @@ def all_routes() -> list[tuple[str, str, Any]]:
         *audit.ROUTES,
         *tokens_routes.ROUTES,
         *projects.ROUTES,
+        *roles.ROUTES,
+        *cluster.ROUTES,
         *images.ROUTES,
         *backends.ROUTES,
         *trajectories.ROUTES,
@@ -201,7 +205,7 @@ def _split(addr: str) -> tuple[str, int]:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     paths = Paths.from_env(args.home)
-    upstream = Upstream(paths.pki, iam=args.iam, watcher=args.watcher)
+    upstream = Upstream(paths.pki, iam=args.iam, watcher=args.watcher, placement=args.placement)
     components = {"apiserver": args.listen, "iam": args.iam, "watcher": args.watcher}
     tlog = await open_log(
         args.trajectory_store or f"sqlite:{paths.home / 'trajectory' / 'log.db'}",
@@ -262,6 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trajectory-quota-bytes", type=int, default=1024**3)
     ap.add_argument("--trajectory-max-age-days", type=float, default=30.0)
     ap.add_argument("--trajectory-max-bytes", type=int, default=0)
+    ap.add_argument("--placement", choices=["spread", "pack"], default="spread",
+                    help="spread sandboxes over edges, or pack them onto the fewest")  # fmt: skip
     return ap.parse_args(argv)
 
 

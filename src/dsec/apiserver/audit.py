@@ -14,8 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
-from dsec.apiserver.auth import Principal
+from dsec.apiserver.auth import PLATFORM, Principal
 from dsec.apiserver.context import ctx, ok, principal
+from dsec.apiserver.roles import require_admin_on
 from dsec.core.errors import DsecError, InvalidArgument
 from dsec.obs import log
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -93,10 +94,11 @@ def entry_json(e: pb.AuditEntry) -> dict[str, Any]:
 
 
 async def list_audit(request: web.Request) -> web.Response:
-    """Query the audit log by time range, project, actor and action (admin)."""
+    """Query the audit log by time range, project, actor and action (platform admin, or
+    admin of the project asked for)."""
     c, p = ctx(request), principal(request)
-    p.require("admin")
     q = request.query
+    require_admin_on(p, q.get("project", "") or PLATFORM)
     limit = q.get("limit", "1000")
     after = q.get("after", "0")
     if not limit.isdigit() or not after.isdigit():
@@ -113,9 +115,9 @@ async def list_audit(request: web.Request) -> web.Response:
 
 
 async def verify_audit(request: web.Request) -> web.Response:
-    """Check the audit log's hash chain end to end (admin)."""
+    """Check the audit log's hash chain end to end (platform admin)."""
     c, p = ctx(request), principal(request)
-    p.require("admin")
+    require_admin_on(p, PLATFORM)
     v = await c.upstream.iam.VerifyAudit(pb.Empty(), metadata=p.metadata(), timeout=60)
     return ok({"entries": v.entries, "intact": v.broken_at == 0,
                "broken_at": v.broken_at or None, "head_hash": v.head_hash})  # fmt: skip

@@ -5,8 +5,14 @@ checked by the iam, the answer cached for a few seconds) or an access token (a J
 by the iam, checked here with the iam's public key: no round trip). Both are subject to the
 iam's revocation feed, which this apiserver follows every second; when it cannot confirm
 its copy is current it refuses tokens instead of trusting them, and drops cached keys.
-Roles: ``viewer`` reads, ``member`` also creates and drives sandboxes of its project,
-``admin`` does everything.
+Roles are per project and inherited downward: ``viewer`` reads, ``member`` also creates
+and drives sandboxes, ``admin`` also manages the quotas, keys and members of its subtree.
+A request's roles are its key's (its project, its role) plus every grant of its subject
+(:meth:`Iam.ListGrants`, cached for :data:`GRANTS_TTL_S`); a grant on ``*`` covers every
+project (the bootstrap admin has admin there). Each route says which role it needs on
+which project (:meth:`Principal.require_on`); for calls on a sandbox, whose project only
+its edge knows, the apiserver forwards the projects on which the caller holds the needed
+role (``x-dsec-scopes``) and those it may see (``x-dsec-visible``), and the edge decides.
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from dsec.apiserver.upstream import Upstream, rpc
-from dsec.core import tokens
+from dsec.core import projects, tokens
 from dsec.core.errors import DsecError, PermissionDenied, Unauthenticated
 from dsec.obs import log
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -31,30 +37,78 @@ _log = logging.getLogger("dsec.apiserver")
 CACHE_TTL_S = 5.0
 POLL_S = 1.0
 MAX_STALENESS_S = 5.0
+GRANTS_TTL_S = 2.0
 _ROLES = {"viewer": 0, "member": 1, "admin": 2}
+PLATFORM = "*"
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
+    """Who is calling, with every (project, role) they hold.
+
+    One instance per request: :meth:`require` and :meth:`require_on` remember the highest
+    role the route asked for, and :meth:`metadata` forwards the projects where the caller
+    holds it.
+    """
+
     subject: str
     project: str
     role: str
     key_id: str
     token_id: str = ""  # set when the caller used an access token
+    grants: tuple[tuple[str, str], ...] = ()  # (project or "*", role), besides the key's own
+    _needed: list[int] = field(default_factory=list, compare=False, repr=False)
+
+    def _all(self) -> list[tuple[str, int]]:
+        pairs = [(self.project, self.role), *self.grants]
+        return [(p, _ROLES[r]) for p, r in pairs if r in _ROLES]
+
+    def rank_on(self, project: str) -> int:
+        """The caller's role on ``project`` (inherited from above) as 0-2, -1 for none."""
+        return max(
+            (r for p, r in self._all() if p == PLATFORM or projects.contains(p, project)),
+            default=-1,
+        )
+
+    def scopes(self, role: str) -> list[str]:
+        """The projects (roots of subtrees; ``*``: all) on which the caller has ``role``."""
+        return sorted({p for p, r in self._all() if r >= _ROLES[role]})
 
     def require(self, role: str) -> None:
-        if _ROLES.get(self.role, -1) < _ROLES[role]:
+        """The caller must hold ``role`` somewhere (the edge checks where)."""
+        if not self.scopes(role):
             raise PermissionDenied(f"this needs the {role} role; the key has {self.role}")
+        self._needed.append(_ROLES[role])
+
+    def require_on(self, project: str, role: str) -> None:
+        """The caller must hold ``role`` on ``project`` (or above it)."""
+        if self.rank_on(project) < _ROLES[role]:
+            raise PermissionDenied(f"this needs the {role} role on project {project!r}")
+        self._needed.append(_ROLES[role])
 
     @property
     def admin(self) -> bool:
-        return self.role == "admin"
+        """A platform admin (admin on every project)."""
+        return self.rank_on_platform() >= _ROLES["admin"]
+
+    def rank_on_platform(self) -> int:
+        return max((r for p, r in self._all() if p == PLATFORM), default=-1)
+
+    def sees(self, project: str) -> bool:
+        return self.rank_on(project) >= 0
+
+    def for_request(self, grants: tuple[tuple[str, str], ...]) -> Principal:
+        return replace(self, grants=grants, _needed=[])
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
+        needed = max(self._needed, default=0)
+        role = next(r for r, n in _ROLES.items() if n == needed)
         return (
             ("x-dsec-project", self.project),
             ("x-dsec-subject", self.subject),
-            ("x-dsec-role", self.role),
+            ("x-dsec-role", "admin" if PLATFORM in self.scopes(role) else "scoped"),
+            ("x-dsec-scopes", ",".join(self.scopes(role))),
+            ("x-dsec-visible", ",".join(self.scopes("viewer"))),
         )
 
 
@@ -69,6 +123,7 @@ class Authenticator:
     def __init__(self, upstream: Upstream, *, max_staleness_s: float = MAX_STALENESS_S) -> None:
         self._up = upstream
         self._cache: dict[str, tuple[Principal, float]] = {}
+        self._grants: dict[str, tuple[tuple[tuple[str, str], ...], float]] = {}
         self._keys: dict[str, Ed25519PublicKey] = {}
         self._revoked = tokens.RevocationSet()
         self._max_staleness = max_staleness_s
@@ -87,8 +142,23 @@ class Authenticator:
         # host-style routing may have found it in a cookie or query parameter (hostroute.py)
         credential = request.get("credential") or bearer(request)
         if tokens.looks_like_token(credential):
-            return await self._from_token(credential)
-        return await self._from_key(credential)
+            p = await self._from_token(credential)
+        else:
+            p = await self._from_key(credential)
+        return p.for_request(await self._grants_of(p.subject))
+
+    async def _grants_of(self, subject: str) -> tuple[tuple[str, str], ...]:
+        now = time.monotonic()
+        hit = self._grants.get(subject)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        req = pb.ListGrantsRequest(subject=subject)
+        reply = await rpc("iam", self._up.iam.ListGrants(req, timeout=5))
+        grants = tuple((g.project, g.role) for g in reply.grants)
+        if len(self._grants) > 10_000:
+            self._grants.clear()
+        self._grants[subject] = (grants, now + GRANTS_TTL_S)
+        return grants
 
     async def _from_token(self, token: str) -> Principal:
         try:
@@ -118,6 +188,10 @@ class Authenticator:
 
     def forget(self) -> None:
         self._cache.clear()
+
+    def forget_grants(self, subject: str) -> None:
+        """This apiserver sees a grant change at once; others within GRANTS_TTL_S."""
+        self._grants.pop(subject, None)
 
     async def _load_keys(self) -> None:
         reply = await rpc("iam", self._up.iam.TokenKeys(pb.Empty(), timeout=5))

@@ -14,7 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
+from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, flag, json_body, ok, principal, query, sandbox_id
+from dsec.apiserver.roles import require_admin_on
 from dsec.apiserver.upstream import EdgeEntry, rpc
 from dsec.core.errors import DsecError, InvalidArgument, Unavailable
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -155,7 +157,7 @@ async def list_images(request: web.Request) -> web.Response:
 async def remove_image(request: web.Request) -> web.Response:
     """Forget an image on every edge (admin); ?name=REF."""
     c, p = ctx(request), principal(request)
-    p.require("admin")
+    require_admin_on(p, PLATFORM)
     name = query(request, "name")
     removed = 0
     last: DsecError | None = None
@@ -178,7 +180,7 @@ async def remove_image(request: web.Request) -> web.Response:
 async def gc_images(request: web.Request) -> web.Response:
     """Remove unreferenced layers and blobs on every edge (admin)."""
     c, p = ctx(request), principal(request)
-    p.require("admin")
+    require_admin_on(p, PLATFORM)
     out = []
     for e in await _edges(request):
         res = await rpc(

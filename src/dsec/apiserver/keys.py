@@ -6,7 +6,9 @@ from typing import Any
 
 from aiohttp import web
 
+from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, json_body, ok, principal
+from dsec.apiserver.roles import require_admin_on, require_governs, require_key_admin
 from dsec.apiserver.upstream import rpc
 from dsec.core.errors import InvalidArgument
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -24,11 +26,12 @@ async def whoami(request: web.Request) -> web.Response:
 
 async def create_key(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
-    p.require("admin")
     body = await json_body(request)
     fields = {k: body.get(k, "") for k in ("subject", "project", "role", "name")}
     if not all(isinstance(v, str) for v in fields.values()):
         raise InvalidArgument("subject, project, role and name must be strings")
+    require_admin_on(p, fields["project"] or PLATFORM)
+    await require_governs(c, p, fields["subject"])
     call = c.upstream.iam.CreateKey(
         pb.CreateKeyRequest(**fields), metadata=_md(request), timeout=10
     )
@@ -38,12 +41,13 @@ async def create_key(request: web.Request) -> web.Response:
 
 async def list_keys(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
-    p.require("admin")
+    project = request.query.get("project", "")
+    if project or p.admin:
+        require_admin_on(p, project or PLATFORM)
+    else:
+        p.require("admin")  # then only keys of the projects it administers are shown
     reply = await rpc(
-        "iam",
-        c.upstream.iam.ListKeys(
-            pb.ListKeysRequest(project=request.query.get("project", "")), timeout=10
-        ),
+        "iam", c.upstream.iam.ListKeys(pb.ListKeysRequest(project=project), timeout=10)
     )
     keys = [
         {
@@ -56,13 +60,14 @@ async def list_keys(request: web.Request) -> web.Response:
             "revoked": k.revoked,
         }
         for k in reply.keys
+        if p.admin or p.rank_on(k.project) >= 2
     ]
     return ok({"keys": keys})
 
 
 async def revoke_key(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
-    p.require("admin")
+    await require_key_admin(c, p, request.match_info["key_id"])
     await rpc(
         "iam",
         c.upstream.iam.RevokeKey(

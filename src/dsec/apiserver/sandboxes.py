@@ -11,15 +11,15 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
 from dsec.apiserver import audit
+from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
-from dsec.apiserver.upstream import EdgeEntry, rpc
+from dsec.apiserver.roles import require_admin_on
+from dsec.apiserver.upstream import rpc
 from dsec.core import projects
 from dsec.core.errors import (
-    BackendUnavailable,
     DsecError,
     InvalidArgument,
     NodeFull,
-    PermissionDenied,
     Unavailable,
 )
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
@@ -47,25 +47,6 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
     }
 
 
-def _placement(edges: list[EdgeEntry], backend: str) -> list[EdgeEntry]:
-    """Healthy edges offering the backend, the least loaded (by memory) first."""
-    healthy = [e for e in edges if e.healthy]
-    if not healthy:
-        raise Unavailable("no healthy edge is reporting to the watcher")
-    fit = [e for e in healthy if backend in e.view.status.backends]
-    if not fit:
-        offered = sorted({b for e in healthy for b in e.view.status.backends})
-        raise BackendUnavailable(
-            f"no edge offers backend {backend!r} (offered: {', '.join(offered) or 'none'})"
-        )
-
-    def free(e: EdgeEntry) -> float:
-        s = e.view.status
-        return s.memory_total_mb * 4 - s.memory_allocated_mb
-
-    return sorted(fit, key=free, reverse=True)
-
-
 async def create(request: web.Request) -> web.Response:
     p = principal(request)
     p.require("member")
@@ -74,8 +55,7 @@ async def create(request: web.Request) -> web.Response:
     if not isinstance(project, str):
         raise InvalidArgument("'project' must be a project path")
     projects.validate(project)
-    if not (p.admin or projects.contains(p.project, project)):
-        raise PermissionDenied(f"project {project!r} is outside your project {p.project!r}")
+    p.require_on(project, "member")
     request["audit_project"] = project
     if body.get("trajectory") is not None:
         from dsec.apiserver import trajectories
@@ -90,7 +70,10 @@ async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) 
     c, p = ctx(request), principal(request)
     req_spec = spec_to_pb(spec)
     last: DsecError = NodeFull("every edge is full")
-    for entry in _placement(await c.upstream.edges(), spec.backend)[:MAX_EDGE_TRIES]:
+    placement = c.upstream.placement
+    for entry in placement.order(await c.upstream.edges(), spec.backend, spec.memory_mb)[
+        :MAX_EDGE_TRIES
+    ]:
         sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
         request[audit.TARGET] = sid
         admit = pb.AdmitRequest(
@@ -114,10 +97,11 @@ async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) 
             )
         except BaseException as exc:
             await asyncio.shield(_release(request, sid))
-            if isinstance(exc, NodeFull):
+            if isinstance(exc, Unavailable):  # full, or unreachable (died since its report)
                 last = exc
                 continue
             raise
+        placement.placed(entry.edge_id, spec.memory_mb)
         c.metrics.inc("sandboxes_created")
         assert isinstance(info, pb.SandboxInfo)
         return info
@@ -138,7 +122,7 @@ async def list_(request: web.Request) -> web.Response:
     p.require("viewer")
     include = request.query.get("all", "").lower() in ("1", "true", "yes")
     edges = [e for e in await c.upstream.edges() if e.healthy]
-    project = request.query.get("project", "" if p.admin else p.project)
+    project = request.query.get("project", "")  # the edges show only what the caller sees
     req = pb.ListSandboxesRequest(project=project, include_terminated=include)
     replies = await asyncio.gather(
         *(
@@ -223,8 +207,7 @@ async def batch(request: web.Request) -> web.Response:
         if not isinstance(scope, str):
             raise InvalidArgument("'project' must be a project path")
         projects.validate(scope)
-        if not (p.admin or projects.contains(p.project, scope)):
-            raise PermissionDenied(f"project {scope!r} is outside your project {p.project!r}")
+        p.require_on(scope, "member")
         ids = await _live_ids(request, scope)
     if len(ids) > MAX_BATCH:
         raise InvalidArgument(f"at most {MAX_BATCH} sandboxes per batch, got {len(ids)}")
@@ -313,7 +296,7 @@ async def set_network(request: web.Request) -> web.Response:
 
 async def edges(request: web.Request) -> web.Response:
     c, p = ctx(request), principal(request)
-    p.require("admin")
+    require_admin_on(p, PLATFORM)
     out = []
     for e in await c.upstream.edges(fresh=True):
         d = MessageToDict(e.view.status, preserving_proto_field_name=True)

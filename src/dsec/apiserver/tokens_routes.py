@@ -6,8 +6,9 @@ from typing import Any
 
 from aiohttp import web
 
-from dsec.apiserver.auth import bearer
+from dsec.apiserver.auth import PLATFORM, bearer
 from dsec.apiserver.context import ctx, json_body, ok, principal
+from dsec.apiserver.roles import require_admin_on, require_governs, require_key_admin
 from dsec.core import tokens
 from dsec.core.errors import InvalidArgument, PermissionDenied
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -37,8 +38,12 @@ async def revoke(request: web.Request) -> web.Response:
     if not isinstance(kind, str) or not isinstance(value, str):
         raise InvalidArgument("'kind' (token, key or subject) and 'value' must be strings")
     own_token = kind == "token" and value == p.token_id
-    if not own_token:
-        p.require("admin")
+    if kind == "key":
+        await require_key_admin(c, p, value)
+    elif kind == "subject":
+        await require_governs(c, p, value)
+    elif not own_token:
+        require_admin_on(p, PLATFORM)
     md = (*p.metadata(), ("x-request-id", str(request.get("request_id", ""))))
     await c.upstream.iam.Revoke(pb.RevokeRequest(kind=kind, value=value), metadata=md,
                                 timeout=10)  # fmt: skip

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 
+from dsec.apiserver.placement import Placement
 from dsec.core.errors import SandboxNotFound, Unavailable
 from dsec.core.ids import edge_of
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -43,7 +44,10 @@ async def rpc(component: str, call: Awaitable[T]) -> T:
 
 
 class Upstream:
-    def __init__(self, pki: Path, *, iam: str, watcher: str, name: str = "apiserver") -> None:
+    def __init__(
+        self, pki: Path, *, iam: str, watcher: str, name: str = "apiserver",
+        placement: str = "spread",
+    ) -> None:  # fmt: skip
         self._pki = pki
         self._name = name
         self._iam_ch = secure_channel(pki, name, iam)
@@ -53,6 +57,7 @@ class Upstream:
         self._edge_channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
         self._view: list[EdgeEntry] = []
         self._view_at = 0.0
+        self.placement = Placement(placement)
 
     async def edges(self, *, fresh: bool = False) -> list[EdgeEntry]:
         now = time.monotonic()

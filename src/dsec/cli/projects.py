@@ -89,6 +89,35 @@ def usage(name: str, as_json: bool) -> None:
                f"{u['memory_mb']}/{u['max_memory_mb'] or '∞'} MiB")  # fmt: skip
 
 
+@project_group.command("grant")
+@click.argument("project")
+@click.argument("user")
+@click.argument("role", type=click.Choice(["admin", "member", "viewer", "none"]))
+def grant(project: str, user: str, role: str) -> None:
+    """Give USER ROLE on PROJECT and everything beneath it ("none" takes it away).
+
+    viewer reads; member also creates and uses sandboxes; admin also manages the quotas,
+    keys and members of the subtree. PROJECT "*" is the whole platform.
+    """
+    state().client().grant_role(project, user, "" if role == "none" else role)
+    click.echo(
+        f"{user}: {role} on {project}" if role != "none" else f"{user}: no role on {project}"
+    )
+
+
+@project_group.command("members")
+@click.argument("project", required=False, default="")
+@json_option
+def members(project: str, as_json: bool) -> None:
+    """The role grants on PROJECT (all you can see when omitted)."""
+    items = state().client().list_grants(project)
+    if as_json:
+        print_json(items)
+        return
+    rows = [[g["project"], g["subject"], g["role"]] for g in items]
+    stdout().print(simple_table(["PROJECT", "SUBJECT", "ROLE"], rows))
+
+
 @click.group("quota")
 def quota_group() -> None:
     """Quotas of projects (admin)."""

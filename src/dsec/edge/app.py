@@ -152,7 +152,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     metrics = Metrics("dsec_edge")
     cap = node_capacity(args)
     network = make_network(args, paths, edge_id)
-    candidates = candidate_backends(paths, edge_id, network)
+    if args.backend == "real":
+        candidates = candidate_backends(paths, edge_id, network)
+    else:
+        candidates = list(_fake().values())
     backends = make_backends(candidates)
     if network is not None:
         for backend in backends.values():
@@ -276,6 +279,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         log(_log, "edge stopped")
 
 
+def _fake() -> dict[str, Backend]:
+    from dsec.testing.fake_backend import FakeBackend
+
+    return {"container": FakeBackend()}
+
+
 def make_network(args: argparse.Namespace, paths: Paths, edge_id: str) -> EdgeNetwork | None:
     """The edge's sandbox networking, if ``--net-upstream-dns`` enables it."""
     if not args.net_upstream_dns:
@@ -313,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-overcommit", type=float, default=16.0)
     ap.add_argument("--memory-overcommit", type=float, default=4.0)
     ap.add_argument("--stop-sandboxes-on-exit", action="store_true")
+    ap.add_argument("--backend", choices=["real", "fake"], default="real",
+                    help="fake: dsec.testing.fake_backend (tests and benchmarks only)")  # fmt: skip
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument(
         "--vmm",
@@ -336,5 +347,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from dsec.daemon import run_daemon
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["join"]:
+        from dsec.edge.join import main as join_main
+
+        sys.exit(join_main(argv[1:]))
     args = parse_args(argv)
     sys.exit(run_daemon("edge", lambda stop: serve(args, stop), log_level=args.log_level))

@@ -57,13 +57,20 @@ class Caller:
     project: str
     subject: str
     admin: bool
+    # Projects (subtree roots, "*": all) where the caller holds the role this call needs,
+    # and those it may see; None: just its own project.
+    scopes: tuple[str, ...] | None = None
+    visible: tuple[str, ...] = ()
 
     def covers(self, project: str) -> bool:
         """Whether this caller acts on ``project`` (its own project and everything beneath)."""
-        return self.admin or projects.contains(self.project, project)
+        roots = (self.project,) if self.scopes is None else self.scopes
+        return self.admin or any(r == "*" or projects.contains(r, project) for r in roots)
 
     def check(self, rec: SandboxRecord) -> None:
         if not self.covers(rec.project):
+            if any(r == "*" or projects.contains(r, rec.project) for r in self.visible):
+                raise PermissionDenied(f"your role on project {rec.project!r} does not allow this")
             # Do not reveal that the sandbox exists in another project.
             raise SandboxNotFound(f"no sandbox {rec.id}")
 

@@ -40,10 +40,13 @@ REPLY_LIMIT = 32 * 1024 * 1024
 def caller_of(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
     md = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
     role = md.get("x-dsec-role", "")
+    scopes = md.get("x-dsec-scopes")
     return Caller(
         project=md.get("x-dsec-project", ""),
         subject=md.get("x-dsec-subject", ""),
         admin=role == "admin",
+        scopes=None if scopes is None else tuple(s for s in scopes.split(",") if s),
+        visible=tuple(s for s in md.get("x-dsec-visible", "").split(",") if s),
     )
 
 

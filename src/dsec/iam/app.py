@@ -17,13 +17,15 @@ import grpc
 from aiohttp import web
 
 from dsec.daemon import bound_port, parse_hostport, serve_metrics
-from dsec.iam.db import IamDb
+from dsec.iam.join_rpcs import JoinService, join_server
 from dsec.iam.service import ALLOWED_ROLES, DEFAULT_RECONCILE_GRACE_S, IamService
 from dsec.iam.signing import load_or_create
+from dsec.iam.state import open_state
 from dsec.obs import Metrics, log
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.server import make_server, server_port
 from dsec.rpc.tls import Identity, ensure_pki
+from dsec.store.api import StateStore
 
 _log = logging.getLogger("dsec.iam")
 
@@ -36,13 +38,18 @@ STOP_GRACE_S = 5.0
 class IamConfig:
     """Everything the iam daemon is told at start.
 
-    ``metrics_listen`` empty disables the metrics endpoint.
+    ``metrics_listen`` empty disables the metrics endpoint. ``store`` is where the state
+    lives: empty for ``<home>/iam.db``, or ``etcd://HOST:PORT,...`` for a replicated IAM
+    (then ``etcd_tls_dir`` holds ``ca.pem``, ``client.pem`` and ``client-key.pem``).
     """
 
     home: Path
     listen: str = DEFAULT_LISTEN
     metrics_listen: str = DEFAULT_METRICS_LISTEN
     reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S
+    store: str = ""
+    etcd_tls_dir: Path | None = None
+    join_listen: str = ""  # where nodes redeem bootstrap tokens (TLS, no client cert)
 
     @property
     def db_path(self) -> Path:
@@ -68,33 +75,51 @@ class IamApp:
         self._server: grpc.aio.Server | None = None
         self._service: IamService | None = None
         self._metrics_runner: web.AppRunner | None = None
+        self._store: StateStore | None = None
+        self._join_server: grpc.aio.Server | None = None
+        self.join_port = 0
 
     async def start(self) -> int:
         """Bring the daemon up; returns the gRPC port it listens on."""
         cfg = self.config
         cfg.home.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(ensure_pki, cfg.pki_dir, [Identity.singleton("iam")])
-        db = await asyncio.to_thread(IamDb, cfg.db_path)
+        state, self._store = await open_state(cfg.store, cfg.home, etcd_tls_dir=cfg.etcd_tls_dir)
         signing = await asyncio.to_thread(load_or_create, cfg.pki_dir / "token-signing.key")
         self._service = IamService(
-            db, metrics=self.metrics, reconcile_grace_s=cfg.reconcile_grace_s, signing=signing
-        )
-        if await self._service.run(db.bootstrap, self._write_admin_key):
+            state, metrics=self.metrics, reconcile_grace_s=cfg.reconcile_grace_s, signing=signing,
+            pki_dir=cfg.pki_dir,
+        )  # fmt: skip
+        if await state.bootstrap(self._write_admin_key):
             log(_log, "bootstrapped: created project 'default' and an admin key")
         server = make_server(cfg.pki_dir, "iam", cfg.listen, ALLOWED_ROLES, metrics=self.metrics)
         self.port = server_port(server)
         pb_grpc.add_IamServicer_to_server(self._service, server)
         await server.start()
         self._server = server
+        if cfg.join_listen:
+            service = JoinService(state, cfg.pki_dir, self.metrics)
+            self._join_server, self.join_port = join_server(cfg.pki_dir, cfg.join_listen, service)
+            await self._join_server.start()
+            log(_log, "join listening", listen=cfg.join_listen, port=self.join_port)
         if cfg.metrics_listen:
             host, port = parse_hostport(cfg.metrics_listen)
             self._metrics_runner = await serve_metrics(self.metrics, host, port)
             self.metrics_port = bound_port(self._metrics_runner)
-        log(_log, "listening", listen=cfg.listen, port=self.port, db=str(cfg.db_path))
+        log(
+            _log,
+            "listening",
+            listen=cfg.listen,
+            port=self.port,
+            store=cfg.store or str(cfg.db_path),
+        )
         return self.port
 
     async def stop(self) -> None:
         """Drain in-flight calls (up to 5 s), then close everything."""
+        if self._join_server is not None:
+            await self._join_server.stop(STOP_GRACE_S)
+            self._join_server = None
         if self._server is not None:
             await self._server.stop(STOP_GRACE_S)
             self._server = None
@@ -104,6 +129,9 @@ class IamApp:
         if self._service is not None:
             await self._service.close()
             self._service = None
+        if self._store is not None:
+            await self._store.aclose()
+            self._store = None
 
     def _write_admin_key(self, key_id: str, api_key: str) -> None:
         """Write the bootstrap admin key to ``<home>/admin.key`` (0600), atomically."""

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
 from dsec.core.audit import AuditEvent
 from dsec.iam.audit import AuditQuery
-from dsec.iam.db import IamDb
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.server import peer_identity
 
-_T = TypeVar("_T")
+if TYPE_CHECKING:
+    from dsec.iam.state import IamState
 _Ctx: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -37,9 +36,9 @@ def _entry(e: AuditEvent) -> pb.AuditEntry:
 class AuditRpcs:
     """The audit RPCs, mixed into :class:`IamService`."""
 
-    _db: IamDb
+    _state: IamState
 
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def batched_audit(self, event: AuditEvent) -> AuditEvent:
         raise NotImplementedError
 
     async def AppendAudit(self, request: pb.AuditEntry, context: _Ctx) -> pb.Empty:
@@ -52,7 +51,7 @@ class AuditRpcs:
             target=request.target, result=request.result or "ok",
             request_id=request.request_id, details=request.details,
         )  # fmt: skip
-        await self.run(self._db.append_audit, event)
+        await self.batched_audit(event)
         return pb.Empty()
 
     async def QueryAudit(self, request: pb.AuditQuery, context: _Ctx) -> pb.AuditList:
@@ -61,9 +60,9 @@ class AuditRpcs:
             actor=request.actor, action=request.action, after_seq=request.after_seq,
             limit=request.limit or 1000,
         )  # fmt: skip
-        entries = await self.run(self._db.query_audit, q)
+        entries = await self._state.query_audit(q)
         return pb.AuditList(entries=[_entry(e) for e in entries])
 
     async def VerifyAudit(self, request: pb.Empty, context: _Ctx) -> pb.AuditVerdict:
-        count, broken, head = await self.run(self._db.verify_audit)
+        count, broken, head = await self._state.verify_audit()
         return pb.AuditVerdict(entries=count, broken_at=broken or 0, head_hash=head)

@@ -28,6 +28,7 @@ from typing import Any
 
 from dsec.core.audit import AuditEvent, verify
 from dsec.core.errors import (
+    AlreadyExists,
     InvalidArgument,
     NotFound,
     Unauthenticated,
@@ -35,18 +36,21 @@ from dsec.core.errors import (
 )
 from dsec.core.ids import parse_api_key
 from dsec.iam import audit
-from dsec.iam.keys import new_api_key, secret_matches
+from dsec.iam.keys import hash_secret, new_api_key, secret_matches
 from dsec.iam.quotas import QuotasMixin
 from dsec.iam.records import (
     DEFAULT_PROJECT,
     DEFAULT_QUOTA,
     KEY_ROLES,
+    PLATFORM,
     Admission,
     Allocation,
+    Grant,
     KeyRecord,
     Principal,
     Project,
     Usage,
+    check_grant,
     text,
 )
 
@@ -104,6 +108,19 @@ CREATE TABLE IF NOT EXISTS allocations (
 CREATE INDEX IF NOT EXISTS allocations_by_project
     ON allocations(project, cpu_milli, memory_mb);
 CREATE INDEX IF NOT EXISTS allocations_by_edge ON allocations(edge_id, created_at);
+CREATE TABLE IF NOT EXISTS join_tokens (
+    token_id TEXT PRIMARY KEY,
+    secret_sha256 TEXT NOT NULL,
+    expires_at REAL NOT NULL,
+    used_by TEXT
+);
+CREATE TABLE IF NOT EXISTS edges (edge_id TEXT PRIMARY KEY, joined_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS grants (
+    project TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    role TEXT NOT NULL,
+    PRIMARY KEY (project, subject)
+);
 """
 
 
@@ -178,6 +195,7 @@ class IamDb(QuotasMixin):
                 db, "admin", DEFAULT_PROJECT, "admin", "bootstrap", now
             )
             write_admin_key(key_id, token)
+            db.execute("INSERT OR REPLACE INTO grants VALUES (?, 'admin', 'admin')", (PLATFORM,))
             db.execute("INSERT INTO meta VALUES ('bootstrapped', ?)", (repr(now),))
             audit.append(
                 db,
@@ -314,6 +332,88 @@ class IamDb(QuotasMixin):
         )
         return [(int(r[0]), str(r[1]), str(r[2]), float(r[3])) for r in rows]
 
+    # -- role grants -----------------------------------------------------------------------
+
+    def grant_role(
+        self, project: str, subject: str, role: str, *, actor: str = "iam", request_id: str = ""
+    ) -> None:
+        """Give ``subject`` ``role`` on ``project`` and beneath (role "": take it away).
+
+        Raises:
+            InvalidArgument: bad subject or role.
+            NotFound: no such project.
+        """
+        check_grant(project, subject, role)
+        with self._write() as db:
+            if (
+                project != PLATFORM
+                and not db.execute("SELECT 1 FROM projects WHERE name = ?", (project,)).fetchone()
+            ):
+                raise NotFound(f"no project {project!r}")
+            if role:
+                db.execute(
+                    "INSERT OR REPLACE INTO grants VALUES (?, ?, ?)", (project, subject, role)
+                )
+            else:
+                db.execute(
+                    "DELETE FROM grants WHERE project = ? AND subject = ?", (project, subject)
+                )
+            audit.append(db, AuditEvent(
+                ts=self._clock(), actor=actor, action="role.grant" if role else "role.remove",
+                project=project, target=subject, request_id=request_id, details=f"role={role}",
+            ))  # fmt: skip
+
+    def list_grants(self, subject: str = "", project: str = "") -> list[Grant]:
+        """Grants of ``subject`` (all when empty) on ``project`` (all when empty)."""
+        rows = self._read(
+            "SELECT project, subject, role FROM grants WHERE (? = '' OR subject = ?) "
+            "AND (? = '' OR project = ?) ORDER BY project, subject",
+            (subject, subject, project, project),
+        )
+        return [Grant(str(r[0]), str(r[1]), str(r[2])) for r in rows]
+
+    # -- joining nodes ---------------------------------------------------------------------
+
+    def create_join_token(
+        self, token_id: str, secret: str, ttl_s: float, *, actor: str = "iam",
+        request_id: str = "",
+    ) -> float:  # fmt: skip
+        """Store a one-time bootstrap token (its secret hashed); returns its expiry."""
+        with self._write() as db:
+            now = self._clock()
+            db.execute("INSERT INTO join_tokens VALUES (?, ?, ?, NULL)",
+                       (token_id, hash_secret(secret), now + ttl_s))  # fmt: skip
+            audit.append(db, AuditEvent(
+                ts=now, actor=actor, action="cluster.token.create", target=token_id,
+                request_id=request_id, details=f"ttl_s={ttl_s:g}",
+            ))  # fmt: skip
+            return now + ttl_s
+
+    def redeem_join_token(self, token_id: str, secret: str, edge_id: str) -> None:
+        """Burn the token for ``edge_id`` and record the edge.
+
+        Raises:
+            Unauthenticated: unknown, wrong, expired or already used token (one message).
+            AlreadyExists: an edge with that id has joined before.
+        """
+        with self._write() as db:
+            row = db.execute(
+                "SELECT secret_sha256, expires_at, used_by FROM join_tokens WHERE token_id = ?",
+                (token_id,),
+            ).fetchone()
+            now = self._clock()
+            if (not secret_matches(row[0] if row else None, secret) or row is None
+                    or row[1] < now or row[2] is not None):  # fmt: skip
+                raise Unauthenticated("invalid, expired or used bootstrap token")
+            if db.execute("SELECT 1 FROM edges WHERE edge_id = ?", (edge_id,)).fetchone():
+                raise AlreadyExists(f"an edge {edge_id!r} has joined already")
+            db.execute("UPDATE join_tokens SET used_by = ? WHERE token_id = ?", (edge_id, token_id))
+            db.execute("INSERT INTO edges VALUES (?, ?)", (edge_id, now))
+            audit.append(db, AuditEvent(
+                ts=now, actor=f"edge {edge_id}", action="cluster.join", target=edge_id,
+                details=f"token={token_id}",
+            ))  # fmt: skip
+
     # -- audit -----------------------------------------------------------------------------
 
     def append_audit(self, event: AuditEvent) -> AuditEvent:
@@ -324,6 +424,14 @@ class IamDb(QuotasMixin):
 
                 event = replace(event, ts=self._clock())
             return audit.append(db, event)
+
+    def append_audit_many(self, events: Sequence[AuditEvent]) -> list[AuditEvent]:
+        """Append several events in one transaction (one disk sync), in order."""
+        from dataclasses import replace
+
+        with self._write() as db:
+            now = self._clock()
+            return [audit.append(db, e if e.ts else replace(e, ts=now)) for e in events]
 
     def query_audit(self, q: audit.AuditQuery) -> list[AuditEvent]:
         try:

@@ -158,7 +158,7 @@ class QuotasMixin:
         for level, row in chain:  # a quota bounds everything beneath its project
             if row == (0, 0, 0):
                 continue
-            _check_quota(level, row, _subtree_usage(db, level), cpu_milli, a.memory_mb)
+            check_quota(level, row, _subtree_usage(db, level), cpu_milli, a.memory_mb)
         db.execute(
             "INSERT INTO allocations VALUES (?, ?, ?, ?, ?, ?)",
             (a.sandbox_id, a.project, owner, cpu_milli, a.memory_mb, self._clock()),
@@ -245,6 +245,7 @@ class QuotasMixin:
                     "INSERT INTO revocations (kind, value, at) VALUES ('key', ?, ?)", (k, now)
                 )
             db.execute("DELETE FROM api_keys WHERE project = ?", (name,))  # all revoked above
+            db.execute("DELETE FROM grants WHERE project = ?", (name,))
             db.execute("DELETE FROM projects WHERE name = ?", (name,))
             audit.append(
                 db,
@@ -273,15 +274,17 @@ _ALLOC_SELECT = (
 
 def _subtree_usage(db: sqlite3.Connection, project: str) -> tuple[int, int, int]:
     """(sandboxes, cpu millicores, memory MiB) allocated in ``project`` and beneath it."""
+    # Two index range scans (the project, then everything from "p/" up to "p0"), not a
+    # table scan: '0' is the character after '/'.
     row = db.execute(
         "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
-        "FROM allocations WHERE project = ? OR substr(project, 1, ?) = ?",
-        (project, len(project) + 1, project + "/"),
+        "FROM allocations WHERE project = ? OR (project >= ? AND project < ?)",
+        (project, project + "/", project + "0"),
     ).fetchone()
     return int(row[0]), int(row[1]), int(row[2])
 
 
-def _check_quota(
+def check_quota(
     project: str,
     limits: tuple[int, int, int],
     used: tuple[int, int, int],

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsec.core import projects
 from dsec.core.errors import InvalidArgument
 
 KEY_ROLES = frozenset({"admin", "member", "viewer"})
 DEFAULT_PROJECT = "default"
+PLATFORM = "*"  # the scope of a grant on every project
 _MAX_TEXT = 200
 
 
@@ -69,6 +71,24 @@ class Allocation:
     cpu: float
     memory_mb: int
     created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """``subject`` has ``role`` on ``project`` and everything beneath it."""
+
+    project: str
+    subject: str
+    role: str
+
+
+def check_grant(project: str, subject: str, role: str) -> None:
+    """Raise InvalidArgument unless this names a grant ("" role: its removal)."""
+    if project != PLATFORM:
+        projects.validate(project)
+    text(subject, "subject")
+    if role and role not in KEY_ROLES:
+        raise InvalidArgument(f"role must be one of {sorted(KEY_ROLES)}, got {role!r}")
 
 
 DEFAULT_QUOTA = Project(DEFAULT_PROJECT, max_sandboxes=1000, max_cpu=0.0, max_memory_mb=0)

@@ -1,30 +1,30 @@
 """The ``dsec.v1.Iam`` gRPC servicer: proto messages in, :class:`IamDb` calls, messages out.
 
-Every database call runs on one dedicated thread (a one-worker executor), so the event loop
-never waits on SQLite or an fsync, and the database sees exactly one writer. Admit calls
-that arrive while the database thread is busy are queued and decided together in one
-transaction (:meth:`IamDb.admit_many`): a burst of admissions costs one disk sync, not one
-each. Who may call
+The state is an :class:`~dsec.iam.state.IamState` (SQLite on its own thread by default, or
+a StateStore such as etcd). Admit calls that arrive while an earlier batch is being decided
+are queued and decided together in one transaction (``admit_many``): a burst of admissions
+costs one disk sync or one Raft round, not one each. Who may call
 what is :data:`ALLOWED_ROLES`; an edge may additionally only release and reconcile its own
 sandboxes (checked here against the name in its certificate).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeAlias, TypeVar
+from pathlib import Path
+from typing import Any, TypeAlias
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dsec.core.audit import AuditEvent
 from dsec.core.errors import PermissionDenied, QuotaExceeded, Unauthenticated
 from dsec.iam.audit_rpcs import AuditRpcs, actor_of
-from dsec.iam.db import Admission, IamDb, KeyRecord, Project
+from dsec.iam.batching import Batcher
+from dsec.iam.join_rpcs import JoinTokenRpcs
+from dsec.iam.records import Admission, KeyRecord, Project
 from dsec.iam.signing import key_id as signing_key_id
+from dsec.iam.state import IamState
 from dsec.iam.token_rpcs import TokenRpcs
 from dsec.obs import Metrics, log
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -32,7 +32,6 @@ from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.server import peer_identity
 
 _log = logging.getLogger("dsec.iam")
-_T = TypeVar("_T")
 _Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 ALLOWED_ROLES: dict[str, set[str]] = {
@@ -44,69 +43,46 @@ ALLOWED_ROLES: dict[str, set[str]] = {
 DEFAULT_RECONCILE_GRACE_S = 30.0
 
 
-class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
-    """Serves the Iam RPCs from an :class:`IamDb` it owns (closed by :meth:`close`)."""
+class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
+    """Serves the Iam RPCs from an :class:`IamState` it owns (closed by :meth:`close`)."""
 
     def __init__(
         self,
-        db: IamDb,
+        state: IamState,
         *,
         metrics: Metrics | None = None,
         reconcile_grace_s: float = DEFAULT_RECONCILE_GRACE_S,
         signing: tuple[str, Ed25519PrivateKey] | None = None,
+        pki_dir: Path | None = None,
     ) -> None:
-        self._db = db
+        self._state = state
+        self.pki_dir = pki_dir
         if signing is None:  # tests: an ephemeral key
             key = Ed25519PrivateKey.generate()
             signing = (signing_key_id(key.public_key()), key)
         self._signing = signing
         self._metrics = metrics or Metrics("dsec_iam")
         self._grace = reconcile_grace_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="iam-db")
-        self._admit_queue: list[tuple[Admission, asyncio.Future[bool]]] = []
-        self._admit_drainer: asyncio.Task[None] | None = None
-
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run a blocking database call on the database thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+        self._admissions: Batcher[Admission, bool] = Batcher(state.admit_many)
+        self._audits: Batcher[AuditEvent, AuditEvent] = Batcher(state.append_audit_many)
 
     async def admit(self, admission: Admission) -> bool:
-        """Admit through the batching queue; same answers as :meth:`IamDb.admit`."""
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._admit_queue.append((admission, fut))
-        if self._admit_drainer is None:
-            self._admit_drainer = asyncio.create_task(self._drain_admissions())
-        return await fut
+        """Admit through the batching queue; same answers as ``IamDb.admit``."""
+        return await self._admissions.submit(admission)
 
-    async def _drain_admissions(self) -> None:
-        try:
-            while self._admit_queue:
-                batch, self._admit_queue = self._admit_queue, []
-                try:
-                    results = await self.run(self._db.admit_many, [a for a, _ in batch])
-                except Exception as exc:  # the commit failed: nobody was admitted
-                    results = [exc] * len(batch)
-                for (_, fut), result in zip(batch, results, strict=True):
-                    if fut.done():  # the caller went away; its decision stands
-                        continue
-                    if isinstance(result, Exception):
-                        fut.set_exception(result)
-                    else:
-                        fut.set_result(result)
-        finally:
-            self._admit_drainer = None
+    async def batched_audit(self, event: AuditEvent) -> AuditEvent:
+        """Append through the batching queue."""
+        return await self._audits.submit(event)
 
     async def close(self) -> None:
-        """Close the database (on its own thread) and stop the thread."""
-        if self._admit_drainer is not None:
-            await self._admit_drainer
-        await self.run(self._db.close)
-        self._pool.shutdown(wait=True)
+        """Let queued admissions finish, then close the state."""
+        await self._admissions.wait_idle()
+        await self._audits.wait_idle()
+        await self._state.close()
 
     async def Authenticate(self, request: pb.AuthenticateRequest, context: _Ctx) -> pb.Principal:
         try:
-            p = await self.run(self._db.authenticate, request.api_key)
+            p = await self._state.authenticate(request.api_key)
         except Unauthenticated:
             self._metrics.inc("authentications", result="refused")
             raise
@@ -115,11 +91,9 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
 
     async def CreateKey(self, request: pb.CreateKeyRequest, context: _Ctx) -> pb.CreateKeyReply:
         actor, rid = actor_of(context)
-        token, rec = await self.run(
-            functools.partial(
-                self._db.create_key, request.subject, request.project, request.role,
-                request.name, actor=actor, request_id=rid,
-            )
+        token, rec = await self._state.create_key(
+            request.subject, request.project, request.role, request.name, actor=actor,
+            request_id=rid,
         )  # fmt: skip
         log(
             _log,
@@ -133,14 +107,12 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
         return pb.CreateKeyReply(api_key=token, key_id=rec.key_id)
 
     async def ListKeys(self, request: pb.ListKeysRequest, context: _Ctx) -> pb.KeyList:
-        keys = await self.run(self._db.list_keys, request.project)
+        keys = await self._state.list_keys(request.project)
         return pb.KeyList(keys=[_key_info(k) for k in keys])
 
     async def RevokeKey(self, request: pb.KeyRef, context: _Ctx) -> pb.Empty:
         actor, rid = actor_of(context)
-        await self.run(
-            functools.partial(self._db.revoke_key, request.key_id, actor=actor, request_id=rid)
-        )
+        await self._state.revoke_key(request.key_id, actor=actor, request_id=rid)
         log(_log, "key revoked", key_id=request.key_id, by=peer_identity(context).spiffe_id)
         return pb.Empty()
 
@@ -164,9 +136,7 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
     async def Release(self, request: pb.ReleaseRequest, context: _Ctx) -> pb.Empty:
         peer = peer_identity(context)
         edge = peer.name if peer.role == "edge" else ""
-        alloc = await self.run(
-            functools.partial(self._db.release, edge_id=edge), request.sandbox_id
-        )
+        alloc = await self._state.release(request.sandbox_id, edge_id=edge)
         if alloc is not None:
             self._metrics.inc("releases")
         return pb.Empty()
@@ -175,8 +145,8 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
         peer = peer_identity(context)
         if peer.role == "edge" and peer.name != request.edge_id:
             raise PermissionDenied(f"edge {peer.name} may not reconcile edge {request.edge_id!r}")
-        gone = await self.run(
-            self._db.reconcile, request.edge_id, list(request.live_sandbox_ids), self._grace
+        gone = await self._state.reconcile(
+            request.edge_id, list(request.live_sandbox_ids), self._grace
         )
         if gone:
             self._metrics.inc("reconciled_releases", float(len(gone)))
@@ -189,7 +159,7 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
         return pb.Empty()
 
     async def GetUsage(self, request: pb.ProjectRef, context: _Ctx) -> pb.Usage:
-        u = await self.run(self._db.usage, request.project)
+        u = await self._state.usage(request.project)
         return pb.Usage(
             project=u.project.name,
             sandboxes=u.sandboxes,
@@ -205,9 +175,7 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
             request.name, request.max_sandboxes, request.max_cpu, request.max_memory_mb
         )
         actor, rid = actor_of(context)
-        p = await self.run(
-            functools.partial(self._db.put_project, wanted, actor=actor, request_id=rid)
-        )
+        p = await self._state.put_project(wanted, actor=actor, request_id=rid)
         log(
             _log,
             "project saved",
@@ -219,16 +187,28 @@ class IamService(AuditRpcs, TokenRpcs, pb_grpc.IamServicer):
         return _project_msg(p)
 
     async def ListProjects(self, request: pb.Empty, context: _Ctx) -> pb.ProjectList:
-        projects = await self.run(self._db.list_projects)
+        projects = await self._state.list_projects()
         return pb.ProjectList(projects=[_project_msg(p) for p in projects])
 
     async def DeleteProject(self, request: pb.ProjectRef, context: _Ctx) -> pb.Empty:
         actor, rid = actor_of(context)
-        await self.run(
-            functools.partial(self._db.delete_project, request.project, actor=actor,
-                              request_id=rid)
-        )  # fmt: skip
+        await self._state.delete_project(request.project, actor=actor, request_id=rid)
         return pb.Empty()
+
+    async def GrantRole(self, request: pb.RoleGrant, context: _Ctx) -> pb.Empty:
+        actor, rid = actor_of(context)
+        await self._state.grant_role(
+            request.project, request.subject, request.role, actor=actor, request_id=rid
+        )
+        log(_log, "role granted", project=request.project, subject=request.subject,
+            role=request.role or "(none)")  # fmt: skip
+        return pb.Empty()
+
+    async def ListGrants(self, request: pb.ListGrantsRequest, context: _Ctx) -> pb.GrantList:
+        grants = await self._state.list_grants(request.subject, request.project)
+        return pb.GrantList(
+            grants=[pb.RoleGrant(project=g.project, subject=g.subject, role=g.role) for g in grants]
+        )
 
 
 def _key_info(k: KeyRecord) -> pb.KeyInfo:

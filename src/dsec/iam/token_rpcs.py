@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias
 
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -15,26 +14,22 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dsec.core import tokens
 from dsec.core.errors import InvalidArgument
 from dsec.iam.audit_rpcs import actor_of
-from dsec.iam.db import IamDb
 from dsec.iam.signing import raw_public
+from dsec.iam.state import IamState
 from dsec.rpc._gen import dsec_pb2 as pb
 
-_T = TypeVar("_T")
 _Ctx: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 
 class TokenRpcs:
-    _db: IamDb
+    _state: IamState
     _signing: tuple[str, Ed25519PrivateKey]
-
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
-        raise NotImplementedError
 
     async def IssueToken(self, request: pb.IssueTokenRequest, context: _Ctx) -> pb.TokenReply:
         ttl = request.ttl_s or tokens.DEFAULT_TTL_S
         if not 1 <= ttl <= tokens.MAX_TTL_S:
             raise InvalidArgument(f"ttl_s must be between 1 and {tokens.MAX_TTL_S}")
-        p = await self.run(self._db.authenticate, request.api_key)
+        p = await self._state.authenticate(request.api_key)
         now = time.time()
         claims = tokens.Claims(
             subject=p.subject, project=p.project, role=p.role, key_id=p.key_id,
@@ -52,15 +47,11 @@ class TokenRpcs:
 
     async def Revoke(self, request: pb.RevokeRequest, context: _Ctx) -> pb.Empty:
         actor, rid = actor_of(context)
-
-        def revoke() -> None:
-            self._db.revoke(request.kind, request.value, actor=actor, request_id=rid)
-
-        await self.run(revoke)
+        await self._state.revoke(request.kind, request.value, actor=actor, request_id=rid)
         return pb.Empty()
 
     async def Revocations(self, request: pb.RevocationsRequest, context: _Ctx) -> pb.RevocationList:
-        rows = await self.run(self._db.revocations_after, request.after_seq)
+        rows = await self._state.revocations_after(request.after_seq)
         return pb.RevocationList(
             entries=[pb.Revocation(seq=s, kind=k, value=v, at=a) for s, k, v, a in rows]
         )

@@ -16,7 +16,8 @@ nothing rotates them automatically. :func:`ensure_pki` is idempotent and safe to
 several processes at once (it holds an exclusive ``flock``): it keeps valid certificates and
 re-issues ones that are missing, unreadable, not signed by the current CA, lacking a required
 SAN, or expiring within ``renew_before``. A daemon picks up a re-issued certificate when it
-restarts.
+restarts. A directory with ``ca.crt`` but no ``ca.key`` belongs to a member of a cluster
+whose CA lives elsewhere: there it only checks the leaves (see :mod:`dsec.rpc.join`).
 """
 
 from __future__ import annotations
@@ -172,12 +173,25 @@ def ensure_pki(
     with _locked(pki_dir / ".lock"):
         now = dt.datetime.now(dt.UTC)
         ca = _load_ca(pki_dir, now, renew_before)
+        if ca is None and (pki_dir / "ca.crt").exists() and not (pki_dir / "ca.key").exists():
+            _check_member(pki_dir, identities, now)  # a cluster member: the CA is elsewhere
+            return
         if ca is None:
             ca = _new_ca(pki_dir, now)
         ca_key, ca_cert = ca
         for ident in identities:
             if not _leaf_ok(pki_dir, ident, ca_cert, now, renew_before):
                 _issue_leaf(pki_dir, ident, ca_key, ca_cert, now, leaf_lifetime)
+
+
+def _check_member(pki_dir: Path, identities: Sequence[Identity], now: dt.datetime) -> None:
+    ca_cert = _load_cert(pki_dir / "ca.crt")
+    for ident in identities:
+        if ca_cert is None or not _leaf_ok(pki_dir, ident, ca_cert, now, dt.timedelta(0)):
+            raise Unavailable(
+                f"no valid certificate {ident.name!r} in {pki_dir} and no CA key to issue one: "
+                "get it from the cluster's CA (dsec edge join, or copy it from the iam)"
+            )
 
 
 def read_pki(pki_dir: Path, name: str) -> tuple[bytes, bytes, bytes]:
@@ -369,6 +383,22 @@ def _issue_leaf(
     lifetime: dt.timedelta,
 ) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
+    cert = leaf_certificate(key.public_key(), ident, ca_key, ca_cert, now, lifetime)
+    _write_atomic(pki_dir / f"{ident.name}.key", _key_pem(key), 0o600)
+    _write_atomic(
+        pki_dir / f"{ident.name}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
+    )
+
+
+def leaf_certificate(
+    public_key: ec.EllipticCurvePublicKey,
+    ident: Identity,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    now: dt.datetime,
+    lifetime: dt.timedelta = LEAF_LIFETIME,
+) -> x509.Certificate:
+    """A leaf for ``ident`` holding ``public_key``, signed by the CA."""
     subject = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "OpenDsec"),
@@ -377,11 +407,11 @@ def _issue_leaf(
     )
     eku = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
     aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
-    cert = (
+    return (
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _CLOCK_SKEW)
         .not_valid_after(min(now + lifetime, ca_cert.not_valid_after_utc))
@@ -389,14 +419,27 @@ def _issue_leaf(
         .add_extension(_key_usage(ca=False), critical=True)
         .add_extension(eku, critical=False)
         .add_extension(x509.SubjectAlternativeName(_required_sans(ident)), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .add_extension(aki, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    _write_atomic(pki_dir / f"{ident.name}.key", _key_pem(key), 0o600)
-    _write_atomic(
-        pki_dir / f"{ident.name}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
-    )
+
+
+def load_ca(pki_dir: Path) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """The CA's key and certificate. Raises Unavailable if they are missing or do not match."""
+    ca = _load_ca(pki_dir, dt.datetime.now(dt.UTC), dt.timedelta(0))
+    if ca is None:
+        raise Unavailable(f"no valid CA in {pki_dir}")
+    return ca
+
+
+def write_leaf(pki_dir: Path, name: str, key_pem: bytes, cert_pem: bytes, ca_pem: bytes) -> None:
+    """Store a leaf obtained elsewhere (e.g. by joining a cluster) and the CA it chains to."""
+    pki_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(pki_dir, 0o700)
+    _write_atomic(pki_dir / "ca.crt", ca_pem, 0o644)
+    _write_atomic(pki_dir / f"{name}.key", key_pem, 0o600)
+    _write_atomic(pki_dir / f"{name}.crt", cert_pem, 0o644)
 
 
 # -- web certificates (host-style routing over HTTPS) -----------------------------------------

@@ -136,6 +136,20 @@ class AsyncClient:
         """What ``project`` (default: the key's) and everything beneath it use."""
         return await self.transport.call(wire.usage(project))
 
+    async def grant_role(self, project: str, subject: str, role: str) -> None:
+        """Give ``subject`` ``role`` (admin, member, viewer; "" removes) on ``project`` and
+        everything beneath it."""
+        await self.transport.call(wire.grant_role(project, subject, role))
+
+    async def list_grants(
+        self, project: str = "", subject: str = ""
+    ) -> builtins.list[dict[str, Any]]:
+        return await self.transport.call(wire.list_grants(project, subject))
+
+    async def create_join_token(self, ttl_s: int = 3600) -> dict[str, Any]:
+        """A one-time bootstrap token for ``dsec edge join`` (platform admin)."""
+        return await self.transport.call(wire.create_join_token(ttl_s))
+
     async def create_token(self, ttl_s: int = 600) -> AccessToken:
         """Exchange this client's API key for a short-lived access token."""
         return await self.transport.call(wire.create_token(ttl_s))

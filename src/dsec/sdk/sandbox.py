@@ -135,6 +135,18 @@ class Client:
         """What ``project`` (default: the key's) and everything beneath it use."""
         return self.transport.call(wire.usage(project))
 
+    def grant_role(self, project: str, subject: str, role: str) -> None:
+        """Give ``subject`` ``role`` (admin, member, viewer; "" removes) on ``project`` and
+        everything beneath it."""
+        self.transport.call(wire.grant_role(project, subject, role))
+
+    def list_grants(self, project: str = "", subject: str = "") -> builtins.list[dict[str, Any]]:
+        return self.transport.call(wire.list_grants(project, subject))
+
+    def create_join_token(self, ttl_s: int = 3600) -> dict[str, Any]:
+        """A one-time bootstrap token for ``dsec edge join`` (platform admin)."""
+        return self.transport.call(wire.create_join_token(ttl_s))
+
     def create_token(self, ttl_s: int = 600) -> AccessToken:
         """Exchange this client's API key for a short-lived access token."""
         return self.transport.call(wire.create_token(ttl_s))

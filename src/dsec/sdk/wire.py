@@ -344,6 +344,20 @@ def usage(project: str = "") -> Call[dict[str, Any]]:
     return Call(json_request("GET", "/v1/usage", params=params), dict)
 
 
+def grant_role(project: str, subject: str, role: str) -> Call[None]:
+    body = {"project": project, "subject": subject, "role": role}
+    return Call(json_request("POST", "/v1/grants", body), ignore_body)
+
+
+def list_grants(project: str = "", subject: str = "") -> Call[list[dict[str, Any]]]:
+    params = tuple((k, v) for k, v in (("project", project), ("subject", subject)) if v)
+    return Call(json_request("GET", "/v1/grants", params=params), lambda b: list(b["grants"]))
+
+
+def create_join_token(ttl_s: int) -> Call[dict[str, Any]]:
+    return Call(json_request("POST", "/v1/cluster/tokens", {"ttl_s": ttl_s}), dict)
+
+
 def create_token(ttl_s: int) -> Call[AccessToken]:
     return Call(json_request("POST", "/v1/tokens", {"ttl_s": ttl_s}), AccessToken.from_wire)
 

@@ -1690,6 +1690,182 @@ class RevocationList(_message.Message):
 Global___RevocationList: _TypeAlias = RevocationList  # noqa: Y015
 
 @_typing.final
+class RoleGrant(_message.Message):
+    """A role (admin, member, viewer) of a subject on a project and everything beneath it;
+    project "*" is the whole platform.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_FIELD_NUMBER: _builtins.int
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    project: _builtins.str
+    subject: _builtins.str
+    role: _builtins.str
+    def __init__(
+        self,
+        *,
+        project: _builtins.str = ...,
+        subject: _builtins.str = ...,
+        role: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["project", b"project", "role", b"role", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoleGrant: _TypeAlias = RoleGrant  # noqa: Y015
+
+@_typing.final
+class ListGrantsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    PROJECT_FIELD_NUMBER: _builtins.int
+    subject: _builtins.str
+    """empty: every subject"""
+    project: _builtins.str
+    """empty: every project"""
+    def __init__(
+        self,
+        *,
+        subject: _builtins.str = ...,
+        project: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["project", b"project", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListGrantsRequest: _TypeAlias = ListGrantsRequest  # noqa: Y015
+
+@_typing.final
+class GrantList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GRANTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def grants(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoleGrant]: ...
+    def __init__(
+        self,
+        *,
+        grants: _abc.Iterable[Global___RoleGrant] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grants", b"grants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantList: _TypeAlias = GrantList  # noqa: Y015
+
+@_typing.final
+class CreateJoinTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_S_FIELD_NUMBER: _builtins.int
+    ttl_s: _builtins.int
+    def __init__(
+        self,
+        *,
+        ttl_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateJoinTokenRequest: _TypeAlias = CreateJoinTokenRequest  # noqa: Y015
+
+@_typing.final
+class JoinToken(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """dsj_<id>_<secret>_<CA sha256>: shown once"""
+    token_id: _builtins.str
+    expires_at: _builtins.float
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        token_id: _builtins.str = ...,
+        expires_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "token", b"token", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinToken: _TypeAlias = JoinToken  # noqa: Y015
+
+@_typing.final
+class JoinRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    CSR_PEM_FIELD_NUMBER: _builtins.int
+    SANS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.str
+    secret: _builtins.str
+    edge_id: _builtins.str
+    """the id the node chose; refused if taken"""
+    csr_pem: _builtins.bytes
+    """the node keeps its private key"""
+    @_builtins.property
+    def sans(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """addresses other nodes dial it on"""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.str = ...,
+        secret: _builtins.str = ...,
+        edge_id: _builtins.str = ...,
+        csr_pem: _builtins.bytes = ...,
+        sans: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["csr_pem", b"csr_pem", "edge_id", b"edge_id", "sans", b"sans", "secret", b"secret", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class JoinReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CERT_PEM_FIELD_NUMBER: _builtins.int
+    CA_PEM_FIELD_NUMBER: _builtins.int
+    cert_pem: _builtins.bytes
+    ca_pem: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        cert_pem: _builtins.bytes = ...,
+        ca_pem: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_pem", b"ca_pem", "cert_pem", b"cert_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinReply: _TypeAlias = JoinReply  # noqa: Y015
+
+@_typing.final
 class EdgeView(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

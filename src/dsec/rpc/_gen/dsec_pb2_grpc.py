@@ -932,6 +932,21 @@ class IamStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                 _registered_method=True)
+        self.GrantRole = channel.unary_unary(
+                '/dsec.v1.Iam/GrantRole',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RoleGrant.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ListGrants = channel.unary_unary(
+                '/dsec.v1.Iam/ListGrants',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListGrantsRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GrantList.FromString,
+                _registered_method=True)
+        self.CreateJoinToken = channel.unary_unary(
+                '/dsec.v1.Iam/CreateJoinToken',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateJoinTokenRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinToken.FromString,
+                _registered_method=True)
 
 
 class IamServicer:
@@ -1047,6 +1062,26 @@ class IamServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantRole(self, request, context):
+        """role "" takes the grant away
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListGrants(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateJoinToken(self, request, context):
+        """one-time, for a node
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IamServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1139,6 +1174,21 @@ def add_IamServicer_to_server(servicer, server):
                     servicer.DeleteProject,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'GrantRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantRole,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RoleGrant.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'ListGrants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListGrants,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListGrantsRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GrantList.SerializeToString,
+            ),
+            'CreateJoinToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJoinToken,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateJoinTokenRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinToken.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1627,6 +1677,165 @@ class Iam:
             '/dsec.v1.Iam/DeleteProject',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.ProjectRef.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/GrantRole',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.RoleGrant.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListGrants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/ListGrants',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListGrantsRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.GrantList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateJoinToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/CreateJoinToken',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateJoinTokenRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinToken.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class JoinStub:
+    """Served by the iam on its join address: server-authenticated TLS only (the node has no
+    certificate yet); the bootstrap token authenticates the node.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/dsec.v1.Join/Join',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinReply.FromString,
+                _registered_method=True)
+
+
+class JoinServicer:
+    """Served by the iam on its join address: server-authenticated TLS only (the node has no
+    certificate yet); the bootstrap token authenticates the node.
+    """
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_JoinServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dsec.v1.Join', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dsec.v1.Join', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Join:
+    """Served by the iam on its join address: server-authenticated TLS only (the node has no
+    certificate yet); the bootstrap token authenticates the node.
+    """
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Join/Join',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -245,6 +245,11 @@ class IamStub:
     ListProjects: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]
     DeleteProject: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Empty]
     """an empty leaf; its keys are revoked"""
+    GrantRole: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.RoleGrant, _dsec_pb2.Empty]
+    """role "" takes the grant away"""
+    ListGrants: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ListGrantsRequest, _dsec_pb2.GrantList]
+    CreateJoinToken: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.CreateJoinTokenRequest, _dsec_pb2.JoinToken]
+    """one-time, for a node"""
 
 @_typing.type_check_only
 class IamAsyncStub(IamStub):
@@ -269,6 +274,11 @@ class IamAsyncStub(IamStub):
     ListProjects: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ProjectList]  # type: ignore[assignment]
     DeleteProject: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Empty]  # type: ignore[assignment]
     """an empty leaf; its keys are revoked"""
+    GrantRole: _aio.UnaryUnaryMultiCallable[_dsec_pb2.RoleGrant, _dsec_pb2.Empty]  # type: ignore[assignment]
+    """role "" takes the grant away"""
+    ListGrants: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ListGrantsRequest, _dsec_pb2.GrantList]  # type: ignore[assignment]
+    CreateJoinToken: _aio.UnaryUnaryMultiCallable[_dsec_pb2.CreateJoinTokenRequest, _dsec_pb2.JoinToken]  # type: ignore[assignment]
+    """one-time, for a node"""
 
 class IamServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -399,7 +409,64 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]:
         """an empty leaf; its keys are revoked"""
 
+    @_abc_1.abstractmethod
+    def GrantRole(
+        self,
+        request: _dsec_pb2.RoleGrant,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]:
+        """role "" takes the grant away"""
+
+    @_abc_1.abstractmethod
+    def ListGrants(
+        self,
+        request: _dsec_pb2.ListGrantsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.GrantList, _abc.Awaitable[_dsec_pb2.GrantList]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateJoinToken(
+        self,
+        request: _dsec_pb2.CreateJoinTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.JoinToken, _abc.Awaitable[_dsec_pb2.JoinToken]]:
+        """one-time, for a node"""
+
 def add_IamServicer_to_server(servicer: IamServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class JoinStub:
+    """Served by the iam on its join address: server-authenticated TLS only (the node has no
+    certificate yet); the bootstrap token authenticates the node.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> JoinAsyncStub: ...
+    Join: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.JoinRequest, _dsec_pb2.JoinReply]
+
+@_typing.type_check_only
+class JoinAsyncStub(JoinStub):
+    """Served by the iam on its join address: server-authenticated TLS only (the node has no
+    certificate yet); the bootstrap token authenticates the node.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Join: _aio.UnaryUnaryMultiCallable[_dsec_pb2.JoinRequest, _dsec_pb2.JoinReply]  # type: ignore[assignment]
+
+class JoinServicer(metaclass=_abc_1.ABCMeta):
+    """Served by the iam on its join address: server-authenticated TLS only (the node has no
+    certificate yet); the bootstrap token authenticates the node.
+    """
+
+    @_abc_1.abstractmethod
+    def Join(
+        self,
+        request: _dsec_pb2.JoinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.JoinReply, _abc.Awaitable[_dsec_pb2.JoinReply]]: ...
+
+def add_JoinServicer_to_server(servicer: JoinServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class WatcherStub:
     @_typing.overload

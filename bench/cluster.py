@@ -1,0 +1,304 @@
+"""Control-plane scale benchmark: 100 simulated edges, a 100,000-sandbox inventory, and the
+create path (apiserver -> iam admission -> placement -> edge) at full speed.
+
+Separate processes, as in a cluster: the iam (state on SQLite, or on a 3-member etcd
+cluster with mutual TLS), the watcher, the apiserver, and one process holding 100
+SIMULATED edges (``dsec.testing.simulated_edges``: real gRPC edge servers with their own
+certificates that book resources, answer "node full" and send heartbeats, but run no
+sandboxes). Before the run the iam's state is loaded with 100,000 live allocations (1,000
+per edge, across 100 projects) and the simulated edges with the matching bookings.
+
+The load: ``--concurrency`` HTTP clients create sandboxes through the apiserver's public
+API as fast as they are answered, for ``--seconds`` after a short warm-up. Reported:
+creates/s and p50/p99 latency of ``POST /v1/sandboxes`` (authentication, admission against
+the project's quota, placement, the edge's create and the audit entry).
+
+    .venv/bin/python -m bench.cluster [--seconds 20] [--concurrency 32] [--only sqlite|etcd]
+
+Prints a Markdown table and writes ``bench/results/cluster.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+
+from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
+from dsec.iam import kv as kvlayout
+from dsec.iam.db import IamDb
+from dsec.iam.kv import KvIam
+from dsec.iam.records import Admission, Project
+from dsec.rpc.tls import Identity, ensure_pki
+from dsec.store.api import Put
+from dsec.store.etcd import EtcdStore
+from dsec.testing.cluster import free_port
+from dsec.testing.etcd import etcd_binary, etcd_cluster
+
+EDGES = 100
+PROJECTS = 100
+INVENTORY = 100_000
+
+
+def _edge_ids() -> list[str]:
+    return [f"s{n:03d}" for n in range(EDGES)]
+
+
+def _inventory() -> list[Admission]:
+    out = []
+    for n in range(INVENTORY):
+        edge = f"s{n % EDGES:03d}"
+        sid = new_sandbox_id(edge, os.urandom(RANDOM_BYTES))
+        out.append(Admission(f"bench/p{n % PROJECTS:03d}", sid, 0.1, 64, edge))
+    return out
+
+
+def _projects() -> list[Project]:
+    return [Project("bench", 0, 0, 0)] + [
+        Project(f"bench/p{i:03d}", 5000, 0, 0) for i in range(PROJECTS)
+    ]
+
+
+def _write_key(home: Path) -> Any:
+    def write(key_id: str, api_key: str) -> None:
+        (home / "admin.key").write_text(api_key + "\n")
+        os.chmod(home / "admin.key", 0o600)
+
+    return write
+
+
+def load_sqlite(home: Path) -> None:
+    db = IamDb(home / "iam.db")
+    try:
+        db.bootstrap(_write_key(home))
+        for p in _projects():
+            db.put_project(p)
+        inv = _inventory()
+        for i in range(0, len(inv), 5000):
+            db.admit_many(inv[i : i + 5000])
+    finally:
+        db.close()
+
+
+async def load_kv(home: Path, store: EtcdStore) -> None:
+    """Projects through KvIam; the inventory written straight in KvIam's layout (the
+    allocation records and the per-project usage they sum), 120 keys per transaction: the
+    same state 100,000 admissions would leave, without 100,000 admissions' worth of time."""
+    kv = KvIam(store)
+    await kv.bootstrap(_write_key(home))
+    for p in _projects():
+        await kv.put_project(p)
+    inv = _inventory()
+    usage: dict[str, list[int]] = {}
+    puts = []
+    for a in inv:
+        puts.append(Put(kvlayout.alloc_key(a.sandbox_id), kvlayout.dump(
+            {"p": a.project, "c": 100, "m": a.memory_mb, "t": time.time()})))  # fmt: skip
+        for level in (a.project.rpartition("/")[0], a.project):
+            u = usage.setdefault(level, [0, 0, 0])
+            u[0], u[1], u[2] = u[0] + 1, u[1] + 100, u[2] + a.memory_mb
+    puts += [Put(kvlayout.usage_key(lv), kvlayout.dump(u)) for lv, u in usage.items()]
+    for i in range(0, len(puts), 120):
+        await store.txn((), puts[i : i + 120])
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=f, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)  # fmt: skip
+
+
+async def _wait_edges(api: str, key: str, n: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as c:
+        while time.monotonic() < deadline:
+            try:
+                r = await c.get(f"{api}/v1/edges", timeout=5)
+                if r.status_code == 200 and sum(e["healthy"] for e in r.json()["edges"]) >= n:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{n} edges did not become healthy")
+
+
+async def load(api: str, key: str, seconds: float, concurrency: int) -> dict[str, Any]:
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    warmup_end = time.monotonic() + 3.0
+    end = warmup_end + seconds
+    headers = {"Authorization": f"Bearer {key}"}
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    cpu0 = time.process_time()
+    async with aiohttp.ClientSession(headers=headers, connector=conn) as c:
+
+        async def worker(w: int) -> None:
+            n = 0
+            while time.monotonic() < end:
+                body = {"project": f"bench/p{(w * 7 + n) % PROJECTS:03d}", "memory_mb": 64,
+                        "cpu": 0.1, "timeout_s": 3600}  # fmt: skip
+                n += 1
+                t = time.perf_counter()
+                async with c.post(f"{api}/v1/sandboxes", json=body) as r:
+                    answer = await r.json()
+                took = time.perf_counter() - t
+                if r.status != 201:
+                    code = answer.get("error", {}).get("code", str(r.status))
+                    errors[code] = errors.get(code, 0) + 1
+                    continue
+                if time.monotonic() > warmup_end:
+                    latencies.append(took)
+
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    ms = sorted(x * 1000 for x in latencies)
+    return {
+        "creates": len(ms),
+        "creates_per_s": round(len(ms) / seconds, 1),
+        "p50_ms": round(statistics.median(ms), 1) if ms else None,
+        "p99_ms": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 1) if ms else None,
+        "errors": errors,
+        "client_cpu_ms_per_create": round((time.process_time() - cpu0) * 1000 / max(1, len(ms)), 2),
+    }
+
+
+async def run_one(backend: str, root: Path, seconds: float, concurrency: int) -> dict[str, Any]:
+    home = root / backend
+    iam_home, w_home, a_home = home / "iam", home / "watcher", home / "apiserver"
+    for h in (iam_home, w_home, a_home):
+        h.mkdir(parents=True)
+    pki = iam_home / "pki"
+    idents = [Identity.singleton(r) for r in ("iam", "watcher", "apiserver", "admin")]
+    ensure_pki(pki, [*idents, *(Identity.edge(e) for e in _edge_ids())])
+    for h in (w_home, a_home):
+        shutil.copytree(pki, h / "pki")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    store_args: list[str] = []
+    cluster_cm = None
+    t0 = time.monotonic()
+    try:
+        if backend == "etcd":
+            cluster_cm = etcd_cluster(home / "etcd", size=3, tls=True)
+            cluster = cluster_cm.__enter__()
+            assert cluster.pki is not None
+            tls_dir = home / "etcd-tls"
+            tls_dir.mkdir()
+            for name, src in (("ca.pem", cluster.pki.ca), ("client.pem", cluster.pki.client_cert),
+                              ("client-key.pem", cluster.pki.client_key)):  # fmt: skip
+                shutil.copy2(src, tls_dir / name)
+            store = EtcdStore(cluster.endpoints, tls=cluster.client_tls())
+            try:
+                await load_kv(iam_home, store)
+            finally:
+                await store.aclose()
+            store_args = ["--store", "etcd://" + ",".join(cluster.endpoints),
+                          "--etcd-tls", str(tls_dir)]  # fmt: skip
+        else:
+            await asyncio.to_thread(load_sqlite, iam_home)
+        loaded_s = time.monotonic() - t0
+        print(f"  {backend}: {INVENTORY} allocations loaded in {loaded_s:.0f} s", flush=True)
+        iam_port, w_port, a_port = free_port(), free_port(), free_port()
+        py = sys.executable
+        procs.append(_spawn([py, "-m", "dsec.iam", "--home", str(iam_home), "--listen",
+                             f"127.0.0.1:{iam_port}", "--metrics-listen", "",
+                             "--log-level", "WARNING", *store_args],
+                            home / "iam.log", env))  # fmt: skip
+        procs.append(_spawn([py, "-m", "dsec.watcher", "--home", str(w_home), "--listen",
+                             f"127.0.0.1:{w_port}", "--metrics-listen", "",
+                             "--log-level", "WARNING"], home / "watcher.log", env))  # fmt: skip
+        prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get(
+            "BENCH_PROFILE") else []  # fmt: skip
+        procs.append(_spawn([py, *prof, "-m", "dsec.apiserver", "--home", str(a_home), "--listen",
+                             f"127.0.0.1:{a_port}", "--iam", f"127.0.0.1:{iam_port}",
+                             "--watcher", f"127.0.0.1:{w_port}", "--log-level", "WARNING"],
+                            home / "apiserver.log", env))  # fmt: skip
+        procs.append(_spawn([py, "-m", "dsec.testing.simulated_edges", "--pki", str(pki),
+                             "--edges", ",".join(_edge_ids()), "--watcher",
+                             f"127.0.0.1:{w_port}", "--preload", str(INVENTORY // EDGES)],
+                            home / "edges.log", env))  # fmt: skip
+        key = (iam_home / "admin.key").read_text().strip()
+        api = f"http://127.0.0.1:{a_port}"
+        await _wait_edges(api, key, EDGES)
+        names = ["iam", "watcher", "apiserver", "simulated edges"]
+        before = [_cpu_s(p.pid) for p in procs]
+        result = await load(api, key, seconds, concurrency)
+        spent = [_cpu_s(p.pid) - b for p, b in zip(procs, before, strict=True)]
+        n = max(1, result["creates"])
+        result["cpu_ms_per_create"] = {k: round(v * 1000 / n, 2)
+                                       for k, v in zip(names, spent, strict=True)}  # fmt: skip
+        result["inventory_load_s"] = round(loaded_s, 1)
+        return result
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if cluster_cm is not None:
+            cluster_cm.__exit__(None, None, None)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    backends = ["sqlite", "etcd"] if not args.only else [args.only]
+    if "etcd" in backends and etcd_binary() is None:
+        print("  etcd: skipped (no etcd binary; apt-get install etcd-server)")
+        backends.remove("etcd")
+    out: dict[str, Any] = {}
+    root = Path(tempfile.mkdtemp(prefix=f"dsec-bench-{secrets.token_hex(2)}-", dir="/tmp"))
+    try:
+        for b in backends:
+            out[b] = await run_one(b, root, args.seconds, args.concurrency)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--only", choices=["sqlite", "etcd"], default="")
+    ap.add_argument("--inventory", type=int, default=INVENTORY, help="live sandboxes at start")
+    args = ap.parse_args()
+    globals()["INVENTORY"] = args.inventory
+    results = asyncio.run(run(args))
+    print(f"\n{EDGES} simulated edges, {INVENTORY} live sandboxes, "
+          f"{args.concurrency} concurrent clients, {args.seconds:g} s\n")  # fmt: skip
+    print("| iam state | creates/s | p50 ms | p99 ms | CPU ms per create | errors |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        cpu = ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_create"].items())
+        print(f"| {name} | {r['creates_per_s']} | {r['p50_ms']} | {r['p99_ms']} | {cpu} | "
+              f"{r['errors'] or '-'} |")  # fmt: skip
+    out = Path(__file__).parent / "results" / "cluster.json"
+    out.write_text(json.dumps({"edges": EDGES, "inventory": INVENTORY,
+                               "concurrency": args.concurrency, "seconds": args.seconds,
+                               "results": results}, indent=2) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""A cluster of separate processes on this machine: one iam, one watcher, two apiservers and
+three edges that joined with bootstrap tokens (two on the fake backend, one real container
+edge when this machine can run containers)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from dsec.core import errors
+from dsec.sdk import Client, Sandbox
+from dsec.testing.cluster import LocalCluster, local_cluster
+from dsec.testing.platform import requirements_missing
+
+pytestmark = pytest.mark.timeout(300)
+_REAL = requirements_missing()
+
+
+def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> float:
+    """Poll ``check`` until it holds; returns the seconds it took."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"{what}: not within {timeout_s} s")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with local_cluster(apiservers=2, health_timeout_s=3.0) as c:
+        admin = Client(api_url=c.api_url(0), api_key=c.admin_key)
+        backends = ["fake", "fake", "real" if _REAL is None else "fake"]
+        for backend in backends:
+            c.add_edge(admin.create_join_token(600)["token"], backend=backend)
+        _until(
+            "three healthy edges", lambda: sum(bool(e["healthy"]) for e in admin.list_edges()) == 3
+        )
+        admin.close()
+        yield c
+
+
+def test_a_used_or_forged_token_cannot_join(cluster: LocalCluster) -> None:
+    admin = Client(api_url=cluster.api_url(1), api_key=cluster.admin_key)
+    token = admin.create_join_token(60)["token"]
+    cluster.add_edge(token)  # a fourth node joins ...
+    with pytest.raises(RuntimeError, match="used"):
+        cluster.add_edge(token)  # ... but not a fifth with the same token
+    gone = cluster.edges[-1]
+    cluster.stop(gone)
+    gone.proc.wait(30)
+    gone_id = (gone.home / "edge.id").read_text().strip()
+    _until("the stopped edge is down", lambda: not next(
+        e["healthy"] for e in admin.list_edges() if e["edge_id"] == gone_id))  # fmt: skip
+    with pytest.raises(errors.PermissionDenied):
+        Client(api_url=cluster.api_url(0), api_key=_member_key(admin)).create_join_token(60)
+    admin.close()
+
+
+def _member_key(admin: Client) -> str:
+    return admin.create_key("joiner", "default", "member", "").api_key
+
+
+def test_scheduling_failover_and_revocation_across_apiservers(cluster: LocalCluster) -> None:
+    a = Client(api_url=cluster.api_url(0), api_key=cluster.admin_key)
+    b = Client(api_url=cluster.api_url(1), api_key=cluster.admin_key)
+    # Spread: a burst of creates through both apiservers lands on every edge.
+    made = [_create((a, b)[i % 2]) for i in range(9)]
+    per_edge = {e: sum(1 for s in made if s["edge_id"] == e) for e in {s["edge_id"] for s in made}}
+    assert len(per_edge) == 3, f"not spread over the three edges: {per_edge}"
+    # Either apiserver serves any sandbox: the id names the edge.
+    for s in made:
+        assert b.get_sandbox(s["id"]).edge_id == s["edge_id"]
+        assert a.get_sandbox(s["id"]).id == s["id"]
+    # A silent edge (stopped, not dead) is marked down by the watcher and not scheduled.
+    silent = next(e for e in cluster.edges[:2])
+    silent_id = (silent.home / "edge.id").read_text().strip()
+    silent.proc.send_signal(signal.SIGSTOP)
+    try:
+        took = _until(
+            "the watcher marks the silent edge down",
+            lambda: any(e["edge_id"] == silent_id and not e["healthy"] for e in a.list_edges()),
+        )
+        assert took < 10
+        later = [_create((a, b)[i % 2]) for i in range(6)]
+        assert silent_id not in {s["edge_id"] for s in later}
+        made += later
+    finally:
+        silent.proc.send_signal(signal.SIGCONT)
+    _until(
+        "the edge is back",
+        lambda: any(e["edge_id"] == silent_id and e["healthy"] for e in a.list_edges()),
+    )
+    # A key revoked through one apiserver is refused by the other within a few seconds.
+    key = a.create_key("rev", "default", "member", "revocation test")
+    user = Client(api_url=cluster.api_url(1), api_key=key.api_key)
+    assert user.whoami().subject == "rev"
+    token = user.create_token(300)
+    with_token = Client(api_url=cluster.api_url(1), api_key=token.token)
+    assert with_token.whoami().subject == "rev"
+    a.revoke("subject", "rev")
+    took = _until("apiserver B refuses the revoked token", lambda: _refused(with_token), 10)
+    assert took < 5
+    _until("apiserver B refuses the revoked key", lambda: _refused(user), 10)
+    for s in made:
+        (a, b)[hash(s["id"]) % 2].kill_sandbox(s["id"])
+    for c in (a, b, user, with_token):
+        c.close()
+
+
+def _create(client: Client) -> dict[str, str]:
+    s = Sandbox.create(memory_mb=64, cpu=0.1, timeout=300, client=client)
+    info = s.info()
+    return {"id": s.id, "edge_id": info.edge_id}
+
+
+def _refused(client: Client) -> bool:
+    try:
+        client.whoami()
+    except errors.Unauthenticated:
+        return True
+    return False

@@ -1,0 +1,50 @@
+"""Placement: filter, score (reports plus this apiserver's recent placements), order."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dsec.apiserver.placement import Placement
+from dsec.apiserver.upstream import EdgeEntry
+from dsec.core import errors
+from dsec.rpc._gen import dsec_pb2 as pb
+
+
+def _edge(edge_id: str, used_mb: int, *, healthy: bool = True, backend: str = "container"):
+    status = pb.EdgeStatus(edge_id=edge_id, memory_total_mb=1000, memory_allocated_mb=used_mb,
+                           backends=[backend])  # fmt: skip
+    view = pb.EdgeView(status=status, healthy=healthy, last_seen=time.time() - 1)
+    return EdgeEntry(edge_id, f"127.0.0.1:{len(edge_id)}", healthy, view)
+
+
+def test_spread_fills_the_emptiest_and_counts_placements_between_reports() -> None:
+    p = Placement("spread")
+    edges = [_edge("aaaa", 1000), _edge("bbbb", 0), _edge("cccc", 500)]
+    assert [e.edge_id for e in p.order(edges, "container", 100)] == ["bbbb", "cccc", "aaaa"]
+    for _ in range(6):  # 6 x 100 MiB on bbbb since its last report
+        p.placed("bbbb", 100)
+    assert p.order(edges, "container", 100)[0].edge_id == "cccc"
+    chosen = []
+    for _ in range(30):  # a burst spreads over every edge
+        first = p.order(edges, "container", 100)[0]
+        p.placed(first.edge_id, 100)
+        chosen.append(first.edge_id)
+    assert set(chosen) == {"aaaa", "bbbb", "cccc"}
+
+
+def test_pack_fills_the_fullest_that_fits_and_filters() -> None:
+    p = Placement("pack")
+    edges = [_edge("aaaa", 3950), _edge("bbbb", 0), _edge("cccc", 2000),
+             _edge("dddd", 0, healthy=False), _edge("eeee", 0, backend="microvm")]  # fmt: skip
+    assert [e.edge_id for e in p.order(edges, "container", 100)] == ["cccc", "bbbb"]
+    assert p.order(edges, "container", 40)[0].edge_id == "aaaa"
+    with pytest.raises(errors.NodeFull):
+        p.order(edges, "container", 5000)
+    with pytest.raises(errors.BackendUnavailable):
+        p.order(edges, "qemu", 1)
+    with pytest.raises(errors.Unavailable):
+        p.order([edges[3]], "container", 1)
+    with pytest.raises(errors.InvalidArgument):
+        Placement("random")
