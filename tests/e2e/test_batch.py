@@ -47,7 +47,7 @@ def test_mixed_batches_by_ids_and_project(platform: RunningPlatform, api: Client
         assert sorted(r.id for r in resumed) == sorted(ids)
         assert all(r.ok for r in resumed)
         assert mine[0].exec("echo back").stdout == "back\n"
-        with pytest.raises(errors.PermissionDenied, match="outside your project"):
+        with pytest.raises(errors.PermissionDenied, match="needs the member role on project"):
             alice.batch_sandboxes("kill", project="batchother")
         for bad, why in (
             ({"action": "explode", "ids": ids}, "'action' must be one of"),

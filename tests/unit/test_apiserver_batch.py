@@ -151,7 +151,7 @@ async def test_by_project() -> None:
         assert [r["id"] for r in (await resp.json())["results"]] == OURS[:2]
         resp = await client.post("/v1/sandboxes:batch", json={"action": "kill", "project": "acme"})
         assert resp.status == PermissionDenied.http_status
-        assert "outside your project" in (await resp.json())["error"]["message"]
+        assert "needs the member role on project" in (await resp.json())["error"]["message"]
     finally:
         await client.close()
 
