@@ -88,6 +88,14 @@ def make_backends(
         out["container"] = container
     else:
         log(_log, "container backend unavailable", logging.WARNING, reason=avail.reason)
+    from dsec.edge.backends.microvm.backend import MicrovmBackend
+
+    microvm = MicrovmBackend(paths, edge_id, image_store=ImageStore(paths.images))
+    vm_avail = microvm.availability()
+    if vm_avail.available:
+        out["microvm"] = microvm
+    else:
+        log(_log, "microvm backend unavailable", logging.INFO, reason=vm_avail.reason)
     return out
 
 

@@ -54,6 +54,8 @@ class EdgeStub:
     GcImages: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.GcImagesReply]
     PackSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.PackSandboxRequest, _dsec_pb2.ImageInfo]
     """The sandbox's changes as a new layer on its image, recorded as image `name`."""
+    ForkSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ForkSandboxRequest, _dsec_pb2.SandboxList]
+    """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -77,6 +79,8 @@ class EdgeAsyncStub(EdgeStub):
     GcImages: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.GcImagesReply]  # type: ignore[assignment]
     PackSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.PackSandboxRequest, _dsec_pb2.ImageInfo]  # type: ignore[assignment]
     """The sandbox's changes as a new layer on its image, recorded as image `name`."""
+    ForkSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ForkSandboxRequest, _dsec_pb2.SandboxList]  # type: ignore[assignment]
+    """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -193,6 +197,14 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.ImageInfo, _abc.Awaitable[_dsec_pb2.ImageInfo]]:
         """The sandbox's changes as a new layer on its image, recorded as image `name`."""
+
+    @_abc_1.abstractmethod
+    def ForkSandbox(
+        self,
+        request: _dsec_pb2.ForkSandboxRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SandboxList, _abc.Awaitable[_dsec_pb2.SandboxList]]:
+        """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
 
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
