@@ -558,6 +558,9 @@ class MicrovmBackend:
             f.unlink(missing_ok=True)
         self.mem_file(sandbox_id).unlink(missing_ok=True)
         shutil.rmtree(paths.state_dir, ignore_errors=True)
+        for d in (self.mem_dir, self.templates_dir, self.paths.run / "vm"):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only when empty
 
     def _drop_unused_templates(self, templates: list[str]) -> None:
         """Remove fork templates no sandbox's disk or RAM depends on any more."""
