@@ -48,23 +48,23 @@ def test_microvm_sandbox_through_the_sdk(platform: RunningPlatform, api: Client)
     try:
         r = sbx.exec("uname -r; hostname")
         assert r.exit_code == 0
-        assert r.stdout.decode().split()[1] == sbx.id
+        assert r.stdout.split()[1] == sbx.id
         sbx.files.write("/root/hello.txt", b"hi from the host")
         assert sbx.files.read("/root/hello.txt") == b"hi from the host"
         sh = sbx.shell("work")
         sh.run("cd /tmp && export X=42")
-        assert sh.run("echo $X $(pwd)").stdout.decode().strip() == "42 /tmp"
+        assert sh.run("echo $X $(pwd)").stdout.strip() == "42 /tmp"
 
         sbx.pause()
         assert sbx.info().state == "paused"
         sbx.resume()
-        assert sh.run("echo $X").stdout.decode().strip() == "42"
+        assert sh.run("echo $X").stdout.strip() == "42"
 
         children = sbx.fork(count=2)
         assert len({c.id for c in children}) == 2
         for c in children:
             assert c.files.read("/root/hello.txt") == b"hi from the host"
-            assert c.exec("hostname").stdout.decode().strip() == c.id
+            assert c.exec("hostname").stdout.strip() == c.id
     finally:
         for c in children:
             c.kill()
