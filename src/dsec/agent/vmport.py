@@ -11,7 +11,8 @@ host<->guest stream. Both ends cut it into frames::
 carries bytes either way. ``CLOSE`` ends a channel (either side, either way; the other
 side closes its end). ``HELLO`` (host) is the first frame after the host (re)connects:
 the guest drops every channel it still had and applies the JSON identity it carries
-(hostname, machine id, an RNG seed: set again in fork children). The guest answers
+(hostname, machine id, an RNG seed: set again in fork children; the host's clock, since
+a restored guest's clock stood still). The guest answers
 ``READY``.
 
 This module also runs in the guest (``main``): one process, a reader thread per channel,
@@ -190,6 +191,12 @@ def apply_identity(payload: bytes) -> None:
     mid = ident.get("machine_id")
     if isinstance(mid, str) and mid:
         _write("/etc/machine-id", mid + "\n")
+    now = ident.get("time")
+    if isinstance(now, int | float) and abs(time.time() - now) > 0.5:
+        try:
+            time.clock_settime(time.CLOCK_REALTIME, float(now))
+        except OSError:
+            pass
     seed = ident.get("seed")
     if isinstance(seed, str) and seed:
         _write("/dev/urandom", seed)

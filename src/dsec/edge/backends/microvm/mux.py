@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,7 +118,8 @@ class HostMux:
             delay = 0.01
             self.links_opened += 1
             self._writer = writer
-            hello = json.dumps(self.identity).encode() if self.identity else b""
+            # The guest's clock stood still while it was paused or snapshotted: set it too.
+            hello = json.dumps({**(self.identity or {}), "time": time.time()}).encode()
             writer.write(frame(HELLO, 0, hello))
             self._up.set()
             try:

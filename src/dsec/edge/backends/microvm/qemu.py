@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -38,6 +39,7 @@ AGENT_PORT = "dsec.agent"
 T = TypeVar("T")
 
 
+@functools.cache
 def accelerator() -> str:
     """``kvm`` where a probe boot showed KVM really runs guests, else ``tcg``."""
     try:  # the probe lives beside the Firecracker driver
