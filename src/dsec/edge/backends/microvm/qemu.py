@@ -352,12 +352,10 @@ def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:
         (c.run_dir / name).unlink(missing_ok=True)
     c.agent_socket.unlink(missing_ok=True)
     procs = _cgroup_procs_files(c)
-
-    def enter_cgroup() -> None:  # in the child, before exec
-        for f in procs:
-            with open(f, "w") as fh:
-                fh.write(str(os.getpid()))
-
+    if procs:  # join the cgroups before exec: limits cap QEMU itself (no preexec_fn: the
+        # edge runs gRPC, whose fork handlers must not run in a forked Python child)
+        joins = "".join(f'echo $$ > "{p}" && ' for p in procs)
+        argv = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *argv]
     with open(c.run_dir / "qemu.log", "wb") as log:
         return subprocess.Popen(
             argv,
@@ -365,7 +363,6 @@ def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:
             stdout=log,
             stderr=log,
             start_new_session=True,
-            preexec_fn=enter_cgroup if procs else None,
         )
 
 
