@@ -229,3 +229,28 @@ async def test_guest_panic_is_reported(env: Env, monkeypatch: pytest.MonkeyPatch
         await be.create(sid, SandboxSpec(backend="microvm", memory_mb=128), paths)
     assert _qemu_pids_under(paths.state_dir) == []
     assert not paths.state_dir.exists()
+
+
+@pytest.mark.asyncio
+async def test_a_new_edge_readopts_the_vm(env: Env) -> None:
+    """The edge restarts: a fresh backend re-attaches QMP and the agent channel."""
+    be = env.backend
+    sid, paths = env.sandbox()
+    started = await be.create(sid, SandboxSpec(backend="microvm", memory_mb=128), paths)
+    fresh: MicrovmBackend | None = None
+    try:
+        await _shell(paths.agent_socket, "export Z=7", session="s")
+        await be._detach(be._vms.pop(sid))  # the old edge's mux goes away with it
+        fresh = MicrovmBackend(
+            env.paths,
+            "e0a1",
+            image_store=be.images,
+            cgroup_parent=env.cgroup_parent,
+            mem_dir=be.mem_dir,
+            kernel_image=be.kernel_image,
+        )
+        assert await fresh.state(sid) == (RuntimeState.RUNNING, started.pid)
+        assert (await _shell(paths.agent_socket, "echo $Z", session="s"))["stdout"] == "7\n"
+    finally:
+        await (fresh or be).destroy(sid, paths)
+    assert _qemu_pids_under(paths.state_dir) == []
