@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -423,9 +424,14 @@ class MicrovmBackend:
         *,
         private: bool,
         identity: dict[str, Any] | None = None,
+        verified: bool = False,
     ) -> None:
-        """Start QEMU on the snapshot while its digests are checked; refuse a bad one."""
-        verify = asyncio.create_task(asyncio.to_thread(snapshots.verify, snap))
+        """Start QEMU on the snapshot while its digests are checked; refuse a bad one.
+
+        ``verified``: the caller made (and hashed) this snapshot itself just now.
+        """
+        check = _noop if verified else functools.partial(snapshots.verify, snap)
+        verify = asyncio.create_task(asyncio.to_thread(check))
         try:
             await vm.vmm.start_incoming(config, snap, private=private, timeout_s=RESTORE_TIMEOUT_S)
             await verify
@@ -478,13 +484,18 @@ class MicrovmBackend:
             meta["shared_ram"] = False
             meta["templates"] = [*meta.get("templates", []), tid]
             await asyncio.to_thread(_save_meta, sd, meta)
-            await self._restore(
-                sandbox_id, vm, paths, self._config(sandbox_id, paths, meta), tsnap, private=True
+            # The parent and every child start from the template at the same time.
+            results = await asyncio.gather(
+                self._fork_parent(sandbox_id, vm, paths, meta, tsnap),
+                *(self._fork_child(sandbox_id, meta, tsnap, cid, cp) for cid, cp in children),
+                return_exceptions=True,
             )
-        results = await asyncio.gather(
-            *(self._fork_child(sandbox_id, meta, tsnap, cid, cp) for cid, cp in children),
-            return_exceptions=True,
-        )
+        if isinstance(results[0], BaseException):
+            for (cid, cp), r in zip(children, results[1:], strict=True):
+                if not isinstance(r, BaseException):
+                    await self.destroy(cid, cp)
+            raise results[0]
+        results = results[1:]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for (cid, cp), r in zip(children, results, strict=True):
@@ -492,6 +503,16 @@ class MicrovmBackend:
                     await self.destroy(cid, cp)
             raise errors[0]
         return [r for r in results if isinstance(r, Started)]
+
+    async def _fork_parent(
+        self, sandbox_id: str, vm: _Vm, paths: SandboxPaths, meta: dict[str, Any], tsnap: Snapshot
+    ) -> None:
+        try:
+            config = self._config(sandbox_id, paths, meta)
+            await self._restore(sandbox_id, vm, paths, config, tsnap, private=True)
+        except BaseException:
+            await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
+            raise
 
     async def _fork_child(
         self, parent: str, pmeta: dict[str, Any], tsnap: Snapshot, cid: str, cp: SandboxPaths
@@ -511,7 +532,9 @@ class MicrovmBackend:
                 "machine_id": secrets.token_hex(16),
                 "seed": secrets.token_hex(32),
             }
-            await self._restore(cid, vm, cp, config, tsnap, private=True, identity=ident)
+            await self._restore(
+                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=True
+            )
         except BaseException:
             await asyncio.shield(self._rollback(cid, cp))
             raise
@@ -588,6 +611,10 @@ class MicrovmBackend:
 
 
 # --- helpers ---------------------------------------------------------------------------
+
+
+def _noop() -> None:
+    pass
 
 
 def _check_id(sandbox_id: str) -> None:
