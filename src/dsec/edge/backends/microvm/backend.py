@@ -661,7 +661,9 @@ def _load_meta(sd: Path) -> dict[str, Any]:
 def _freeze(mem: Path, frozen_mem: Path, sd: Path, tdir: Path) -> None:
     """Move the parent's RAM file and scratch disk into the (read-only from now) template."""
     mem.rename(frozen_mem)
-    (sd / "scratch.qcow2").rename(tdir / "scratch.qcow2")
+    # shutil.move: the sandboxes dir may be a bind mount (the container backend makes it
+    # one), and rename(2) across mounts fails even on one filesystem.
+    shutil.move(sd / "scratch.qcow2", tdir / "scratch.qcow2")
     shutil.copyfile(sd / "config.img", tdir / "config.img")
 
 
