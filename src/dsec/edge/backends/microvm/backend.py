@@ -467,22 +467,29 @@ class MicrovmBackend:
                 raise InvalidState(f"microVM {sandbox_id} is not running: cannot fork")
             tid = f"{sandbox_id}-{secrets.token_hex(4)}"
             tdir = self.templates_dir / tid
-            await self._detach(vm)
-            snap = await vm.vmm.snapshot(tdir)
-            await vm.vmm.kill()
-            # The template: RAM file, device state, the scratch disk as it was, config disk.
-            frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
-            await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir)
-            tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
-            await asyncio.to_thread(snapshots.write_manifest, tsnap)
-            # The parent goes on from the template too (its own disk overlay on top).
+            # Recorded first: whatever happens next, destroying the parent removes it.
+            meta["templates"] = [*meta.get("templates", []), tid]
+            await asyncio.to_thread(_save_meta, sd, meta)
             paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
-            await asyncio.to_thread(
-                disks.make_overlay, tdir / "scratch.qcow2", sd / "scratch.qcow2", "qcow2"
-            )
+            try:
+                await self._detach(vm)
+                snap = await vm.vmm.snapshot(tdir)
+                await vm.vmm.kill()
+                # The template: RAM file, device state, the disk as it was, config disk.
+                frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
+                await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir)
+                tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
+                await asyncio.to_thread(snapshots.write_manifest, tsnap)
+                # The parent goes on from the template too (its own disk overlay on top).
+                await asyncio.to_thread(
+                    disks.make_overlay, tdir / "scratch.qcow2", sd / "scratch.qcow2", "qcow2"
+                )
+            except BaseException:
+                await vm.vmm.kill()
+                await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
+                raise
             meta["mem_gen"] = f".{secrets.token_hex(3)}"
             meta["shared_ram"] = False
-            meta["templates"] = [*meta.get("templates", []), tid]
             await asyncio.to_thread(_save_meta, sd, meta)
             # The parent and every child start from the template at the same time.
             results = await asyncio.gather(
@@ -570,6 +577,9 @@ class MicrovmBackend:
             templates = []
         await asyncio.to_thread(self._remove_files, sandbox_id, paths)
         await asyncio.to_thread(self._drop_unused_templates, templates)
+        for d in (self.mem_dir, self.templates_dir, self.paths.run / "vm"):
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(d.rmdir)  # only when empty
         if left:
             raise SandboxFailed(f"cgroups of {sandbox_id} could not be removed: {left}")
         log(_log, "microvm destroyed", sandbox_id=sandbox_id)
@@ -581,9 +591,6 @@ class MicrovmBackend:
             f.unlink(missing_ok=True)
         self.mem_file(sandbox_id).unlink(missing_ok=True)
         shutil.rmtree(paths.state_dir, ignore_errors=True)
-        for d in (self.mem_dir, self.templates_dir, self.paths.run / "vm"):
-            with contextlib.suppress(OSError):
-                d.rmdir()  # only when empty
 
     def _drop_unused_templates(self, templates: list[str]) -> None:
         """Remove fork templates no sandbox's disk or RAM depends on any more."""

@@ -348,6 +348,7 @@ class QemuVmm:
 def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:
     """Start QEMU in its own session, inside the VM's cgroups (limits cap QEMU itself)."""
     c.run_dir.mkdir(parents=True, exist_ok=True)
+    c.mem_file.parent.mkdir(parents=True, exist_ok=True)
     for name in ("qmp.sock", "console.log"):
         (c.run_dir / name).unlink(missing_ok=True)
     c.agent_socket.unlink(missing_ok=True)
