@@ -339,6 +339,7 @@ def test_audit_log_records_and_detects_tampering(platform: RunningPlatform, api:
         "sandbox.resume",
         "sandbox.kill",
         "sandbox.set_timeout",
+        "sandbox.fork",
     }
     assert api.verify_audit()["intact"] is True
     assert _cli(platform, "audit", "verify").returncode == 0

@@ -28,6 +28,7 @@ ACTIONS: dict[tuple[str, str], str] = {
     ("POST", "/v1/sandboxes"): "sandbox.create",
     ("DELETE", _S): "sandbox.kill",
     ("POST", f"{_S}/pause"): "sandbox.pause",
+    ("POST", f"{_S}/fork"): "sandbox.fork",
     ("POST", f"{_S}/resume"): "sandbox.resume",
     ("POST", f"{_S}/timeout"): "sandbox.set_timeout",
     ("POST", f"{_S}/trajectory"): "trajectory.bind",

@@ -256,6 +256,24 @@ async def _live_ids(request: web.Request, project: str) -> list[str]:
     return [i.id for i in infos]
 
 
+async def fork(request: web.Request) -> web.Response:
+    """``POST /v1/sandboxes/{id}/fork`` with ``{"count": N}``: N children from a snapshot."""
+    c, p, sid = ctx(request), principal(request), sandbox_id(request)
+    p.require("member")
+    body = await json_body(request)
+    count = body.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
+        raise InvalidArgument("count must be an integer between 1 and 64")
+    stub = await c.upstream.edge_for(sid)
+    reply = await rpc(
+        "edge",
+        stub.ForkSandbox(
+            pb.ForkSandboxRequest(sandbox_id=sid, count=count), metadata=p.metadata(), timeout=300
+        ),
+    )
+    return ok({"sandboxes": [info_json(i) for i in reply.sandboxes]})
+
+
 async def set_timeout(request: web.Request) -> web.Response:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("member")
@@ -314,6 +332,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout", set_timeout),
     ("POST", "/v1/sandboxes/{sandbox_id}/pause", pause),
     ("POST", "/v1/sandboxes/{sandbox_id}/resume", resume),
+    ("POST", "/v1/sandboxes/{sandbox_id}/fork", fork),
     ("PUT", "/v1/sandboxes/{sandbox_id}/network", set_network),
     ("GET", "/v1/edges", edges),
 ]

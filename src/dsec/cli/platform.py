@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -43,6 +44,18 @@ def _setup(paths: Paths, *, quiet: bool = False) -> None:
         build_bundle(paths.agent_bundle, progress=progress)
         st.update("preparing the base image (Debian bookworm minbase + python3)")
         build_base_image(ImageStore(paths.images), progress=progress)
+        _setup_microvm(paths, progress)
+
+
+def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
+    """The microVM guest kernel and shared images (skipped without linux-source)."""
+    from dsec.edge.backends.microvm import setup as vm_setup
+
+    why = vm_setup.missing()
+    if why:
+        progress(f"microVM backend skipped: {why}")
+        return
+    vm_setup.prepare(paths, progress)
 
 
 @click.command()

@@ -78,15 +78,15 @@ def candidate_backends(
 ) -> list[Backend]:
     """Every backend built into this edge, whether or not it can run on this host."""
     from dsec.edge.backends.container.backend import ContainerBackend
+    from dsec.edge.backends.function.backend import FunctionBackend
+    from dsec.edge.backends.microvm.backend import MicrovmBackend
     from dsec.edge.images.store import ImageStore
 
-    container = ContainerBackend(
-        paths, edge_id, image_store=ImageStore(paths.images), network=network
-    )
-    from dsec.edge.backends.function.backend import FunctionBackend
-
-    function = FunctionBackend(paths, edge_id, image_store=ImageStore(paths.images))
-    return [container, function]
+    store = ImageStore(paths.images)
+    container = ContainerBackend(paths, edge_id, image_store=store, network=network)
+    function = FunctionBackend(paths, edge_id, image_store=store)
+    microvm = MicrovmBackend(paths, edge_id, image_store=store)
+    return [container, function, microvm]
 
 
 def make_backends(candidates: list[Backend]) -> dict[str, Backend]:

@@ -35,7 +35,7 @@ from dsec.core.errors import (
     SandboxFailed,
     SandboxNotFound,
 )
-from dsec.core.ids import edge_of
+from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
 from dsec.core.lifecycle import Event, State
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
@@ -255,6 +255,57 @@ class SandboxManager:
         rec.moved(Event.RESUME)  # raises InvalidState unless paused
         await self._backends[rec.spec.backend].resume(sandbox_id)
         return self._move(rec, Event.RESUME)
+
+    async def fork(self, sandbox_id: str, count: int, caller: Caller) -> list[SandboxRecord]:
+        """Start ``count`` children of a running sandbox from one memory snapshot.
+
+        Each child is a new sandbox of the same project, owner and spec on this edge.
+
+        Raises:
+            InvalidState: the sandbox is not running.
+            InvalidArgument: its backend cannot fork, or ``count`` is out of range.
+            NodeFull: the children do not fit on this edge.
+        """
+        rec = self.get(sandbox_id, caller)
+        if rec.state is not State.RUNNING:
+            raise InvalidState(
+                f"sandbox {sandbox_id} is {rec.state.value}: only a running one forks"
+            )
+        forker = getattr(self._backends.get(rec.spec.backend), "fork", None)
+        if forker is None:
+            raise InvalidArgument(f"the {rec.spec.backend} backend cannot fork sandboxes")
+        if not 1 <= count <= 64:
+            raise InvalidArgument("fork count must be between 1 and 64")
+        now = self._clock()
+        children: list[SandboxRecord] = []
+        for _ in range(count):
+            admission.admit(self._capacity, self.load(), rec.spec)
+            child = SandboxRecord(
+                id=new_sandbox_id(self.edge_id, os.urandom(RANDOM_BYTES)),
+                project=rec.project,
+                owner=rec.owner,
+                state=State.CREATING,
+                spec=rec.spec,
+                created_at=now,
+                expires_at=now + rec.spec.timeout_s,
+            )
+            self._save(child)
+            children.append(child)
+        try:
+            started = await forker(sandbox_id, [(c.id, self.paths(c.id)) for c in children])
+        except BaseException as exc:
+            for c in children:
+                self._move(c, Event.FAILED, error=f"fork failed: {exc}")
+                await self._ended(c.id)
+            raise
+        out = []
+        for c, st in zip(children, started, strict=True):
+            c = self._move(c, Event.STARTED, started_at=self._clock(), pid=st.pid)
+            self._watch(c)
+            self._metrics.inc("sandboxes_created", backend=rec.spec.backend)
+            out.append(c)
+        log(_log, "sandbox forked", sandbox=sandbox_id, children=[c.id for c in out])
+        return out
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int, caller: Caller) -> SandboxRecord:
         rec = self.get(sandbox_id, caller)

@@ -205,6 +205,12 @@ class EdgeService(pb_grpc.EdgeServicer):
         rec = await self._m.pause(request.sandbox_id, caller_of(context))
         return info_to_pb(rec, self._m.edge_id)
 
+    async def ForkSandbox(
+        self, request: pb.ForkSandboxRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxList:
+        recs = await self._m.fork(request.sandbox_id, request.count, caller_of(context))
+        return pb.SandboxList(sandboxes=[info_to_pb(r, self._m.edge_id) for r in recs])
+
     async def ResumeSandbox(
         self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SandboxInfo:

@@ -272,6 +272,13 @@ def batch_sandboxes(
     return Call(request, _batch_results)
 
 
+def fork_sandbox(sandbox_id: str, count: int) -> Call[list[SandboxInfo]]:
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
+        raise InvalidArgument(f"count must be an integer between 1 and 64, got {count!r}")
+    path = sandbox_path(sandbox_id) + "/fork"
+    return Call(json_request("POST", path, {"count": count}), _sandbox_list)
+
+
 def set_timeout(sandbox_id: str, seconds: int) -> Call[SandboxInfo]:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
         raise InvalidArgument(f"timeout must be a positive number of seconds, got {seconds!r}")

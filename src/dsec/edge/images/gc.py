@@ -28,6 +28,11 @@ def collect(store: ImageStore) -> GcResult:
         for d in store.layers_dir.iterdir():
             if d.name in keep_layers or str(d) in in_use:
                 continue
+            if not d.is_dir():  # a layer's block image (microvm: <diff_id>.erofs) and its lock
+                if d.name.split(".", 1)[0] not in keep_layers:
+                    freed += d.lstat().st_size
+                    d.unlink(missing_ok=True)
+                continue
             freed += _du(d)
             shutil.rmtree(d, ignore_errors=True)
             layers += 1

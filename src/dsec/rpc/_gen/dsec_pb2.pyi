@@ -998,6 +998,28 @@ class BackendList(_message.Message):
 Global___BackendList: _TypeAlias = BackendList  # noqa: Y015
 
 @_typing.final
+class ForkSandboxRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    count: _builtins.int
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSandboxRequest: _TypeAlias = ForkSandboxRequest  # noqa: Y015
+
+@_typing.final
 class AuthenticateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

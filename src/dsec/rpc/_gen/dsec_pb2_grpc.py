@@ -124,6 +124,11 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BackendList.FromString,
                 _registered_method=True)
+        self.ForkSandbox = channel.unary_unary(
+                '/dsec.v1.Edge/ForkSandbox',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ForkSandboxRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxList.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -242,6 +247,13 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSandbox(self, request, context):
+        """Start `count` children from a memory snapshot of a running sandbox (microvm backend).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -334,6 +346,11 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.ListBackends,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.BackendList.SerializeToString,
+            ),
+            'ForkSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSandbox,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ForkSandboxRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -822,6 +839,33 @@ class Edge:
             '/dsec.v1.Edge/ListBackends',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.BackendList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/ForkSandbox',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ForkSandboxRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,8 @@ class EdgeStub:
     """Build an image from a Dockerfile (issue 4): RUN steps run in sandboxes of this edge."""
     ListBackends: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.BackendList]
     """Every backend this edge knows, with what it can do and whether it runs here (issue 7)."""
+    ForkSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ForkSandboxRequest, _dsec_pb2.SandboxList]
+    """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -85,6 +87,8 @@ class EdgeAsyncStub(EdgeStub):
     """Build an image from a Dockerfile (issue 4): RUN steps run in sandboxes of this edge."""
     ListBackends: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.BackendList]  # type: ignore[assignment]
     """Every backend this edge knows, with what it can do and whether it runs here (issue 7)."""
+    ForkSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ForkSandboxRequest, _dsec_pb2.SandboxList]  # type: ignore[assignment]
+    """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -217,6 +221,14 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.BackendList, _abc.Awaitable[_dsec_pb2.BackendList]]:
         """Every backend this edge knows, with what it can do and whether it runs here (issue 7)."""
+
+    @_abc_1.abstractmethod
+    def ForkSandbox(
+        self,
+        request: _dsec_pb2.ForkSandboxRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SandboxList, _abc.Awaitable[_dsec_pb2.SandboxList]]:
+        """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
 
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

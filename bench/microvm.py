@@ -1,0 +1,193 @@
+"""microVM benchmark (QEMU microvm, the accelerator the backend picks: TCG on this machine).
+
+Drives :class:`MicrovmBackend` directly in a temp node (no apiserver hop) and measures:
+
+* cold boot -> first ``exec("true")`` returns (create + one runtime call);
+* restore -> first exec: ``resume()`` of a paused (snapshotted, VMM quit) sandbox + one exec;
+* fork of 1 and of 10 children -> every child answered an exec;
+* host memory (PSS from ``/proc/<qemu>/smaps_rollup``) of the parent and of each child right
+  after the fork, and the children's growth after each writes 32 MiB in its guest.
+
+    .venv/bin/python -m bench.microvm [--runs 5] [--memory-mb 512]
+
+Prints JSON and writes ``bench/results/microvm.json``. TCG numbers are not KVM numbers: under
+KVM the guest runs at native speed and boots several times faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.foundation import summary
+from dsec.agent.bundle import build_bundle
+from dsec.core.ids import new_sandbox_id
+from dsec.core.spec import SandboxSpec
+from dsec.edge import agent_client
+from dsec.edge.backends.api import SandboxPaths
+from dsec.edge.backends.container import cgroups, testkit
+from dsec.edge.backends.microvm import kernel
+from dsec.edge.backends.microvm.backend import MicrovmBackend
+from dsec.paths import Paths
+
+MiB = 1 << 20
+
+
+def pss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Node:
+    def __init__(self, root: Path, run: Path, mem: Path) -> None:
+        self.paths = Paths(home=root / "home", data=root / "data", run=run)
+        (run / "sbx").mkdir(parents=True, exist_ok=True)
+        build_bundle(self.paths.agent_bundle)
+        self.cgroup_parent = f"dsec-microvm-bench-{os.urandom(3).hex()}"
+        self.backend = MicrovmBackend(
+            self.paths,
+            "e0b1",
+            image_store=testkit.installed_store(),
+            cgroup_parent=self.cgroup_parent,
+            mem_dir=mem,
+            kernel_image=kernel.current_kernel(Paths.from_env().data),
+        )
+
+    def sandbox(self) -> tuple[str, SandboxPaths]:
+        sid = new_sandbox_id("e0b1", os.urandom(13))
+        return sid, SandboxPaths(
+            state_dir=self.backend.sandboxes_dir / sid,
+            agent_socket=self.paths.run / "sbx" / f"{sid}.sock",
+        )
+
+
+async def exec_ok(sock: Path, cmd: str = "true") -> None:
+    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=120)
+    assert res.result.get("exit_code") == 0, (cmd, res.final, res.stderr)
+
+
+async def run(runs: int, memory_mb: int) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="dsec-vmbench-"))
+    run_dir = Path(tempfile.mkdtemp(prefix="dvb", dir="/tmp"))
+    mem = Path(tempfile.mkdtemp(prefix="dsec-vmbench-", dir="/dev/shm"))
+    node = Node(root, run_dir, mem)
+    be = node.backend
+    spec = SandboxSpec(backend="microvm", memory_mb=memory_mb, cpu=1.0)
+    out: dict[str, Any] = {
+        "accel": (be.availability().reason),
+        "memory_mb": memory_mb,
+        "note": "TCG (no usable KVM here): these are not KVM figures",
+    }
+    live: list[tuple[str, SandboxPaths]] = []
+    try:
+        # Warm the shared images (erofs of the layers, bundle image, initramfs).
+        sid, p = node.sandbox()
+        live.append((sid, p))
+        await be.create(sid, spec, p)
+        await exec_ok(p.agent_socket)
+        await be.destroy(sid, p)
+        live.clear()
+
+        cold: list[float] = []
+        restore: list[float] = []
+        pause: list[float] = []
+        for _ in range(runs):
+            sid, p = node.sandbox()
+            live.append((sid, p))
+            t0 = time.perf_counter()
+            await be.create(sid, spec, p)
+            await exec_ok(p.agent_socket)
+            cold.append(time.perf_counter() - t0)
+            await exec_ok(p.agent_socket, "head -c 64M /dev/urandom > /dev/shm/fill")
+            t0 = time.perf_counter()
+            await be.pause(sid)
+            pause.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await be.resume(sid)
+            await exec_ok(p.agent_socket)
+            restore.append(time.perf_counter() - t0)
+            await be.destroy(sid, p)
+            live.clear()
+        out["cold_boot_to_first_exec"] = summary(cold)
+        out["pause_snapshot"] = summary(pause)
+        out["restore_to_first_exec"] = summary(restore)
+        out["cold_over_restore"] = round(statistics.median(cold) / statistics.median(restore), 1)
+
+        for count in (1, 10):
+            samples: list[float] = []
+            for _ in range(max(1, runs // 2)):
+                sid, p = node.sandbox()
+                live.append((sid, p))
+                await be.create(sid, spec, p)
+                await exec_ok(p.agent_socket, "head -c 64M /dev/urandom > /dev/shm/fill")
+                kids = [node.sandbox() for _ in range(count)]
+                live.extend(kids)
+                t0 = time.perf_counter()
+                await be.fork(sid, kids)
+                await asyncio.gather(*(exec_ok(kp.agent_socket) for _, kp in kids))
+                samples.append(time.perf_counter() - t0)
+                if count == 10 and "pss" not in out:
+                    out["pss"] = await measure_pss(be, sid, kids)
+                for s, sp in reversed(live):
+                    await be.destroy(s, sp)
+                live.clear()
+            out[f"fork_{count}_all_ready"] = summary(samples)
+        one = out["fork_1_all_ready"]["p50_ms"]
+        ten = out["fork_10_all_ready"]["p50_ms"]
+        out["fork_10_over_fork_1"] = round(ten / one, 2)
+    finally:
+        for s, sp in reversed(live):
+            await be.destroy(s, sp)
+        cgroups.remove(cgroups.detect(), "/" + node.cgroup_parent)
+        for d in (root, run_dir, mem):
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+async def measure_pss(
+    be: MicrovmBackend, parent: str, kids: list[tuple[str, SandboxPaths]]
+) -> dict[str, Any]:
+    await asyncio.sleep(1)
+    parent_pss = pss_mib(be._vms[parent].vmm.pid)
+    child = [pss_mib(be._vms[k].vmm.pid) for k, _ in kids]
+    await asyncio.gather(
+        *(
+            exec_ok(kp.agent_socket, "head -c 32M /dev/zero | tr '\\0' x > /dev/shm/w")
+            for _, kp in kids
+        )
+    )
+    after = [pss_mib(be._vms[k].vmm.pid) for k, _ in kids]
+    return {
+        "parent_mib": round(parent_pss, 1),
+        "children_mib": [round(c, 1) for c in child],
+        "child_median_mib": round(statistics.median(child), 1),
+        "children_after_32mib_write_median_mib": round(statistics.median(after), 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--memory-mb", type=int, default=512)
+    a = ap.parse_args()
+    res = asyncio.run(run(a.runs, a.memory_mb))
+    text = json.dumps(res, indent=2)
+    print(text)
+    out = Path(__file__).parent / "results" / "microvm.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Many runtime connections over one byte stream (a virtio-serial port or a vsock stream).
+
+The edge accepts many concurrent connections on a sandbox's agent socket; a microVM has one
+host<->guest stream. Both ends cut it into frames::
+
+    +---------+---------------+----------------+-----------------+
+    | type: 1 | channel: u32  | length: u32 BE | payload         |
+    +---------+---------------+----------------+-----------------+
+
+``OPEN`` (host) starts channel n: the guest connects to aether's socket for it. ``DATA``
+carries bytes either way. ``CLOSE`` ends a channel (either side, either way; the other
+side closes its end). ``HELLO`` (host) is the first frame after the host (re)connects:
+the guest drops every channel it still had and applies the JSON identity it carries
+(hostname, machine id, an RNG seed: set again in fork children; the host's clock, since
+a restored guest's clock stood still). The guest answers
+``READY``.
+
+This module also runs in the guest (``main``): one process, a reader thread per channel,
+standard library only. virtio-serial reads return EOF while no host end is connected
+(before the edge connects, after it restarts, across a snapshot restore), so the guest
+keeps retrying.
+"""
+
+from __future__ import annotations
+
+import _socket
+import _thread
+import os
+import struct
+import time
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+HEADER = struct.Struct(">BII")
+OPEN, DATA, CLOSE, HELLO, READY = 1, 2, 3, 4, 5
+MAX_PAYLOAD = 1 << 20
+CHUNK = 64 * 1024
+PORT_NAME = "dsec.agent"
+AETHER_SOCKET = "/.dsec/run/aether.sock"
+
+
+class MuxError(Exception):
+    pass
+
+
+def frame(kind: int, channel: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(kind, channel, len(payload)) + payload
+
+
+def parse(buf: bytearray) -> list[tuple[int, int, bytes]]:
+    """Take every complete frame off the front of ``buf``."""
+    out = []
+    while len(buf) >= HEADER.size:
+        kind, chan, n = HEADER.unpack_from(buf)
+        if n > MAX_PAYLOAD or kind not in (OPEN, DATA, CLOSE, HELLO, READY):
+            raise MuxError(f"bad frame: type {kind}, length {n}")
+        if len(buf) < HEADER.size + n:
+            break
+        out.append((kind, chan, bytes(buf[HEADER.size : HEADER.size + n])))
+        del buf[: HEADER.size + n]
+    return out
+
+
+# --- guest side -------------------------------------------------------------------------
+
+
+def find_port(name: str = PORT_NAME, sys_dir: str = "/sys/class/virtio-ports") -> str | None:
+    try:
+        entries = os.listdir(sys_dir)
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(os.path.join(sys_dir, entry, "name")) as f:
+                if f.read().strip() == name:
+                    return "/dev/" + entry
+        except OSError:
+            continue
+    return None
+
+
+class GuestMux:
+    """The guest end: frames from ``fd`` open connections to ``target`` (aether)."""
+
+    def __init__(self, fd: int, target: str = AETHER_SOCKET) -> None:
+        self.fd = fd
+        self.target = target
+        self.channels: dict[int, _socket.socket] = {}
+        self.lock = _thread.allocate_lock()  # one writer of frames at a time
+
+    def send(self, kind: int, chan: int, payload: bytes = b"") -> None:
+        data = memoryview(frame(kind, chan, payload))
+        with self.lock:
+            while data:
+                n = os.write(self.fd, data)
+                data = data[n:]
+
+    def drop_all(self) -> None:
+        for chan in list(self.channels):
+            self.close(chan)
+
+    def close(self, chan: int) -> None:
+        sock = self.channels.pop(chan, None)
+        if sock is not None:
+            try:
+                sock.shutdown(_socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def handle(self, kind: int, chan: int, payload: bytes) -> None:
+        if kind == HELLO:
+            self.drop_all()
+            if payload:
+                apply_identity(payload)
+            self.send(READY, 0)
+        elif kind == OPEN:
+            self.close(chan)
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            try:
+                sock.connect(self.target)
+            except OSError:
+                sock.close()
+                self.send(CLOSE, chan)
+                return
+            self.channels[chan] = sock
+            _thread.start_new_thread(self.pump, (chan, sock))
+        elif kind == DATA:
+            conn = self.channels.get(chan)
+            if conn is not None:
+                try:
+                    conn.sendall(payload)
+                except OSError:
+                    self.close(chan)
+                    self.send(CLOSE, chan)
+        elif kind == CLOSE:
+            self.close(chan)
+
+    def pump(self, chan: int, sock: _socket.socket) -> None:
+        """aether -> host for one channel, then CLOSE."""
+        try:
+            while True:
+                data = sock.recv(CHUNK)
+                if not data:
+                    break
+                self.send(DATA, chan, data)
+        except OSError:
+            pass
+        if self.channels.get(chan) is sock:
+            self.close(chan)
+            try:
+                self.send(CLOSE, chan)
+            except OSError:
+                pass
+
+    def run(self, retry_eof: bool = True) -> None:
+        """Read frames until the stream fails; EOF (no host end yet) is retried."""
+        buf = bytearray()
+        while True:
+            data = os.read(self.fd, CHUNK)
+            if not data:  # the host end is not connected (yet, or any more)
+                if self.channels or buf:
+                    self.drop_all()
+                    buf.clear()
+                if not retry_eof:
+                    return
+                time.sleep(0.02)
+                continue
+            buf += data
+            for kind, chan, payload in parse(buf):
+                self.handle(kind, chan, payload)
+
+
+def apply_identity(payload: bytes) -> None:
+    """Hostname, machine id and an RNG seed from the host (a fork child's own)."""
+    import json
+
+    ident: dict[str, Any] = json.loads(payload)
+    host = ident.get("hostname")
+    if isinstance(host, str) and host and os.uname().nodename != host:
+        try:
+            _sethostname(host)
+            _write("/etc/hostname", host + "\n")
+            with open("/etc/hosts") as f:
+                lines = [ln for ln in f.read().splitlines() if not ln.startswith("127.0.1.1")]
+            _write("/etc/hosts", "\n".join([*lines, f"127.0.1.1\t{host}"]) + "\n")
+        except OSError:
+            pass
+    mid = ident.get("machine_id")
+    if isinstance(mid, str) and mid:
+        _write("/etc/machine-id", mid + "\n")
+    now = ident.get("time")
+    if isinstance(now, int | float) and abs(time.time() - now) > 0.5:
+        try:
+            time.clock_settime(time.CLOCK_REALTIME, float(now))
+        except OSError:
+            pass
+    seed = ident.get("seed")
+    if isinstance(seed, str) and seed:
+        _write("/dev/urandom", seed)
+
+
+def _sethostname(name: str) -> None:
+    with open("/proc/sys/kernel/hostname", "w") as f:
+        f.write(name)
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError:
+        pass
+
+
+def main() -> None:
+    while True:
+        port = find_port()
+        if port is None:
+            time.sleep(0.1)
+            continue
+        try:
+            fd = os.open(port, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            time.sleep(0.1)
+            continue
+        mux = GuestMux(fd)
+        try:
+            mux.run()
+        except (OSError, MuxError) as exc:
+            os.write(2, f"vmport: {exc}\n".encode())
+        finally:
+            mux.drop_all()
+            os.close(fd)
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()

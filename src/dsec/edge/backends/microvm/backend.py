@@ -1,0 +1,765 @@
+"""The microVM backend: every sandbox is a QEMU ``microvm`` guest booted from the image layers.
+
+create():  image layers -> erofs images (shared) + bundle image + scratch qcow2 + config
+           disk -> cgroup (limits cap QEMU) -> QEMU -> agent mux on the agent socket ->
+           wait for the guest's multiplexer -> Started(keeper pid)
+pause():   snapshot (RAM stays in its file, device state to ``snapshots/current``) and
+           quit QEMU; resume(): restore it (the snapshot is refused if a digest differs)
+fork():    snapshot the parent into a template, then restore the parent and N children
+           from it, RAM mapped privately, each with its own scratch overlay and identity
+destroy(): kill QEMU by its pid, the mux, cgroups, files. Idempotent.
+
+The edge watches one pid per sandbox; QEMU's pid changes on every pause/resume, so the
+sandbox's pid is a *keeper* (a sleeping process in the sandbox's session that lives from
+create to destroy). When QEMU dies on its own (guest panic, OOM kill) the keeper is killed
+too, which the edge sees as the sandbox dying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec.core.errors import (
+    BackendUnavailable,
+    DsecError,
+    InvalidArgument,
+    InvalidState,
+    SandboxFailed,
+    SandboxNotFound,
+)
+from dsec.core.spec import SandboxSpec
+from dsec.edge.backends.api import (
+    Availability,
+    Capabilities,
+    RuntimeState,
+    SandboxPaths,
+    Started,
+)
+from dsec.edge.backends.container import cgroups
+from dsec.edge.backends.microvm import disks, kernel, qemu, snapshots
+from dsec.edge.backends.microvm.mux import HostMux, SerialLink
+from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig
+from dsec.edge.images.store import ImageStore
+from dsec.obs import log
+from dsec.paths import Paths
+
+_log = logging.getLogger(__name__)
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+BOOT_TIMEOUT_S = 60.0
+RESTORE_TIMEOUT_S = 30.0
+VMM_OVERHEAD_MIB = 256  # QEMU, its TCG code buffer and page tables, on top of guest RAM
+MAX_FORK = 64
+
+
+@dataclass
+class _Vm:
+    """What the backend keeps in memory for one live microVM."""
+
+    vmm: qemu.QemuVmm
+    mux: HostMux | None = None
+    keeper: int = 0
+    watch: asyncio.Task[None] | None = None
+    expected_exit: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class MicrovmBackend:
+    """:class:`dsec.edge.backends.api.Backend` on QEMU microvm."""
+
+    name = "microvm"
+
+    def __init__(
+        self,
+        paths: Paths,
+        edge_id: str,
+        *,
+        image_store: ImageStore,
+        cgroup_parent: str = "dsec",
+        sandboxes_dir: Path | None = None,
+        mem_dir: Path | None = None,
+        kernel_image: Path | None = None,
+    ) -> None:
+        self.paths = paths
+        self.edge_id = edge_id
+        self.images = image_store
+        self.cgroup_parent = cgroup_parent.strip("/")
+        self.sandboxes_dir = sandboxes_dir or paths.home / "edge" / "sandboxes"
+        self.vm_dir = kernel.vm_dir(paths.data)
+        self.templates_dir = self.sandboxes_dir.parent / "vm-templates"
+        self.mem_dir = mem_dir or Path("/dev/shm") / f"dsec-vm-{_short_hash(paths.home)}"
+        self.kernel_image = kernel_image
+        self._vms: dict[str, _Vm] = {}
+        self._layout: cgroups.CgroupLayout | None = None
+
+    # --- host checks -------------------------------------------------------------------
+
+    def availability(self) -> Availability:
+        if os.geteuid() != 0:
+            return Availability(False, "the microvm backend needs root")
+        why = qemu.available()
+        if why:
+            return Availability(False, why)
+        if self.kernel() is None:
+            return Availability(False, "no guest kernel: run `dsec setup`")
+        if shutil.which("mkfs.erofs") is None:
+            return Availability(False, "mkfs.erofs is missing (apt-get install erofs-utils)")
+        return Availability(True, f"QEMU microvm, accel {qemu.accelerator()}")
+
+    def capabilities(self) -> Capabilities:
+        """A guest kernel of its own: pause/resume by memory snapshot, fork, PTYs, state."""
+        return Capabilities(
+            pause=True,
+            fork=True,
+            snapshot=True,
+            pty=True,
+            persistent_processes=True,
+            persistent_filesystem=True,
+            network_policy=False,
+            max_vcpus=float(os.cpu_count() or 1),
+            notes=f"QEMU microvm, accel {qemu.accelerator()}; no sandbox networking yet",
+        )
+
+    def kernel(self) -> Path | None:
+        if self.kernel_image is not None:
+            return self.kernel_image if self.kernel_image.exists() else None
+        return kernel.current_kernel(self.paths.data)
+
+    def layout(self) -> cgroups.CgroupLayout:
+        if self._layout is None:
+            self._layout = cgroups.detect()
+        return self._layout
+
+    def release_host_setup(self) -> None:
+        with contextlib.suppress(OSError, DsecError):
+            cgroups.remove_if_empty(self.layout(), "/" + self.cgroup_parent)
+
+    # --- paths -------------------------------------------------------------------------
+
+    def run_dir(self, sandbox_id: str) -> Path:
+        return self.paths.run / "vm" / sandbox_id
+
+    def mem_file(self, sandbox_id: str, gen: str = "") -> Path:
+        return self.mem_dir / f"{sandbox_id}{gen}.mem"
+
+    def cgroup_path(self, sandbox_id: str) -> str:
+        return f"/{self.cgroup_parent}/{sandbox_id}"
+
+    # --- create ------------------------------------------------------------------------
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec, paths: SandboxPaths) -> Started:
+        """Boot a microVM for the sandbox; on failure leave nothing behind.
+
+        Raises:
+            InvalidArgument: malformed id, or network rules (not supported yet).
+            ImageNotFound: the image is not in the store.
+            BackendUnavailable: no QEMU or no guest kernel on this node.
+            SandboxFailed / DeadlineExceeded: the guest did not come up (console attached).
+        """
+        _check_id(sandbox_id)
+        if spec.network.allow or spec.network.deny:
+            raise InvalidArgument("microVM sandboxes have no network yet: network rules refused")
+        vm = self._vms.get(sandbox_id)
+        if vm is not None and vm.vmm.alive():
+            return Started(pid=vm.keeper)
+        kern = self.kernel()
+        if kern is None:
+            raise BackendUnavailable("no guest kernel on this node: run `dsec setup`")
+        image = self.images.resolve(spec.image)
+        if paths.state_dir.exists():
+            await self.destroy(sandbox_id, paths)
+        try:
+            shared = await asyncio.to_thread(self._shared_images, image.layer_dirs)
+            env = _guest_env(sandbox_id, image.env, spec.env)
+            await asyncio.to_thread(
+                self._prepare_state,
+                sandbox_id,
+                paths,
+                spec,
+                shared,
+                kern,
+                env,
+                len(image.layer_dirs),
+            )
+            config = self._config(sandbox_id, paths, _load_meta(paths.state_dir))
+            vm = _Vm(vmm=qemu.QemuVmm())
+            self._vms[sandbox_id] = vm
+            await asyncio.to_thread(self._make_cgroup, sandbox_id, spec)
+            vm.keeper = await asyncio.to_thread(_start_keeper, paths.state_dir)
+            await vm.vmm.boot(config, BOOT_TIMEOUT_S)
+            await self._attach(sandbox_id, vm, paths, BOOT_TIMEOUT_S)
+        except BaseException as exc:
+            await asyncio.shield(self._rollback(sandbox_id, paths))
+            if isinstance(exc, DsecError | asyncio.CancelledError):
+                raise
+            if isinstance(exc, OSError | ValueError):
+                raise SandboxFailed(f"creating microVM {sandbox_id} failed: {exc}") from exc
+            raise
+        log(_log, "microvm started", sandbox_id=sandbox_id, qemu=vm.vmm.pid, edge=self.edge_id)
+        return Started(pid=vm.keeper)
+
+    def _shared_images(self, layer_dirs: tuple[Path, ...]) -> dict[str, str]:
+        out = {
+            "bundle": str(disks.bundle_image(self.paths.agent_bundle, self.vm_dir)),
+            "initrd": str(disks.initramfs(self.vm_dir)),
+            "scratch_base": str(disks.scratch_base(self.vm_dir)),
+        }
+        for i, d in enumerate(reversed(layer_dirs)):  # bottom first
+            out[f"l{i}"] = str(disks.layer_image(d))
+        return out
+
+    def _prepare_state(
+        self,
+        sandbox_id: str,
+        paths: SandboxPaths,
+        spec: SandboxSpec,
+        shared: dict[str, str],
+        kern: Path,
+        env: dict[str, str],
+        layers: int,
+    ) -> None:
+        sd = paths.state_dir
+        sd.mkdir(parents=True, exist_ok=True)
+        disks.make_overlay(Path(shared["scratch_base"]), sd / "scratch.qcow2")
+        env = {
+            **env,
+            "dsec.layers": str(layers),
+            "dsec.machine_id": secrets.token_hex(16),
+            "dsec.seed": secrets.token_hex(32),
+        }
+        disks.write_config(sd / "config.img", env)
+        meta = {
+            "vcpus": max(1, round(spec.cpu)),
+            "memory_mib": spec.memory_mb,
+            "kernel": str(kern),
+            "shared": shared,
+            "layers": layers,
+            "agent_socket": str(paths.agent_socket),
+            "mem_gen": "",
+            "shared_ram": True,
+        }
+        _save_meta(sd, meta)
+
+    def _config(self, sandbox_id: str, paths: SandboxPaths, meta: dict[str, Any]) -> VmConfig:
+        sd = paths.state_dir
+        shared = meta["shared"]
+        drives = [
+            Drive("config", sd / "config.img", read_only=True),
+            Drive("bundle", Path(shared["bundle"]), read_only=True),
+            *(Drive(f"l{i}", Path(shared[f"l{i}"]), read_only=True) for i in range(meta["layers"])),
+            Drive("scratch", sd / "scratch.qcow2", read_only=False),
+        ]
+        run = self.run_dir(sandbox_id)
+        return VmConfig(
+            vcpus=meta["vcpus"],
+            memory_mib=meta["memory_mib"],
+            kernel=Path(meta["kernel"]),
+            cmdline="quiet",
+            run_dir=run,
+            mem_file=self.mem_file(sandbox_id, meta.get("mem_gen", "")),
+            drives=tuple(drives),
+            agent_socket=run / "serial.sock",
+            extra={"initrd": shared["initrd"], "cgroups": ":".join(self._cgroup_dirs(sandbox_id))},
+        )
+
+    def _cgroup_dirs(self, sandbox_id: str) -> list[str]:
+        lay = self.layout()
+        seen: dict[str, str] = {}
+        for ctl in ("memory", "cpu", "pids"):
+            d = lay.controller_dir(ctl, self.cgroup_path(sandbox_id))
+            if d is not None:
+                seen.setdefault(os.path.realpath(d), str(d))
+        return list(seen.values())
+
+    def _make_cgroup(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        lay = self.layout()
+        cg = self.cgroup_path(sandbox_id)
+        for d in self._cgroup_dirs(sandbox_id):
+            Path(d).mkdir(parents=True, exist_ok=True)
+        limit = (spec.memory_mb + VMM_OVERHEAD_MIB) << 20
+        quota = max(1000, round(spec.cpu * 100_000))
+        mem = lay.controller_dir("memory", cg)
+        cpu = lay.controller_dir("cpu", cg)
+        if mem is not None:
+            if (mem / "memory.max").exists():
+                (mem / "memory.max").write_text(str(limit))
+            else:
+                (mem / "memory.limit_in_bytes").write_text(str(limit))
+        if cpu is not None:
+            if (cpu / "cpu.max").exists():
+                (cpu / "cpu.max").write_text(f"{quota} 100000")
+            else:
+                (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+
+    async def _attach(self, sandbox_id: str, vm: _Vm, paths: SandboxPaths, timeout_s: float,
+                      identity: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """Start the agent mux and wait for the guest's end; watch QEMU from now on."""
+        assert vm.vmm.run_dir is not None
+        vm.mux = HostMux(paths.agent_socket, SerialLink(vm.vmm.run_dir / "serial.sock"), identity)
+        await vm.mux.start()
+        await vm.vmm._with_watchdog(vm.mux.wait_ready(timeout_s + 1), timeout_s)
+        vm.expected_exit = False
+        vm.watch = asyncio.create_task(self._watch_vmm(sandbox_id, vm))
+
+    async def _watch_vmm(self, sandbox_id: str, vm: _Vm) -> None:
+        """When QEMU exits on its own, end the keeper: the edge sees the sandbox die."""
+        await _wait_exit(vm.vmm.pid)
+        if not vm.expected_exit:
+            panic = qemu.panicked(vm.vmm.run_dir) if vm.vmm.run_dir else None
+            log(_log, "microvm exited", logging.WARNING, sandbox_id=sandbox_id, panic=panic or "")
+            await asyncio.to_thread(_kill_pid, vm.keeper)
+
+    async def _detach(self, vm: _Vm) -> None:
+        vm.expected_exit = True
+        if vm.watch is not None:
+            vm.watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await vm.watch
+            vm.watch = None
+        if vm.mux is not None:
+            await vm.mux.close()
+            vm.mux = None
+
+    async def _rollback(self, sandbox_id: str, paths: SandboxPaths) -> None:
+        try:
+            await self.destroy(sandbox_id, paths)
+        except DsecError as exc:
+            log(_log, "rollback left state", logging.WARNING, sandbox_id=sandbox_id, err=str(exc))
+
+    # --- state, re-adoption ------------------------------------------------------------
+
+    def _paths(self, sandbox_id: str) -> SandboxPaths:
+        sd = self.sandboxes_dir / sandbox_id
+        meta = _load_meta(sd)
+        return SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
+
+    async def _vm(self, sandbox_id: str) -> _Vm | None:
+        """The live VM record, re-attaching after an edge restart (QMP + a new mux)."""
+        vm = self._vms.get(sandbox_id)
+        if vm is not None:
+            return vm
+        sd = self.sandboxes_dir / sandbox_id
+        try:
+            meta = await asyncio.to_thread(_load_meta, sd)
+            keeper = await asyncio.to_thread(_read_keeper, sd)
+        except (OSError, ValueError, KeyError):
+            return None
+        if keeper <= 0:
+            return None
+        vm = _Vm(vmm=qemu.QemuVmm(), keeper=keeper)
+        if meta.get("paused"):
+            self._vms[sandbox_id] = vm
+            return vm
+        mem = self.mem_file(sandbox_id, meta.get("mem_gen", ""))
+        if not await vm.vmm.adopt(self.run_dir(sandbox_id), mem, meta.get("shared_ram", True)):
+            await asyncio.to_thread(_kill_pid, keeper)
+            return None
+        self._vms[sandbox_id] = vm
+        paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
+        try:
+            await self._attach(sandbox_id, vm, paths, 10)
+        except (DsecError, OSError, TimeoutError) as exc:
+            log(_log, "microvm re-adoption failed", logging.WARNING, sandbox_id=sandbox_id,
+                error=str(exc))  # fmt: skip
+        return vm
+
+    async def state(self, sandbox_id: str) -> tuple[RuntimeState, int]:
+        if not _ID_RE.match(sandbox_id):
+            return RuntimeState.MISSING, 0
+        vm = await self._vm(sandbox_id)
+        if vm is None:
+            return RuntimeState.MISSING, 0
+        if not _alive(vm.keeper):
+            return RuntimeState.STOPPED, 0
+        meta = await asyncio.to_thread(_load_meta, self.sandboxes_dir / sandbox_id)
+        if meta.get("paused"):
+            return RuntimeState.PAUSED, vm.keeper
+        if not vm.vmm.alive():
+            return RuntimeState.STOPPED, 0
+        return RuntimeState.RUNNING, vm.keeper
+
+    # --- pause / resume (snapshot to disk, VMM freed) ----------------------------------
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Snapshot the guest and quit QEMU (idempotent)."""
+        vm = await self._need(sandbox_id)
+        async with vm.lock:
+            sd = self.sandboxes_dir / sandbox_id
+            meta = await asyncio.to_thread(_load_meta, sd)
+            if meta.get("paused"):
+                return
+            if not vm.vmm.alive():
+                raise InvalidState(f"microVM {sandbox_id} is not running")
+            await self._detach(vm)
+            dest = sd / "snapshots" / "current"
+            await asyncio.to_thread(disks.remove, dest)
+            snap = await vm.vmm.snapshot(dest)
+            await vm.vmm.kill()
+            await asyncio.to_thread(snapshots.write_manifest, snap)
+            meta["paused"] = True
+            await asyncio.to_thread(_save_meta, sd, meta)
+            log(_log, "microvm paused", sandbox_id=sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Restore the paused guest from its snapshot (verified by digest first)."""
+        vm = await self._need(sandbox_id)
+        async with vm.lock:
+            sd = self.sandboxes_dir / sandbox_id
+            meta = await asyncio.to_thread(_load_meta, sd)
+            if not meta.get("paused"):
+                if vm.vmm.alive():
+                    return
+                raise InvalidState(f"microVM {sandbox_id} is not paused")
+            dest = sd / "snapshots" / "current"
+            paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
+            config = self._config(sandbox_id, paths, meta)
+            snap = Snapshot(dir=dest, mem_file=config.mem_file, state=dest / "state")
+            await self._restore(sandbox_id, vm, paths, config, snap, private=False)
+            meta["paused"] = False
+            meta["shared_ram"] = vm.vmm.shared_ram
+            await asyncio.to_thread(_save_meta, sd, meta)
+            await asyncio.to_thread(disks.remove, dest)
+            log(_log, "microvm resumed", sandbox_id=sandbox_id)
+
+    async def _restore(
+        self,
+        sandbox_id: str,
+        vm: _Vm,
+        paths: SandboxPaths,
+        config: VmConfig,
+        snap: Snapshot,
+        *,
+        private: bool,
+        identity: dict[str, Any] | None = None,
+        verified: bool = False,
+    ) -> None:
+        """Start QEMU on the snapshot while its digests are checked; refuse a bad one.
+
+        ``verified``: the caller made (and hashed) this snapshot itself just now.
+        """
+        check = _noop if verified else functools.partial(snapshots.verify, snap)
+        verify = asyncio.create_task(asyncio.to_thread(check))
+        try:
+            await vm.vmm.start_incoming(config, snap, private=private, timeout_s=RESTORE_TIMEOUT_S)
+            await verify
+            await vm.vmm.finish_incoming(snap, timeout_s=RESTORE_TIMEOUT_S)
+            await self._attach(sandbox_id, vm, paths, RESTORE_TIMEOUT_S, identity)
+        except BaseException:
+            verify.cancel()
+            with contextlib.suppress(BaseException):
+                await verify
+            await self._detach(vm)
+            await vm.vmm.kill()
+            raise
+
+    # --- fork --------------------------------------------------------------------------
+
+    async def fork(
+        self, sandbox_id: str, children: list[tuple[str, SandboxPaths]]
+    ) -> list[Started]:
+        """Start ``children`` (id, paths) from a snapshot of the running ``sandbox_id``.
+
+        The parent's RAM file becomes a frozen template; the parent and every child map it
+        privately (copy-on-write), so clean pages are shared between all of them.
+        """
+        if not 1 <= len(children) <= MAX_FORK:
+            raise InvalidArgument(f"fork count must be 1..{MAX_FORK}")
+        for cid, _ in children:
+            _check_id(cid)
+        vm = await self._need(sandbox_id)
+        async with vm.lock:
+            sd = self.sandboxes_dir / sandbox_id
+            meta = await asyncio.to_thread(_load_meta, sd)
+            if meta.get("paused") or not vm.vmm.alive():
+                raise InvalidState(f"microVM {sandbox_id} is not running: cannot fork")
+            tid = f"{sandbox_id}-{secrets.token_hex(4)}"
+            tdir = self.templates_dir / tid
+            # Recorded first: whatever happens next, destroying the parent removes it.
+            meta["templates"] = [*meta.get("templates", []), tid]
+            await asyncio.to_thread(_save_meta, sd, meta)
+            paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
+            try:
+                await self._detach(vm)
+                snap = await vm.vmm.snapshot(tdir)
+                await vm.vmm.kill()
+                # The template: RAM file, device state, the disk as it was, config disk.
+                frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
+                await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir)
+                tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
+                await asyncio.to_thread(snapshots.write_manifest, tsnap)
+                # The parent goes on from the template too (its own disk overlay on top).
+                await asyncio.to_thread(
+                    disks.make_overlay, tdir / "scratch.qcow2", sd / "scratch.qcow2", "qcow2"
+                )
+            except BaseException:
+                await vm.vmm.kill()
+                await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
+                raise
+            meta["mem_gen"] = f".{secrets.token_hex(3)}"
+            meta["shared_ram"] = False
+            await asyncio.to_thread(_save_meta, sd, meta)
+            # The parent and every child start from the template at the same time.
+            results = await asyncio.gather(
+                self._fork_parent(sandbox_id, vm, paths, meta, tsnap),
+                *(self._fork_child(sandbox_id, meta, tsnap, cid, cp) for cid, cp in children),
+                return_exceptions=True,
+            )
+        if isinstance(results[0], BaseException):
+            for (cid, cp), r in zip(children, results[1:], strict=True):
+                if not isinstance(r, BaseException):
+                    await self.destroy(cid, cp)
+            raise results[0]
+        results = results[1:]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for (cid, cp), r in zip(children, results, strict=True):
+                if not isinstance(r, BaseException):
+                    await self.destroy(cid, cp)
+            raise errors[0]
+        return [r for r in results if isinstance(r, Started)]
+
+    async def _fork_parent(
+        self, sandbox_id: str, vm: _Vm, paths: SandboxPaths, meta: dict[str, Any], tsnap: Snapshot
+    ) -> None:
+        try:
+            config = self._config(sandbox_id, paths, meta)
+            await self._restore(sandbox_id, vm, paths, config, tsnap, private=True)
+        except BaseException:
+            await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
+            raise
+
+    async def _fork_child(
+        self, parent: str, pmeta: dict[str, Any], tsnap: Snapshot, cid: str, cp: SandboxPaths
+    ) -> Started:
+        vm = _Vm(vmm=qemu.QemuVmm())
+        self._vms[cid] = vm
+        try:
+            meta = {**pmeta, "agent_socket": str(cp.agent_socket), "mem_gen": "",
+                    "parent": parent}  # fmt: skip
+            await asyncio.to_thread(self._prepare_child, cp.state_dir, tsnap, meta)
+            spec = SandboxSpec(cpu=float(meta["vcpus"]), memory_mb=meta["memory_mib"])
+            await asyncio.to_thread(self._make_cgroup, cid, spec)
+            vm.keeper = await asyncio.to_thread(_start_keeper, cp.state_dir)
+            config = self._config(cid, cp, meta)
+            ident = {
+                "hostname": cid,
+                "machine_id": secrets.token_hex(16),
+                "seed": secrets.token_hex(32),
+            }
+            await self._restore(
+                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=True
+            )
+        except BaseException:
+            await asyncio.shield(self._rollback(cid, cp))
+            raise
+        return Started(pid=vm.keeper)
+
+    @staticmethod
+    def _prepare_child(sd: Path, tsnap: Snapshot, meta: dict[str, Any]) -> None:
+        sd.mkdir(parents=True, exist_ok=True)
+        disks.make_overlay(tsnap.dir / "scratch.qcow2", sd / "scratch.qcow2", "qcow2")
+        shutil.copyfile(tsnap.dir / "config.img", sd / "config.img")
+        _save_meta(sd, meta)
+
+    # --- destroy / usage ---------------------------------------------------------------
+
+    async def destroy(self, sandbox_id: str, paths: SandboxPaths) -> None:
+        """Kill QEMU, the keeper and the mux; remove cgroups, files, sockets. Idempotent."""
+        if not _ID_RE.match(sandbox_id):
+            raise InvalidArgument(f"invalid sandbox id {sandbox_id!r}")
+        vm = self._vms.pop(sandbox_id, None)
+        if vm is None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                keeper = await asyncio.to_thread(_read_keeper, paths.state_dir)
+                vm = _Vm(vmm=qemu.QemuVmm(), keeper=keeper)
+                await vm.vmm.adopt(self.run_dir(sandbox_id), Path(), True)
+        if vm is not None:
+            await self._detach(vm)
+            await vm.vmm.kill()
+            await asyncio.to_thread(_kill_pid, vm.keeper)
+        left = await asyncio.to_thread(cgroups.remove, self.layout(), self.cgroup_path(sandbox_id))
+        try:
+            templates = (await asyncio.to_thread(_load_meta, paths.state_dir)).get("templates", [])
+        except (OSError, ValueError):
+            templates = []
+        await asyncio.to_thread(self._remove_files, sandbox_id, paths)
+        await asyncio.to_thread(self._drop_unused_templates, templates)
+        for d in (self.mem_dir, self.templates_dir, self.paths.run / "vm"):
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(d.rmdir)  # only when empty
+        if left:
+            raise SandboxFailed(f"cgroups of {sandbox_id} could not be removed: {left}")
+        log(_log, "microvm destroyed", sandbox_id=sandbox_id)
+
+    def _remove_files(self, sandbox_id: str, paths: SandboxPaths) -> None:
+        paths.agent_socket.unlink(missing_ok=True)
+        shutil.rmtree(self.run_dir(sandbox_id), ignore_errors=True)
+        for f in self.mem_dir.glob(f"{sandbox_id}.*mem") if self.mem_dir.exists() else ():
+            f.unlink(missing_ok=True)
+        self.mem_file(sandbox_id).unlink(missing_ok=True)
+        shutil.rmtree(paths.state_dir, ignore_errors=True)
+
+    def _drop_unused_templates(self, templates: list[str]) -> None:
+        """Remove fork templates no sandbox's disk or RAM depends on any more."""
+        if not templates:
+            return
+        used: set[str] = set()
+        for sd in self.sandboxes_dir.iterdir() if self.sandboxes_dir.exists() else ():
+            with contextlib.suppress(OSError, ValueError):
+                used.update(_load_meta(sd).get("templates", []))
+        for tid in templates:
+            if tid not in used:
+                shutil.rmtree(self.templates_dir / tid, ignore_errors=True)
+                (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
+
+    async def usage(self, sandbox_id: str) -> dict[str, float]:
+        return await asyncio.to_thread(
+            cgroups.read_usage, self.layout(), self.cgroup_path(sandbox_id)
+        )
+
+    async def _need(self, sandbox_id: str) -> _Vm:
+        vm = await self._vm(sandbox_id) if _ID_RE.match(sandbox_id) else None
+        if vm is None:
+            raise SandboxNotFound(f"no microVM for sandbox {sandbox_id}")
+        return vm
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _noop() -> None:
+    pass
+
+
+def _check_id(sandbox_id: str) -> None:
+    if not _ID_RE.match(sandbox_id):
+        raise InvalidArgument(f"invalid sandbox id {sandbox_id!r}")
+
+
+def _short_hash(p: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(str(p.resolve()).encode()).hexdigest()[:8]
+
+
+def _guest_env(
+    sandbox_id: str, image_env: tuple[str, ...], spec_env: dict[str, str]
+) -> dict[str, str]:
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/root",
+        "TERM": "xterm-256color",
+        "LANG": "C.UTF-8",
+    }
+    for item in image_env:
+        k, sep, v = item.partition("=")
+        if sep and k:
+            env[k] = v
+    env.update(spec_env)
+    env["DSEC_SANDBOX_ID"] = sandbox_id
+    env["HOSTNAME"] = sandbox_id
+    return env
+
+
+def _save_meta(sd: Path, meta: dict[str, Any]) -> None:
+    tmp = sd / ".vm.json.tmp"
+    tmp.write_text(json.dumps(meta))
+    tmp.rename(sd / "vm.json")
+
+
+def _load_meta(sd: Path) -> dict[str, Any]:
+    meta: dict[str, Any] = json.loads((sd / "vm.json").read_text())
+    return meta
+
+
+def _freeze(mem: Path, frozen_mem: Path, sd: Path, tdir: Path) -> None:
+    """Move the parent's RAM file and scratch disk into the (read-only from now) template."""
+    mem.rename(frozen_mem)
+    # shutil.move: the sandboxes dir may be a bind mount (the container backend makes it
+    # one), and rename(2) across mounts fails even on one filesystem.
+    shutil.move(sd / "scratch.qcow2", tdir / "scratch.qcow2")
+    shutil.copyfile(sd / "config.img", tdir / "config.img")
+
+
+def _start_keeper(sd: Path) -> int:
+    """A sleeping process standing for the sandbox (see the module docstring)."""
+    proc = subprocess.Popen(
+        ["sleep", "infinity"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    start = qemu._start_time(proc.pid)
+    (sd / "keeper.pid").write_text(f"{proc.pid} {start}\n")
+    _reap_later(proc)
+    return proc.pid
+
+
+_keepers: list[subprocess.Popen[bytes]] = []
+
+
+def _reap_later(proc: subprocess.Popen[bytes]) -> None:
+    _keepers[:] = [p for p in _keepers if p.poll() is None]
+    _keepers.append(proc)
+
+
+def _read_keeper(sd: Path) -> int:
+    pid_s, start = (sd / "keeper.pid").read_text().split()
+    pid = int(pid_s)
+    return pid if qemu._start_time(pid) == start else 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    for p in _keepers:
+        if p.pid == pid:
+            return p.poll() is None
+    return qemu._start_time(pid) is not None
+
+
+async def _wait_exit(pid: int) -> None:
+    """Until process ``pid`` exits (a pidfd on the event loop, no polling)."""
+    if pid <= 0:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, ready)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def _kill_pid(pid: int) -> None:
+    if pid > 0:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+        for p in _keepers:
+            if p.pid == pid:
+                with contextlib.suppress(Exception):
+                    p.wait(timeout=2)
+        deadline = time.monotonic() + 2
+        while qemu._start_time(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -1,0 +1,254 @@
+/*
+ * vminit: PID 1 of an OpenDsec microVM, the only file in its initramfs (gcc -static).
+ *
+ * Disks are found by their virtio serial (/sys/block/vdX/serial):
+ *   config    raw: "DSECCFG\0" then "key=value\0" entries, ended by an empty entry.
+ *             dsec.* keys are for vminit (dsec.layers = number of image layers), the
+ *             rest is the environment of the agent.
+ *   bundle    erofs: the agent bundle, mounted read-only at /.dsec
+ *   l0..lN-1  erofs: the image layers, bottom first (overlayfs lower dirs)
+ *   scratch   ext4: upper/ and work/ of the overlay (the sandbox's writable layer)
+ *
+ * It mounts the root (overlay), the API filesystems inside it, moves it onto / and
+ * chroots, sets the hostname, binds the agent socket (/.dsec/run/aether.sock, passed as
+ * fd 3), starts the channel multiplexer (dsec.agent.vmport, restarted when it exits) and
+ * finally execs the bundle's init, which runs aether and reaps orphans as PID 1.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_DISKS 64
+#define MAX_ENV 512
+#define CFG_MAX (256 * 1024)
+
+static char disk_serial[MAX_DISKS][64], disk_dev[MAX_DISKS][272];
+static int ndisks;
+static char cfg[CFG_MAX];
+static char *entries[MAX_ENV + 1], *envp[MAX_ENV + 1];
+
+static void die(const char *what) {
+    dprintf(2, "vminit: %s: %s\n", what, strerror(errno));
+    sync();
+    _exit(1); /* PID 1 exiting panics the kernel: the host sees it on the console */
+}
+
+static void must_mount(const char *src, const char *dst, const char *type, unsigned long fl,
+                       const char *data) {
+    mkdir(dst, 0755);
+    if (mount(src, dst, type, fl, data) != 0) {
+        dprintf(2, "vminit: mount %s on %s (%s): %s\n", src, dst, type, strerror(errno));
+        die("mount");
+    }
+}
+
+static void find_disks(void) {
+    DIR *d = opendir("/sys/block");
+    if (!d)
+        die("/sys/block");
+    struct dirent *e;
+    while ((e = readdir(d)) && ndisks < MAX_DISKS) {
+        if (strncmp(e->d_name, "vd", 2) != 0)
+            continue;
+        char p[300];
+        snprintf(p, sizeof p, "/sys/block/%s/serial", e->d_name);
+        int fd = open(p, O_RDONLY);
+        if (fd < 0)
+            continue;
+        ssize_t n = read(fd, disk_serial[ndisks], sizeof disk_serial[0] - 1);
+        close(fd);
+        if (n <= 0)
+            continue;
+        while (n > 0 && (disk_serial[ndisks][n - 1] == '\n' || disk_serial[ndisks][n - 1] == 0))
+            n--;
+        disk_serial[ndisks][n] = 0;
+        snprintf(disk_dev[ndisks], sizeof disk_dev[0], "/dev/%s", e->d_name);
+        ndisks++;
+    }
+    closedir(d);
+}
+
+static const char *disk(const char *serial) {
+    for (int i = 0; i < ndisks; i++)
+        if (strcmp(disk_serial[i], serial) == 0)
+            return disk_dev[i];
+    dprintf(2, "vminit: no disk with serial %s\n", serial);
+    die("disk");
+    return NULL;
+}
+
+static const char *cfg_get(const char *key) {
+    size_t kl = strlen(key);
+    for (int i = 0; entries[i]; i++)
+        if (strncmp(entries[i], key, kl) == 0 && entries[i][kl] == '=')
+            return entries[i] + kl + 1;
+    return NULL;
+}
+
+static void read_config(void) {
+    int fd = open(disk("config"), O_RDONLY);
+    if (fd < 0)
+        die("open config disk");
+    ssize_t got = 0, n;
+    while (got < CFG_MAX - 2 && (n = read(fd, cfg + got, CFG_MAX - 2 - got)) > 0)
+        got += n;
+    close(fd);
+    if (got < 8 || memcmp(cfg, "DSECCFG", 8) != 0) {
+        errno = EINVAL;
+        die("config disk has no DSECCFG header");
+    }
+    int ne = 0, nv = 0;
+    for (char *p = cfg + 8; p < cfg + got && *p && ne < MAX_ENV; p += strlen(p) + 1) {
+        entries[ne++] = p;
+        if (strncmp(p, "dsec.", 5) != 0)
+            envp[nv++] = p;
+    }
+    entries[ne] = envp[nv] = NULL;
+}
+
+static void write_file(const char *path, const char *text) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0 || write(fd, text, strlen(text)) < 0)
+        dprintf(2, "vminit: cannot write %s: %s\n", path, strerror(errno));
+    if (fd >= 0)
+        close(fd);
+}
+
+static int agent_socket(void) {
+    int s = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    strcpy(a.sun_path, "/.dsec/run/aether.sock");
+    unlink(a.sun_path);
+    if (s < 0 || bind(s, (struct sockaddr *)&a, sizeof a) != 0 || listen(s, 128) != 0)
+        die("agent socket");
+    chmod(a.sun_path, 0600);
+    return s;
+}
+
+/* Run the multiplexer forever (it exits when the port goes away; start it again). */
+static void start_mux(void) {
+    if (fork() != 0)
+        return;
+    setsid();
+    close(3);
+    for (;;) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            char *argv[] = {"/.dsec/lib/ld.so", "--library-path", "/.dsec/lib",
+                            "/.dsec/python/bin/python3", "-s", "-S", "-P", "-c",
+                            "from dsec.agent.vmport import main; main()", NULL};
+            setenv("PYTHONHOME", "/.dsec/python", 1);
+            setenv("PYTHONPATH", "/.dsec/site", 1);
+            setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
+            execve(argv[0], argv, environ);
+            _exit(127);
+        }
+        int st;
+        if (pid > 0)
+            waitpid(pid, &st, 0);
+        usleep(200 * 1000);
+    }
+}
+
+int main(void) {
+    mkdir("/dev", 0755);
+    mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    int con = open("/dev/console", O_RDWR);
+    if (con >= 0) {
+        dup2(con, 0), dup2(con, 1), dup2(con, 2);
+        if (con > 2)
+            close(con);
+    }
+    must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    must_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    find_disks();
+    read_config();
+
+    mkdir("/mnt", 0755);
+    must_mount(disk("bundle"), "/mnt/bundle", "erofs", MS_RDONLY, NULL);
+    const char *nl = cfg_get("dsec.layers");
+    int layers = nl ? atoi(nl) : 0;
+    static char lower[8192];
+    lower[0] = 0;
+    for (int i = layers - 1; i >= 0; i--) {
+        char serial[16], dir[32];
+        snprintf(serial, sizeof serial, "l%d", i);
+        snprintf(dir, sizeof dir, "/mnt/l%d", i);
+        must_mount(disk(serial), dir, "erofs", MS_RDONLY, NULL);
+        strcat(lower, lower[0] ? ":" : "");
+        strcat(lower, dir);
+    }
+    must_mount(disk("scratch"), "/mnt/scratch", "ext4", MS_NOATIME, NULL);
+    mkdir("/mnt/scratch/upper", 0755);
+    mkdir("/mnt/scratch/work", 0755);
+    static char opts[9000];
+    snprintf(opts, sizeof opts, "lowerdir=%s,upperdir=/mnt/scratch/upper,workdir=/mnt/scratch/work",
+             layers ? lower : "/mnt/bundle");
+    must_mount("overlay", "/newroot", "overlay", 0, opts);
+
+    const unsigned long nse = MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    must_mount("proc", "/newroot/proc", "proc", nse, NULL);
+    must_mount("devtmpfs", "/newroot/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    must_mount("devpts", "/newroot/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+               "newinstance,ptmxmode=0666,mode=0620,gid=5");
+    unlink("/newroot/dev/ptmx");
+    symlink("pts/ptmx", "/newroot/dev/ptmx");
+    must_mount("shm", "/newroot/dev/shm", "tmpfs", nse, "mode=1777");
+    must_mount("mqueue", "/newroot/dev/mqueue", "mqueue", nse, NULL);
+    must_mount("sysfs", "/newroot/sys", "sysfs", nse, NULL);
+    must_mount("cgroup2", "/newroot/sys/fs/cgroup", "cgroup2", nse, NULL);
+    must_mount("/mnt/bundle", "/newroot/.dsec", NULL, MS_BIND, NULL);
+    must_mount("tmpfs", "/newroot/.dsec/run", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               "mode=700,size=16m");
+
+    const char *host = cfg_get("DSEC_SANDBOX_ID");
+    if (host) {
+        static char hosts[512], line[128];
+        sethostname(host, strlen(host));
+        snprintf(line, sizeof line, "%s\n", host);
+        mkdir("/newroot/etc", 0755);
+        write_file("/newroot/etc/hostname", line);
+        snprintf(hosts, sizeof hosts,
+                 "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                 "127.0.1.1\t%s\n",
+                 host);
+        write_file("/newroot/etc/hosts", hosts);
+    }
+    const char *mid = cfg_get("dsec.machine_id");
+    if (mid) {
+        static char line[64];
+        snprintf(line, sizeof line, "%s\n", mid);
+        write_file("/newroot/etc/machine-id", line);
+    }
+    const char *seed = cfg_get("dsec.seed");
+    if (seed)
+        write_file("/dev/urandom", seed);
+
+    if (chdir("/newroot") != 0 || mount(".", "/", NULL, MS_MOVE, NULL) != 0 || chroot(".") != 0)
+        die("switch root");
+    chdir("/");
+    /* The bundle is the same for every sandbox: keep it read-only inside. */
+    mount(NULL, "/.dsec", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
+
+    int s = agent_socket();
+    if (s != 3) {
+        dup2(s, 3);
+        close(s);
+    }
+    environ = envp;
+    start_mux();
+    char *argv[] = {"/.dsec/init", NULL};
+    execve(argv[0], argv, envp);
+    die("exec /.dsec/init");
+    return 1;
+}

@@ -1,0 +1,376 @@
+"""The QEMU ``microvm`` driver of :class:`dsec.edge.backends.microvm.vmm.Vmm`.
+
+One ``qemu-system-x86_64 -M microvm`` per guest, in its own session (so the whole process
+group can be killed by the pid we started), control over QMP, the agent channel on a
+virtio-serial port whose host end is a unix socket QEMU serves. Guest RAM is a
+``memory-backend-file``: snapshots skip it (``x-ignore-shared``) and fork children map the
+same file privately. Under TCG the kernel gets ``tsc_early_khz`` (it hangs at random in TSC
+calibration without it); under KVM it does not.
+
+Files in ``run_dir``: ``qmp.sock``, ``serial.sock`` (agent channel), ``console.log`` (the
+guest's serial console), ``qemu.log`` (QEMU's stderr), ``qemu.pid`` (pid + start time, for
+re-adoption after an edge restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+from dsec.core.errors import DeadlineExceeded, SandboxFailed
+from dsec.edge.backends.microvm.qmp import Qmp
+from dsec.edge.backends.microvm.vmm import Snapshot, VmConfig
+
+QEMU = "qemu-system-x86_64"
+PANIC_MARKERS = ("Kernel panic", "end Kernel panic")
+AGENT_PORT = "dsec.agent"
+T = TypeVar("T")
+
+
+@functools.cache
+def accelerator() -> str:
+    """``kvm`` where a probe boot showed KVM really runs guests, else ``tcg``."""
+    try:  # the probe lives beside the Firecracker driver
+        kvm = importlib.import_module("dsec.edge.backends.microvm.kvm")
+    except ImportError:
+        return "tcg"
+    ok, _ = kvm.usable()
+    return "kvm" if ok else "tcg"
+
+
+def host_tsc_khz() -> int | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    return round(float(line.split(":")[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def available() -> str | None:
+    """Why QEMU cannot run microVMs here (None when it can)."""
+    if shutil.which(QEMU) is None:
+        return f"{QEMU} is not installed (apt-get install qemu-system-x86)"
+    if shutil.which("qemu-img") is None:
+        return "qemu-img is not installed (apt-get install qemu-utils)"
+    return None
+
+
+def console_tail(run_dir: Path, n: int = 15) -> str:
+    try:
+        text = (run_dir / "console.log").read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-n:])
+
+
+def panicked(run_dir: Path) -> str | None:
+    """The kernel's panic line from the console log, if the guest panicked."""
+    try:
+        text = (run_dir / "console.log").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if "Kernel panic" in line:
+            return line.strip()
+    return None
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class QemuVmm:
+    name = "qemu"
+
+    def __init__(self, *, accel: str | None = None) -> None:
+        self.accel = accel or accelerator()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pid = 0
+        self._qmp: Qmp | None = None
+        self.run_dir: Path | None = None
+        self.mem_file: Path | None = None
+        self.shared_ram = True
+
+    @property
+    def pid(self) -> int:
+        return self._pid if self.alive() else 0
+
+    def alive(self) -> bool:
+        if self._pid <= 0:
+            return False
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return _start_time(self._pid) is not None and self._is_ours()
+
+    def _is_ours(self) -> bool:
+        assert self.run_dir is not None
+        try:
+            pid_s, start = (self.run_dir / "qemu.pid").read_text().split()
+        except (OSError, ValueError):
+            return False
+        return int(pid_s) == self._pid and _start_time(self._pid) == start
+
+    # --- command line ------------------------------------------------------------------
+
+    def argv(self, c: VmConfig, *, mem_path: Path, share: bool, incoming: bool) -> list[str]:
+        rd = c.run_dir
+        cmdline = f"console=ttyS0 panic=-1 reboot=t {c.cmdline}".strip()
+        if self.accel == "tcg":
+            khz = host_tsc_khz()
+            if khz:
+                cmdline += f" tsc_early_khz={khz}"
+        argv = [
+            QEMU,
+            "-M", "microvm,x-option-roms=off,rtc=on,isa-serial=on,memory-backend=mem",
+            "-accel", self.accel,
+            "-cpu", "max" if self.accel == "tcg" else "host",
+            "-smp", str(c.vcpus),
+            "-m", f"{c.memory_mib}M",
+            "-object", f"memory-backend-file,id=mem,size={c.memory_mib}M,mem-path={mem_path},"
+                       f"share={'on' if share else 'off'}",
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-kernel", str(c.kernel),
+            "-append", cmdline,
+            "-chardev", f"file,id=con,path={rd / 'console.log'}",
+            "-serial", "chardev:con",
+            "-qmp", f"unix:{rd / 'qmp.sock'},server=on,wait=off",
+            "-device", "virtio-rng-device",
+            "-device", "virtio-serial-device",
+            "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
+        ]  # fmt: skip
+        initrd = c.extra.get("initrd")
+        if initrd:
+            argv += ["-initrd", initrd]
+        for i, d in enumerate(c.drives):
+            fmt = "qcow2" if d.path.suffix == ".qcow2" else "raw"
+            ro = ",readonly=on" if d.read_only else ""
+            argv += [
+                "-drive", f"file={d.path},if=none,id=d{i},format={fmt},cache=unsafe{ro}",
+                "-device", f"virtio-blk-device,drive=d{i},serial={d.drive_id}",
+            ]  # fmt: skip
+        if incoming:
+            argv += ["-incoming", "defer"]
+        return argv
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def _spawn(self, c: VmConfig, argv: list[str], timeout_s: float) -> None:
+        self.run_dir = c.run_dir
+        self._proc = await asyncio.to_thread(_popen, c, argv)
+        self._pid = self._proc.pid
+        pid_line = f"{self._pid} {_start_time(self._pid)}\n"
+        await asyncio.to_thread((c.run_dir / "qemu.pid").write_text, pid_line)
+        try:
+            self._qmp = await self._with_watchdog(
+                Qmp.connect(c.run_dir / "qmp.sock", timeout_s + 5), timeout_s
+            )
+        except BaseException:
+            await self.kill()
+            raise
+
+    async def _with_watchdog(self, aw: Awaitable[T], timeout_s: float) -> T:
+        """Await ``aw`` unless QEMU exits first or ``timeout_s`` passes (then raise)."""
+        task: asyncio.Future[T] = asyncio.ensure_future(aw)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not task.done():
+                if not self.alive():
+                    raise self.failure("QEMU exited")
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"microVM not up after {timeout_s:.0f} s; console:\n{self.console()}"
+                    )
+                await asyncio.wait({task}, timeout=0.02)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def console(self) -> str:
+        return console_tail(self.run_dir) if self.run_dir else ""
+
+    def failure(self, what: str) -> SandboxFailed:
+        assert self.run_dir is not None
+        panic = panicked(self.run_dir)
+        if panic:
+            return SandboxFailed(f"the guest kernel panicked: {panic}\n{self.console()}")
+        try:
+            err = (self.run_dir / "qemu.log").read_text(errors="replace")[-1500:].strip()
+        except OSError:
+            err = ""
+        return SandboxFailed(f"{what}: {err}\nconsole:\n{self.console()}")
+
+    async def boot(self, config: VmConfig, timeout_s: float) -> None:
+        self.mem_file = config.mem_file
+        self.shared_ram = True
+        config.mem_file.parent.mkdir(parents=True, exist_ok=True)
+        argv = self.argv(config, mem_path=config.mem_file, share=True, incoming=False)
+        await self._spawn(config, argv, timeout_s)
+
+    async def adopt(self, run_dir: Path, mem_file: Path, shared_ram: bool) -> bool:
+        """Re-attach to a QEMU an earlier edge started; False when it is gone."""
+        self.run_dir = run_dir
+        self.mem_file = mem_file
+        self.shared_ram = shared_ram
+        try:
+            self._pid = int((run_dir / "qemu.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return False
+        if not self.alive():
+            self._pid = 0
+            return False
+        with contextlib.suppress(OSError, TimeoutError):
+            self._qmp = await Qmp.connect(run_dir / "qmp.sock", 2)
+        return self._qmp is not None
+
+    def _need_qmp(self) -> Qmp:
+        if self._qmp is None or not self.alive():
+            raise SandboxFailed("the microVM's QEMU is not running")
+        return self._qmp
+
+    async def status(self) -> str:
+        st = await self._need_qmp().cmd("query-status")
+        return str(st.get("status"))
+
+    async def pause(self) -> None:
+        await self._need_qmp().cmd("stop")
+
+    async def resume(self) -> None:
+        await self._need_qmp().cmd("cont")
+
+    async def snapshot(self, dest: Path) -> Snapshot:
+        qmp = self._need_qmp()
+        assert self.mem_file is not None
+        await asyncio.to_thread(dest.mkdir, parents=True, exist_ok=True)
+        state = dest / "state"
+        await qmp.cmd("stop")
+        await qmp.cmd(
+            "migrate-set-capabilities",
+            {"capabilities": [{"capability": "x-ignore-shared", "state": self.shared_ram}]},
+        )
+        await qmp.cmd("migrate", {"uri": f"exec:cat > {shlex.quote(str(state))}"})
+        while True:
+            info = await qmp.cmd("query-migrate")
+            st = info.get("status")
+            if st == "completed":
+                break
+            if st in ("failed", "cancelled"):
+                raise SandboxFailed(f"snapshot failed: {info.get('error-desc', st)}")
+            await asyncio.sleep(0.002)
+        (dest / "qemu.json").write_text(json.dumps({"ignore_shared": self.shared_ram}))
+        return Snapshot(dir=dest, mem_file=self.mem_file, state=state)
+
+    async def restore(
+        self, config: VmConfig, snap: Snapshot, *, private: bool, timeout_s: float
+    ) -> None:
+        await self.start_incoming(config, snap, private=private, timeout_s=timeout_s)
+        await self.finish_incoming(snap, timeout_s=timeout_s)
+
+    async def start_incoming(
+        self, config: VmConfig, snap: Snapshot, *, private: bool, timeout_s: float
+    ) -> None:
+        """Start QEMU waiting for a migration stream (the caller may verify meanwhile)."""
+        meta = json.loads((snap.dir / "qemu.json").read_text())
+        self.shared_ram = not private
+        if meta.get("ignore_shared"):
+            self.mem_file = snap.mem_file
+        else:  # RAM is in the state stream: load it into a fresh file
+            self.mem_file = config.mem_file
+            self.shared_ram = True
+        argv = self.argv(config, mem_path=self.mem_file, share=self.shared_ram, incoming=True)
+        await self._spawn(config, argv, timeout_s)
+
+    async def finish_incoming(self, snap: Snapshot, *, timeout_s: float) -> None:
+        qmp = self._need_qmp()
+        meta = json.loads((snap.dir / "qemu.json").read_text())
+        try:
+            await qmp.cmd(
+                "migrate-set-capabilities",
+                {"capabilities": [{"capability": "x-ignore-shared",
+                                   "state": bool(meta.get("ignore_shared"))}]},
+            )  # fmt: skip
+            await qmp.cmd("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(snap.state))}"})
+
+            async def loaded() -> None:
+                while (await self.status()) == "inmigrate":  # noqa: ASYNC110 (QMP polling)
+                    await asyncio.sleep(0.002)
+
+            await self._with_watchdog(loaded(), timeout_s)
+            await qmp.cmd("cont")
+        except BaseException:
+            await self.kill()
+            raise
+
+    async def kill(self) -> None:
+        if self._qmp is not None:
+            self._qmp.close()
+            self._qmp = None
+        pid = self._pid
+        if pid > 0 and self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if self._proc is not None:
+            await asyncio.to_thread(self._proc.wait)
+            self._proc = None
+        elif pid > 0:
+            for _ in range(500):
+                if _start_time(pid) is None:
+                    break
+                await asyncio.sleep(0.01)
+        self._pid = 0
+        if self.run_dir is not None:
+            for name in ("qmp.sock", "qemu.pid"):
+                (self.run_dir / name).unlink(missing_ok=True)
+
+
+def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:
+    """Start QEMU in its own session, inside the VM's cgroups (limits cap QEMU itself)."""
+    c.run_dir.mkdir(parents=True, exist_ok=True)
+    c.mem_file.parent.mkdir(parents=True, exist_ok=True)
+    for name in ("qmp.sock", "console.log"):
+        (c.run_dir / name).unlink(missing_ok=True)
+    c.agent_socket.unlink(missing_ok=True)
+    procs = _cgroup_procs_files(c)
+    if procs:  # join the cgroups before exec: limits cap QEMU itself (no preexec_fn: the
+        # edge runs gRPC, whose fork handlers must not run in a forked Python child)
+        joins = "".join(f'echo $$ > "{p}" && ' for p in procs)
+        argv = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *argv]
+    with open(c.run_dir / "qemu.log", "wb") as log:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+
+
+def _cgroup_procs_files(c: VmConfig) -> list[str]:
+    """The cgroups QEMU joins: ``cgroup``, plus ``extra["cgroups"]`` (":"-separated dirs,
+    one per hierarchy on v1/hybrid hosts)."""
+    dirs = [Path(p) for p in c.extra.get("cgroups", "").split(":") if p]
+    if c.cgroup is not None:
+        dirs.insert(0, c.cgroup)
+    return [str(d / "cgroup.procs") for d in dirs]

@@ -1,0 +1,76 @@
+"""A small asyncio client of QEMU's QMP (JSON lines over a unix socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from dsec.core.errors import Internal
+
+
+class QmpError(Internal):
+    pass
+
+
+class Qmp:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.events: list[dict[str, Any]] = []
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, path: Path, timeout_s: float) -> Qmp:
+        """Connect (retrying until QEMU listens), read the greeting, enter command mode."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 24)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.005)
+        qmp = cls(reader, writer)
+        try:
+            greeting = await asyncio.wait_for(qmp._read(), max(0.1, deadline - time.monotonic()))
+            if "QMP" not in greeting:
+                raise QmpError(f"not a QMP greeting: {greeting}")
+            await qmp.cmd("qmp_capabilities")
+        except BaseException:
+            qmp.close()
+            raise
+        return qmp
+
+    async def _read(self) -> dict[str, Any]:
+        line = await self.reader.readline()
+        if not line:
+            raise ConnectionResetError("QMP connection closed")
+        msg: dict[str, Any] = json.loads(line)
+        return msg
+
+    async def cmd(
+        self, name: str, args: dict[str, Any] | None = None, timeout_s: float = 30
+    ) -> Any:
+        async with self._lock:
+            msg: dict[str, Any] = {"execute": name}
+            if args:
+                msg["arguments"] = args
+            self.writer.write(json.dumps(msg).encode() + b"\n")
+            await self.writer.drain()
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    reply = await self._read()
+                    if "event" in reply:
+                        self.events.append(reply)
+                        continue
+                    if "error" in reply:
+                        err = reply["error"]
+                        raise QmpError(f"QMP {name}: {err.get('class')}: {err.get('desc')}")
+                    return reply.get("return")
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,256 @@
+"""The microVM backend on real QEMU (TCG here) with the guest kernel `dsec setup` built.
+
+Few VMs on purpose (each TCG boot costs ~1 core-second): one sandbox goes through create,
+runtime calls, pause/resume, fork and destroy; the fault tests use the failure paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec.agent.bundle import build_bundle
+from dsec.core.errors import DeadlineExceeded, SandboxFailed
+from dsec.core.ids import new_sandbox_id
+from dsec.core.spec import SandboxSpec
+from dsec.edge import agent_client
+from dsec.edge.backends.api import RuntimeState, SandboxPaths
+from dsec.edge.backends.container import cgroups, testkit
+from dsec.edge.backends.microvm import backend as vmbackend
+from dsec.edge.backends.microvm import kernel, qemu, snapshots
+from dsec.edge.backends.microvm.backend import MicrovmBackend
+from dsec.edge.images.base import BASE_IMAGE
+from dsec.paths import Paths
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    why = qemu.available()
+    if why:
+        return why
+    if kernel.current_kernel(Paths.from_env().data) is None:
+        return "no guest kernel: run `dsec setup` (builds it from linux-source-6.1)"
+    if shutil.which("mkfs.erofs") is None:
+        return "needs mkfs.erofs (apt-get install erofs-utils)"
+    if not testkit.installed_store().has(BASE_IMAGE) and testkit.base_tar() is None:
+        return "the base image is not built (run `dsec setup`)"
+    return None
+
+
+@dataclass
+class Env:
+    paths: Paths
+    backend: MicrovmBackend
+    cgroup_parent: str
+
+    def sandbox(self) -> tuple[str, SandboxPaths]:
+        sid = new_sandbox_id("e0a1", os.urandom(13))
+        return sid, SandboxPaths(
+            state_dir=self.backend.sandboxes_dir / sid,
+            agent_socket=self.paths.run / "sbx" / f"{sid}.sock",
+        )
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="dsec-vmtest-"))
+    run = Path(tempfile.mkdtemp(prefix="dsv", dir="/tmp"))
+    mem = Path(tempfile.mkdtemp(prefix="dsec-vmtest-", dir="/dev/shm"))
+    paths = Paths(home=root / "home", data=root / "data", run=run)
+    (run / "sbx").mkdir()
+    build_bundle(paths.agent_bundle)
+    parent = f"dsectest-{os.urandom(4).hex()}"
+    be = MicrovmBackend(
+        paths,
+        "e0a1",
+        image_store=testkit.shared_base_store(),
+        cgroup_parent=parent,
+        mem_dir=mem,
+        kernel_image=kernel.current_kernel(Paths.from_env().data),
+    )
+    try:
+        yield Env(paths, be, parent)
+    finally:
+        left = cgroups.list_children(cgroups.detect(), parent)
+        cgroups.remove(cgroups.detect(), "/" + parent)
+        for d in (root, run, mem):
+            shutil.rmtree(d, ignore_errors=True)
+    assert not left, f"cgroups left: {left}"
+
+
+async def _sh(sock: Path, cmd: str) -> str:
+    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=30)
+    out = res.result
+    assert out.get("exit_code") == 0, (cmd, out, res.stderr)
+    return res.stdout.decode()
+
+
+async def _shell(sock: Path, cmd: str, session: str = "s1") -> dict[str, Any]:
+    res = await agent_client.call(
+        sock, {"op": "shell.run", "cmd": cmd, "session": session}, timeout=30
+    )
+    return {**res.result, "stdout": res.stdout.decode()}
+
+
+def _qemu_pids_under(path: Path) -> list[int]:
+    """QEMU processes whose command line names ``path`` (only ours)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if qemu.QEMU in cmd and str(path) in cmd:
+                out.append(int(p.name))
+    return out
+
+
+@pytest.mark.asyncio
+async def test_lifecycle_pause_resume_fork_destroy(env: Env) -> None:
+    be = env.backend
+    sid, paths = env.sandbox()
+    spec = SandboxSpec(backend="microvm", memory_mb=256)
+    started = await be.create(sid, spec, paths)
+    children: list[tuple[str, SandboxPaths]] = []
+    try:
+        assert started.pid > 0
+        assert (await be.state(sid)) == (RuntimeState.RUNNING, started.pid)
+        sock = paths.agent_socket
+        assert (await _sh(sock, "hostname")).strip() == sid
+        assert "Debian" in await _sh(sock, "cat /etc/os-release")
+        await _sh(sock, "echo hello > /root/f && echo shm > /dev/shm/x")
+        # A persistent shell and a background process, which must outlive pause/resume.
+        await _shell(sock, "export KEEP=kept; cd /tmp")
+        await _sh(sock, "nohup sleep 1000 >/dev/null 2>&1 & echo $! > /root/sleeper")
+        concurrent = await asyncio.gather(*(_sh(sock, f"echo {i}") for i in range(8)))
+        assert [c.strip() for c in concurrent] == [str(i) for i in range(8)]
+        usage = await be.usage(sid)
+        assert usage.get("memory_bytes", 0) > 0
+
+        qemu_pid = be._vms[sid].vmm.pid
+        await be.pause(sid)
+        assert (await be.state(sid))[0] is RuntimeState.PAUSED
+        assert not Path(f"/proc/{qemu_pid}").exists(), "pause frees the VMM"
+        assert (paths.state_dir / "snapshots" / "current" / "manifest.json").exists()
+        await be.resume(sid)
+        assert (await be.state(sid))[0] is RuntimeState.RUNNING
+        pid = (await _sh(sock, "cat /root/sleeper")).strip()
+        assert (await _sh(sock, f"cat /proc/{pid}/comm")).strip() == "sleep"
+        assert (await _sh(sock, "cat /dev/shm/x /root/f")) == "shm\nhello\n"
+        sh = await _shell(sock, "echo $KEEP $(pwd)")
+        assert sh["stdout"].strip() == "kept /tmp"
+
+        # Fork: two children from one snapshot; each its own hostname and writable layer.
+        children = [env.sandbox(), env.sandbox()]
+        kids = await be.fork(sid, children)
+        assert len(kids) == 2
+        assert all(k.pid > 0 for k in kids)
+        for (cid, cp), i in zip(children, range(2), strict=True):
+            assert (await _sh(cp.agent_socket, "cat /root/f")) == "hello\n"
+            assert (await _sh(cp.agent_socket, "hostname")).strip() == cid
+            await _sh(cp.agent_socket, f"echo child{i} > /root/f")
+        assert (await _sh(sock, "cat /root/f")) == "hello\n"  # the parent is untouched
+        assert (await _sh(children[1][1].agent_socket, "cat /root/f")) == "child1\n"
+        assert (await _shell(children[0][1].agent_socket, "echo $KEEP"))["stdout"].strip() == "kept"
+    finally:
+        for cid, cp in children:
+            await be.destroy(cid, cp)
+        await be.destroy(sid, paths)
+    assert (await be.state(sid))[0] is RuntimeState.MISSING
+    assert not paths.state_dir.exists()
+    assert not paths.agent_socket.exists()
+    assert not be.run_dir(sid).exists()
+    assert _qemu_pids_under(be.sandboxes_dir) == []
+    assert not be.mem_dir.exists() or list(be.mem_dir.iterdir()) == []
+    assert not be.templates_dir.exists() or list(be.templates_dir.iterdir()) == []
+    assert cgroups.list_children(cgroups.detect(), env.cgroup_parent) == []
+
+
+@pytest.mark.asyncio
+async def test_corrupt_snapshot_is_refused(env: Env) -> None:
+    be = env.backend
+    sid, paths = env.sandbox()
+    await be.create(sid, SandboxSpec(backend="microvm", memory_mb=128), paths)
+    try:
+        await be.pause(sid)
+        state = paths.state_dir / "snapshots" / "current" / "state"
+        data = state.read_bytes()
+        state.write_bytes(data[: len(data) // 2])  # truncated
+        with pytest.raises(snapshots.SnapshotCorrupt, match="state"):
+            await be.resume(sid)
+        assert _qemu_pids_under(paths.state_dir) == []
+        state.write_bytes(data)  # repaired: the same snapshot restores
+        await be.resume(sid)
+        assert (await _sh(paths.agent_socket, "echo ok")).strip() == "ok"
+    finally:
+        await be.destroy(sid, paths)
+    assert not paths.state_dir.exists()
+
+
+@pytest.mark.asyncio
+async def test_boot_timeout_kills_the_vmm(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vmbackend, "BOOT_TIMEOUT_S", 0.05)
+    be = env.backend
+    sid, paths = env.sandbox()
+    with pytest.raises(DeadlineExceeded, match="not up"):
+        await be.create(sid, SandboxSpec(backend="microvm", memory_mb=128), paths)
+    assert _qemu_pids_under(paths.state_dir) == []
+    assert not paths.state_dir.exists()
+    assert not be.run_dir(sid).exists()
+    assert cgroups.list_children(cgroups.detect(), env.cgroup_parent) == []
+
+
+@pytest.mark.asyncio
+async def test_guest_panic_is_reported(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vminit exits when its config disk is bad: PID 1 dies, the kernel panics."""
+    from dsec.edge.backends.microvm import disks
+
+    def bad_config(dest: Path, values: object) -> Path:
+        dest.write_bytes(b"\0" * 512)
+        return dest
+
+    monkeypatch.setattr(disks, "write_config", bad_config)
+    be = env.backend
+    sid, paths = env.sandbox()
+    with pytest.raises(SandboxFailed, match="panicked"):
+        await be.create(sid, SandboxSpec(backend="microvm", memory_mb=128), paths)
+    assert _qemu_pids_under(paths.state_dir) == []
+    assert not paths.state_dir.exists()
+
+
+@pytest.mark.asyncio
+async def test_a_new_edge_readopts_the_vm(env: Env) -> None:
+    """The edge restarts: a fresh backend re-attaches QMP and the agent channel."""
+    be = env.backend
+    sid, paths = env.sandbox()
+    started = await be.create(sid, SandboxSpec(backend="microvm", memory_mb=128), paths)
+    fresh: MicrovmBackend | None = None
+    try:
+        await _shell(paths.agent_socket, "export Z=7", session="s")
+        await be._detach(be._vms.pop(sid))  # the old edge's mux goes away with it
+        fresh = MicrovmBackend(
+            env.paths,
+            "e0a1",
+            image_store=be.images,
+            cgroup_parent=env.cgroup_parent,
+            mem_dir=be.mem_dir,
+            kernel_image=be.kernel_image,
+        )
+        assert await fresh.state(sid) == (RuntimeState.RUNNING, started.pid)
+        assert (await _shell(paths.agent_socket, "echo $Z", session="s"))["stdout"] == "7\n"
+    finally:
+        await (fresh or be).destroy(sid, paths)
+    assert _qemu_pids_under(paths.state_dir) == []

@@ -1,0 +1,150 @@
+"""The microVM agent-channel multiplexer, host and guest ends, over socketpairs (no VM)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.agent import vmport
+from dsec.edge.backends.microvm.mux import HostMux, Stream
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="dsmux-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _echo_server(path: Path) -> socket.socket:
+    """A guest-side 'aether' that echoes every connection, upper-cased."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(64)
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data.upper())
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return srv
+
+
+class PairLink:
+    """A GuestLink whose every open() is a new socketpair with a guest mux on the far end."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        self.guest_socks: list[socket.socket] = []
+
+    async def open(self) -> Stream:
+        host, guest = socket.socketpair()
+        self.guest_socks.append(guest)
+        mux = vmport.GuestMux(guest.fileno(), str(self.target))
+
+        def serve() -> None:
+            with contextlib.suppress(OSError):  # the test closed the socket under it
+                mux.run(retry_eof=False)
+
+        threading.Thread(target=serve, daemon=True).start()
+        return await asyncio.open_connection(sock=host)
+
+
+async def _roundtrip(path: Path, payload: bytes) -> bytes:
+    r, w = await asyncio.open_unix_connection(str(path))
+    w.write(payload)
+    await w.drain()
+    got = await r.readexactly(len(payload))
+    w.close()
+    return got
+
+
+def test_frames_parse_across_chunks() -> None:
+    wire = vmport.frame(vmport.OPEN, 7) + vmport.frame(vmport.DATA, 7, b"hello")
+    buf = bytearray(wire[:5])
+    assert vmport.parse(buf) == []
+    buf += wire[5:]
+    assert vmport.parse(buf) == [(vmport.OPEN, 7, b""), (vmport.DATA, 7, b"hello")]
+    assert buf == b""
+
+
+def test_bad_frame_is_refused() -> None:
+    with pytest.raises(vmport.MuxError):
+        vmport.parse(bytearray(b"\x09" + b"\x00" * 8))
+    with pytest.raises(vmport.MuxError):
+        vmport.parse(bytearray(vmport.HEADER.pack(vmport.DATA, 1, vmport.MAX_PAYLOAD + 1)))
+
+
+@pytest.mark.asyncio
+async def test_many_concurrent_channels(sock_dir: Path) -> None:
+    srv = _echo_server(sock_dir / "aether.sock")
+    mux = HostMux(sock_dir / "agent.sock", PairLink(sock_dir / "aether.sock"))
+    await mux.start()
+    try:
+        await mux.wait_ready(5)
+        payloads = [os.urandom(1 + i * 4099).hex().encode() for i in range(40)]
+        got = await asyncio.gather(*(_roundtrip(mux.listen_path, p) for p in payloads))
+        assert got == [p.upper() for p in payloads]
+    finally:
+        await mux.close()
+        srv.close()
+    assert not mux.listen_path.exists()
+
+
+@pytest.mark.asyncio
+async def test_guest_close_ends_the_call_and_unknown_target_closes(sock_dir: Path) -> None:
+    link = PairLink(sock_dir / "nothing-listens.sock")
+    mux = HostMux(sock_dir / "agent.sock", link)
+    await mux.start()
+    try:
+        await mux.wait_ready(5)
+        r, w = await asyncio.open_unix_connection(str(mux.listen_path))
+        assert await asyncio.wait_for(r.read(), 5) == b""  # the guest could not connect
+        w.close()
+    finally:
+        await mux.close()
+
+
+@pytest.mark.asyncio
+async def test_link_reconnects_after_loss(sock_dir: Path) -> None:
+    srv = _echo_server(sock_dir / "aether.sock")
+    link = PairLink(sock_dir / "aether.sock")
+    mux = HostMux(sock_dir / "agent.sock", link)
+    await mux.start()
+    try:
+        await mux.wait_ready(5)
+        r, w = await asyncio.open_unix_connection(str(mux.listen_path))
+        w.write(b"abc")
+        assert await r.readexactly(3) == b"ABC"
+        link.guest_socks[-1].shutdown(socket.SHUT_RDWR)  # the VMM went away
+        assert await asyncio.wait_for(r.read(), 5) == b""  # calls in flight end
+        w.close()
+        await asyncio.wait_for(_until(lambda: mux.links_opened >= 2), 5)
+        await mux.wait_ready(5)
+        assert await _roundtrip(mux.listen_path, b"again") == b"AGAIN"
+    finally:
+        await mux.close()
+        srv.close()
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)

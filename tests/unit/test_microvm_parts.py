@@ -1,0 +1,129 @@
+"""microVM pieces that need no VM: snapshot manifests, config disk, initramfs, QEMU argv."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dsec.core.errors import InvalidArgument
+from dsec.edge.backends.microvm import disks, kernel, qemu, snapshots
+from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig
+
+
+def _snap(tmp_path: Path) -> Snapshot:
+    d = tmp_path / "snap"
+    d.mkdir()
+    (d / "state").write_bytes(os.urandom(5000))
+    (d / "qemu.json").write_text(json.dumps({"ignore_shared": True}))
+    ram = tmp_path / "ram"
+    with open(ram, "wb") as f:  # sparse: data, a hole, data
+        f.write(b"a" * 8192)
+        f.seek(1 << 20)
+        f.write(b"b" * 4096)
+    return Snapshot(dir=d, mem_file=ram, state=d / "state")
+
+
+def test_snapshot_manifest_accepts_an_intact_snapshot(tmp_path: Path) -> None:
+    snap = _snap(tmp_path)
+    snapshots.write_manifest(snap)
+    snapshots.verify(snap)
+    manifest = json.loads((snap.dir / "manifest.json").read_text())
+    assert manifest["ram"]["size"] == (1 << 20) + 4096
+    assert len(manifest["files"]["state"]["sha256"]) == 64
+
+
+@pytest.mark.parametrize("damage", ["truncate_state", "flip_state", "flip_ram", "no_manifest"])
+def test_snapshot_manifest_refuses_damage(tmp_path: Path, damage: str) -> None:
+    snap = _snap(tmp_path)
+    snapshots.write_manifest(snap)
+    if damage == "truncate_state":
+        snap.state.write_bytes(snap.state.read_bytes()[:100])
+    elif damage == "flip_state":
+        data = bytearray(snap.state.read_bytes())
+        data[10] ^= 1
+        snap.state.write_bytes(bytes(data))
+    elif damage == "flip_ram":
+        with open(snap.mem_file, "r+b") as f:
+            f.seek((1 << 20) + 5)
+            f.write(b"c")
+    else:
+        (snap.dir / "manifest.json").unlink()
+    with pytest.raises(snapshots.SnapshotCorrupt):
+        snapshots.verify(snap)
+
+
+def test_sparse_digest_sees_offsets(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for p, off in ((a, 0), (b, 1 << 20)):
+        with open(p, "wb") as f:
+            f.seek(off)
+            f.write(b"x" * 4096)
+            f.truncate(2 << 20)
+    assert snapshots.sparse_digest(a) != snapshots.sparse_digest(b)
+
+
+def test_config_disk_layout(tmp_path: Path) -> None:
+    out = disks.write_config(tmp_path / "c.img", {"A": "1", "dsec.layers": "2"})
+    data = out.read_bytes()
+    assert data.startswith(b"DSECCFG\0A=1\0dsec.layers=2\0\0")
+    assert len(data) % 512 == 0
+    with pytest.raises(InvalidArgument):
+        disks.write_config(tmp_path / "d.img", {"B": "x\0y"})
+
+
+def test_newc_archive_is_well_formed() -> None:
+    data = disks.newc_archive([("init", 0o100755, b"#!/bin/sh\n")])
+    assert data.startswith(b"070701")
+    assert b"TRAILER!!!\0" in data
+    assert len(data) % 512 == 0
+
+
+def test_fragment_lines_and_missing_symbols() -> None:
+    lines = kernel.fragment_lines()
+    assert "CONFIG_X86_MPPARSE=y" in lines
+    assert "CONFIG_VIRTIO_CONSOLE=y" in lines
+    assert "CONFIG_EROFS_FS_XATTR=y" in lines  # overlay opaque dirs, file capabilities
+    assert kernel.missing_symbols("CONFIG_A=y\n", ["CONFIG_A=y", "CONFIG_B=y"]) == ["CONFIG_B=y"]
+
+
+def test_qemu_argv(tmp_path: Path) -> None:
+    cfg = VmConfig(
+        vcpus=2,
+        memory_mib=256,
+        kernel=tmp_path / "vmlinux",
+        cmdline="quiet",
+        run_dir=tmp_path,
+        mem_file=tmp_path / "ram",
+        drives=(Drive("scratch", tmp_path / "s.qcow2", False), Drive("l0", tmp_path / "l0", True)),
+        agent_socket=tmp_path / "serial.sock",
+    )
+    tcg = qemu.QemuVmm(accel="tcg").argv(cfg, mem_path=cfg.mem_file, share=True, incoming=False)
+    joined = " ".join(tcg)
+    assert "microvm" in joined
+    assert "rtc=on" in joined
+    assert "share=on" in joined
+    assert "tsc_early_khz=" in joined
+    assert "format=qcow2" in joined
+    assert "serial=l0" in joined
+    assert "readonly=on" in joined
+    assert "-incoming" not in tcg
+    kvm = qemu.QemuVmm(accel="kvm").argv(cfg, mem_path=cfg.mem_file, share=False, incoming=True)
+    assert "tsc_early_khz" not in " ".join(kvm)
+    assert "share=off" in " ".join(kvm)
+    assert kvm[-2:] == ["-incoming", "defer"]
+
+
+def test_sparse_digest_treats_zero_pages_as_holes(tmp_path: Path) -> None:
+    """A fork child reading a hole of the template allocates a zero page there."""
+    p = tmp_path / "ram"
+    with open(p, "wb") as f:
+        f.write(b"y" * 4096)
+        f.truncate(1 << 20)
+    before = snapshots.sparse_digest(p)
+    with open(p, "r+b") as f:
+        f.seek(65536)
+        f.write(bytes(4096))
+    assert snapshots.sparse_digest(p) == before
