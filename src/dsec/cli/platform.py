@@ -29,7 +29,7 @@ home_option = click.option(
 )
 
 
-def _setup(paths: Paths, *, quiet: bool = False) -> None:
+def _setup(paths: Paths, *, quiet: bool = False, vm_image: bool = False) -> None:
     from dsec.agent.bundle import build_bundle
     from dsec.edge.images.base import build_base_image
     from dsec.edge.images.store import ImageStore
@@ -45,6 +45,7 @@ def _setup(paths: Paths, *, quiet: bool = False) -> None:
         st.update("preparing the base image (Debian bookworm minbase + python3)")
         build_base_image(ImageStore(paths.images), progress=progress)
         _setup_microvm(paths, progress)
+        _setup_vm_image(paths, progress, build=vm_image)
 
 
 def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
@@ -58,6 +59,20 @@ def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
     vm_setup.prepare(paths, progress)
 
 
+def _setup_vm_image(paths: Paths, progress: Callable[[str], None], *, build: bool) -> None:
+    """The vm backend's system image: built with --vm-image (minutes), then kept in step
+    with the agent bundle on every setup (seconds when only the bundle changed)."""
+    from dsec.edge.backends.vm import image
+
+    if not build and not image.built_before(paths.data):
+        return
+    why = image.missing()
+    if why:
+        progress(f"VM image skipped: {why}")
+        return
+    image.build_image(paths.data, paths.agent_bundle, progress=progress)
+
+
 @click.command()
 @click.option(
     "--data",
@@ -66,11 +81,16 @@ def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
     envvar="DSEC_DATA",
     help="Where images and the agent bundle live (default /var/lib/dsec).",
 )
-def setup(data: Path | None) -> None:
+@click.option(
+    "--vm-image",
+    is_flag=True,
+    help="Also build the vm backend's Debian system image (a few minutes, then cached).",
+)
+def setup(data: Path | None, vm_image: bool) -> None:
     """Build the agent bundle and the base image (cached; fast when already done)."""
     if data is not None:
         os.environ["DSEC_DATA"] = str(data)
-    _setup(Paths.from_env())
+    _setup(Paths.from_env(), vm_image=vm_image)
     _err.print("[green]setup complete[/green]")
 
 

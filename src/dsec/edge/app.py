@@ -96,6 +96,14 @@ def make_backends(
         out["microvm"] = microvm
     else:
         log(_log, "microvm backend unavailable", logging.INFO, reason=vm_avail.reason)
+    from dsec.edge.backends.vm.backend import VmBackend
+
+    fullvm = VmBackend(paths, edge_id, image_store=ImageStore(paths.images))
+    full_avail = fullvm.availability()
+    if full_avail.available:
+        out["vm"] = fullvm
+    else:
+        log(_log, "vm backend unavailable", logging.INFO, reason=full_avail.reason)
     return out
 
 
