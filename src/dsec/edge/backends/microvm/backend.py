@@ -74,7 +74,7 @@ class MicrovmBackend:
     """:class:`dsec.edge.backends.api.Backend` on QEMU microvm."""
 
     name = "microvm"
-    boot_timeout_s = BOOT_TIMEOUT_S
+    boot_timeout_s: float | None = None  # a subclass's own (default: BOOT_TIMEOUT_S)
 
     def __init__(
         self,
@@ -179,8 +179,9 @@ class MicrovmBackend:
             self._vms[sandbox_id] = vm
             await asyncio.to_thread(self._make_cgroup, sandbox_id, spec)
             vm.keeper = await asyncio.to_thread(_start_keeper, paths.state_dir)
-            await vm.vmm.boot(config, self.boot_timeout_s)
-            await self._attach(sandbox_id, vm, paths, self.boot_timeout_s)
+            boot_s = self.boot_timeout_s or BOOT_TIMEOUT_S
+            await vm.vmm.boot(config, boot_s)
+            await self._attach(sandbox_id, vm, paths, boot_s)
         except BaseException as exc:
             await asyncio.shield(self._rollback(sandbox_id, paths))
             if isinstance(exc, DsecError | asyncio.CancelledError):
