@@ -107,6 +107,7 @@ def _qemu_pids_under(path: Path) -> list[int]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(1200)  # a systemd boot under TCG: ~10 s idle, minutes on a loaded host
 async def test_full_vm_lifecycle(env: Env) -> None:
     be = env.backend
     img = be.system_image()
@@ -122,7 +123,7 @@ async def test_full_vm_lifecycle(env: Env) -> None:
         assert (await _sh(sock, "cat /proc/1/comm")).strip() == "systemd"
         assert (await _sh(sock, "uname -r")).strip() == img.kernel_version
         res = await agent_client.call(
-            sock, {"op": "exec", "cmd": "systemctl is-system-running --wait"}, timeout=240
+            sock, {"op": "exec", "cmd": "systemctl is-system-running --wait"}, timeout=600
         )
         if res.stdout.decode().strip() != "running":
             failed = await _sh(sock, "systemctl --failed --no-legend --plain || true")

@@ -32,7 +32,7 @@ from dsec.edge.backends.vm import image as vm_image
 from dsec.edge.images.store import Image, ImageConfig
 
 IMAGES = ("base",)
-VM_BOOT_TIMEOUT_S = 240.0  # systemd under TCG on a busy 2-core host: tens of seconds
+VM_BOOT_TIMEOUT_S = 480.0  # systemd under TCG: ~10 s idle, minutes on a 2-core host at load 8
 CMDLINE_MAX = 2000  # x86 COMMAND_LINE_SIZE is 2048; the driver adds console/tsc arguments
 _UNQUOTABLE = ('"', "\n", "\\")
 

@@ -8,10 +8,12 @@ Built by ``dsec setup --vm-image`` (a few minutes: mmdebstrap installs ~300 pack
   ``vmlinuz`` and ``initrd.img`` copied out of the image's own ``/boot``, ``version``;
 * ``current``: a symlink to the newest ``<key>-<bundle>``.
 
-Each VM boots ``vmlinuz``/``initrd.img`` directly (QEMU ``-kernel``/``-initrd``; no
-bootloader stage, no partition table, and the command line is ours per VM) and gets a
-qcow2 overlay backed by ``disk.qcow2``. The initramfs is Debian's ``initramfs-tools`` with
-``MODULES=list`` (virtio-pci, virtio-blk, virtio-console, ext4): 6 MB instead of 30 MB.
+Each VM boots ``vmlinuz`` directly (QEMU ``-kernel``/``-initrd``: no bootloader stage, no
+partition table, and the command line is ours per VM) and gets a qcow2 overlay backed by
+``disk.qcow2``. The initramfs is ours (``guest/vmboot.c`` plus the image's virtio and ext4
+modules): it mounts the root and executes systemd in milliseconds, where Debian's
+(udev coldplug) took ~35 s of guest time under TCG on a loaded host. Debian's own
+``initramfs-tools`` stays installed (``MODULES=list``) so kernel updates inside work.
 
 In the guest, systemd starts two units early (``DefaultDependencies=no``):
 ``dsec-aether.socket``/``.service`` (the bundle's init and aether on a socket-activated
@@ -46,6 +48,10 @@ PACKAGES = (
     "python3", "procps", "ca-certificates", "iproute2",
 )  # fmt: skip
 INITRD_MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "ext4")
+# What our initramfs (guest/vmboot.c) loads: crc32c before ext4 (metadata_csum needs it and
+# there is no modprobe to fetch it on demand), virtio_console so the agent port is there.
+BOOT_MODULES = ("crc32c_generic", "virtio_pci", "virtio_blk", "virtio_console", "ext4")
+VMBOOT_C = Path(__file__).parent / "guest" / "vmboot.c"
 DISK_SIZE = "8G"  # sparse; the overlay of each VM grows with what the guest writes
 # Units the image does not need (no VGA console, no apt timers, no periodic scrubbing).
 MASKED = (
@@ -174,7 +180,7 @@ def missing() -> str | None:
     """Why the image cannot be built here (None when it can)."""
     if os.geteuid() != 0:
         return "building the VM image needs root (mmdebstrap --mode=root)"
-    for tool in ("mmdebstrap", "mkfs.ext4", "qemu-img"):
+    for tool in ("mmdebstrap", "mkfs.ext4", "qemu-img", "gcc"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed"
     if not find_apt_sources():
@@ -232,7 +238,8 @@ def build_image(
         bundle_key = (bundle / STAMP).read_text().strip()[:12]
     except OSError:
         raise Unavailable(f"no agent bundle at {bundle}: build it first (`dsec setup`)") from None
-    dest = root / f"{key}-{bundle_key}"
+    boot = hashlib.sha256(VMBOOT_C.read_bytes() + " ".join(BOOT_MODULES).encode())
+    dest = root / f"{key}-{bundle_key}-{boot.hexdigest()[:8]}"
     if not force and (img := _image_in(dest)) is not None:
         _point_current(root, dest)
         return img
@@ -272,7 +279,8 @@ def _build_disk(rootfs: Path, bundle: Path, dest: Path, say: Progress) -> VmImag
             raise Internal(f"no kernel in {rootfs}/boot")
         version = kernels[-1].name.removeprefix("vmlinuz-")
         shutil.copyfile(kernels[-1], tmp / "vmlinuz")
-        shutil.copyfile(rootfs / "boot" / f"initrd.img-{version}", tmp / "initrd.img")
+        say("VM image: initramfs (vmboot + the boot modules)")
+        _build_initramfs(rootfs, version, tmp / "initrd.img")
         say("VM image: installing the agent bundle at /.dsec")
         agent = rootfs / ".dsec"
         shutil.rmtree(agent, ignore_errors=True)
@@ -294,6 +302,48 @@ def _build_disk(rootfs: Path, bundle: Path, dest: Path, say: Progress) -> VmImag
     return img
 
 
+def module_order(modules_dep: str, wanted: Sequence[str]) -> list[str]:
+    """Module paths (relative to the modules dir) to load for ``wanted``, deps first."""
+    deps: dict[str, list[str]] = {}
+    by_name: dict[str, str] = {}
+    for line in modules_dep.splitlines():
+        path, _, rest = line.partition(":")
+        deps[path] = rest.split()
+        by_name[Path(path).name.removesuffix(".ko").replace("-", "_")] = path
+    order: list[str] = []
+
+    def visit(path: str) -> None:
+        for d in reversed(deps.get(path, [])):
+            visit(d)
+        if path not in order:
+            order.append(path)
+
+    for name in wanted:
+        if name not in by_name:
+            raise Internal(f"kernel module {name} not found in modules.dep")
+        visit(by_name[name])
+    return order
+
+
+def _build_initramfs(rootfs: Path, version: str, dest: Path) -> None:
+    from dsec.edge.backends.microvm.disks import newc_archive
+
+    moddir = rootfs / "usr" / "lib" / "modules" / version
+    order = module_order((moddir / "modules.dep").read_text(), BOOT_MODULES)
+    binary = dest.with_name("vmboot")
+    _run(["gcc", "-static", "-O2", "-s", "-o", str(binary), str(VMBOOT_C)])
+    entries = [("m", 0o040755, b"")]
+    names = []
+    for i, rel in enumerate(order):
+        name = f"m/{i:02d}-{Path(rel).name}"
+        entries.append((name, 0o100644, (moddir / rel).read_bytes()))
+        names.append("/" + name)
+    entries.append(("modules", 0o100644, ("\n".join(names) + "\n").encode()))
+    entries.append(("init", 0o100755, binary.read_bytes()))
+    binary.unlink()
+    dest.write_bytes(newc_archive(entries))
+
+
 def _point_current(root: Path, dest: Path) -> None:
     link = root / "current"
     with contextlib.suppress(OSError):
@@ -309,7 +359,7 @@ def _remove_stale(root: Path, keep: set[str], say: Progress) -> None:
     """Drop older builds. A running VM's overlay still reads its base: QEMU holds it open,
     so the unlinked file lives on until that VM ends."""
     for d in root.iterdir():
-        if d.is_dir() and not d.name.startswith(".") and d.name not in keep:
+        if d.is_dir() and not d.is_symlink() and not d.name.startswith(".") and d.name not in keep:
             say(f"VM image: removing the old build {d.name}")
             shutil.rmtree(d, ignore_errors=True)
 
