@@ -85,6 +85,7 @@ def test_fragment_lines_and_missing_symbols() -> None:
     lines = kernel.fragment_lines()
     assert "CONFIG_X86_MPPARSE=y" in lines
     assert "CONFIG_VIRTIO_CONSOLE=y" in lines
+    assert "CONFIG_EROFS_FS_XATTR=y" in lines  # overlay opaque dirs, file capabilities
     assert kernel.missing_symbols("CONFIG_A=y\n", ["CONFIG_A=y", "CONFIG_B=y"]) == ["CONFIG_B=y"]
 
 

@@ -186,7 +186,7 @@ class QemuVmm:
         await asyncio.to_thread((c.run_dir / "qemu.pid").write_text, pid_line)
         try:
             self._qmp = await self._with_watchdog(
-                Qmp.connect(c.run_dir / "qmp.sock", timeout_s), timeout_s
+                Qmp.connect(c.run_dir / "qmp.sock", timeout_s + 5), timeout_s
             )
         except BaseException:
             await self.kill()
