@@ -87,3 +87,25 @@ def test_current_image_needs_every_file(tmp_path: Path) -> None:
     assert img is not None
     assert img.kernel_version == "6.1.0-test"
     assert image.built_before(tmp_path)
+
+
+def test_module_order_puts_dependencies_first() -> None:
+    dep = (
+        "kernel/fs/ext4/ext4.ko: kernel/lib/crc16.ko kernel/fs/jbd2/jbd2.ko\n"
+        "kernel/lib/crc16.ko:\n"
+        "kernel/fs/jbd2/jbd2.ko:\n"
+        "kernel/crypto/crc32c_generic.ko:\n"
+        "kernel/drivers/virtio/virtio_pci.ko: kernel/drivers/virtio/virtio.ko\n"
+        "kernel/drivers/virtio/virtio.ko:\n"
+    )
+    order = image.module_order(dep, ["crc32c_generic", "virtio_pci", "ext4"])
+    assert order == [
+        "kernel/crypto/crc32c_generic.ko",
+        "kernel/drivers/virtio/virtio.ko",
+        "kernel/drivers/virtio/virtio_pci.ko",
+        "kernel/fs/jbd2/jbd2.ko",
+        "kernel/lib/crc16.ko",
+        "kernel/fs/ext4/ext4.ko",
+    ]
+    with pytest.raises(Exception, match="not found"):
+        image.module_order(dep, ["nosuchmod"])
