@@ -54,7 +54,7 @@ class Node:
         self.paths = Paths(home=root / "home", data=root / "data", run=run)
         (run / "sbx").mkdir(parents=True, exist_ok=True)
         build_bundle(self.paths.agent_bundle)
-        self.cgroup_parent = f"dsecbench-{os.urandom(3).hex()}"
+        self.cgroup_parent = f"dsec-microvm-bench-{os.urandom(3).hex()}"
         self.backend = MicrovmBackend(
             self.paths,
             "e0b1",

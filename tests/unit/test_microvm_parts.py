@@ -114,3 +114,16 @@ def test_qemu_argv(tmp_path: Path) -> None:
     assert "tsc_early_khz" not in " ".join(kvm)
     assert "share=off" in " ".join(kvm)
     assert kvm[-2:] == ["-incoming", "defer"]
+
+
+def test_sparse_digest_treats_zero_pages_as_holes(tmp_path: Path) -> None:
+    """A fork child reading a hole of the template allocates a zero page there."""
+    p = tmp_path / "ram"
+    with open(p, "wb") as f:
+        f.write(b"y" * 4096)
+        f.truncate(1 << 20)
+    before = snapshots.sparse_digest(p)
+    with open(p, "r+b") as f:
+        f.seek(65536)
+        f.write(bytes(4096))
+    assert snapshots.sparse_digest(p) == before

@@ -2,7 +2,7 @@
 
 ``manifest.json`` in the snapshot directory lists the device state, the driver's notes and
 the RAM file with their sizes and digests. The RAM file is sparse (guest pages never
-touched are holes), so its digest covers the data extents and their offsets only. A
+touched are holes), so its digest covers its non-zero pages and their offsets only. A
 truncated or altered file is refused before QEMU loads anything from it.
 """
 
@@ -18,6 +18,8 @@ from dsec.edge.backends.microvm.vmm import Snapshot
 
 MANIFEST = "manifest.json"
 CHUNK = 4 << 20
+PAGE = 4096
+ZERO_PAGE = bytes(PAGE)
 
 
 class SnapshotCorrupt(SandboxFailed):
@@ -25,7 +27,8 @@ class SnapshotCorrupt(SandboxFailed):
 
 
 def sparse_digest(path: Path) -> str:
-    """sha256 over (offset, bytes) of every data extent of ``path``."""
+    """sha256 over (offset, page) of every non-zero page of ``path`` (holes are skipped
+    without reading them), plus its size."""
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -38,19 +41,31 @@ def sparse_digest(path: Path) -> str:
             except OSError:  # ENXIO: only a hole is left
                 break
             end = os.lseek(fd, start, os.SEEK_HOLE)
-            h.update(start.to_bytes(8, "big"))
             os.lseek(fd, start, os.SEEK_SET)
-            left = end - start
-            while left > 0:
-                data = os.read(fd, min(CHUNK, left))
+            off = start
+            while off < end:
+                data = os.read(fd, min(CHUNK, end - off))
                 if not data:
                     break
-                h.update(data)
-                left -= len(data)
+                _hash_nonzero_pages(h, off, data)
+                off += len(data)
             pos = end
     finally:
         os.close(fd)
     return h.hexdigest()
+
+
+def _hash_nonzero_pages(h: hashlib._Hash, off: int, data: bytes) -> None:
+    """Hash (offset, page) for every page that is not all zeros: a zero page and a hole
+    are the same RAM (a fork child reading a hole of the tmpfs file allocates a zero page)."""
+    if data.count(0) == len(data):
+        return
+    mv = memoryview(data)
+    for i in range(0, len(data), PAGE):
+        page = mv[i : i + PAGE]
+        if page != ZERO_PAGE[: len(page)]:
+            h.update((off + i).to_bytes(8, "big"))
+            h.update(page)
 
 
 def _entry(path: Path, sparse: bool = False) -> dict[str, object]:
