@@ -29,7 +29,7 @@ home_option = click.option(
 )
 
 
-def _setup(paths: Paths, *, quiet: bool = False) -> None:
+def _setup(paths: Paths, *, quiet: bool = False, vm_image: bool = False) -> None:
     from dsec.agent.bundle import build_bundle
     from dsec.edge.images.base import build_base_image
     from dsec.edge.images.store import ImageStore
@@ -45,6 +45,7 @@ def _setup(paths: Paths, *, quiet: bool = False) -> None:
         st.update("preparing the base image (Debian bookworm minbase + python3)")
         build_base_image(ImageStore(paths.images), progress=progress)
         _setup_microvm(paths, progress)
+        _setup_vm_image(paths, progress, build=vm_image)
 
 
 def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
@@ -56,6 +57,20 @@ def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
         progress(f"microVM backend skipped: {why}")
         return
     vm_setup.prepare(paths, progress)
+
+
+def _setup_vm_image(paths: Paths, progress: Callable[[str], None], *, build: bool) -> None:
+    """The vm backend's system image: built with --vm-image (minutes), then kept in step
+    with the agent bundle on every setup (seconds when only the bundle changed)."""
+    from dsec.edge.backends.vm import image
+
+    if not build and not image.built_before(paths.data):
+        return
+    why = image.missing()
+    if why:
+        progress(f"VM image skipped: {why}")
+        return
+    image.build_image(paths.data, paths.agent_bundle, progress=progress)
 
 
 @click.command()
@@ -71,12 +86,17 @@ def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
     is_flag=True,
     help="Also build the code-interpreter-v1 image (pip installs its packages on this host).",
 )
-def setup(data: Path | None, code_interpreter: bool) -> None:
+@click.option(
+    "--vm-image",
+    is_flag=True,
+    help="Also build the vm backend's Debian system image (a few minutes, then cached).",
+)
+def setup(data: Path | None, code_interpreter: bool, vm_image: bool) -> None:
     """Build the agent bundle and the base image (cached; fast when already done)."""
     if data is not None:
         os.environ["DSEC_DATA"] = str(data)
     paths = Paths.from_env()
-    _setup(paths)
+    _setup(paths, vm_image=vm_image)
     if code_interpreter:
         from dsec.edge.images.store import ImageStore
         from dsec.interpreter.image import build_image

@@ -80,13 +80,15 @@ def candidate_backends(
     from dsec.edge.backends.container.backend import ContainerBackend
     from dsec.edge.backends.function.backend import FunctionBackend
     from dsec.edge.backends.microvm.backend import MicrovmBackend
+    from dsec.edge.backends.vm.backend import VmBackend
     from dsec.edge.images.store import ImageStore
 
     store = ImageStore(paths.images)
     container = ContainerBackend(paths, edge_id, image_store=store, network=network)
     function = FunctionBackend(paths, edge_id, image_store=store)
     microvm = MicrovmBackend(paths, edge_id, image_store=store)
-    return [container, function, microvm]
+    fullvm = VmBackend(paths, edge_id, image_store=store)
+    return [container, function, microvm, fullvm]
 
 
 def make_backends(candidates: list[Backend]) -> dict[str, Backend]:

@@ -53,7 +53,7 @@ from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.microvm import disks, kernel, qemu, snapshots
 from dsec.edge.backends.microvm.mux import HostMux, SerialLink
 from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig
-from dsec.edge.images.store import ImageStore
+from dsec.edge.images.store import Image, ImageStore
 from dsec.obs import log
 from dsec.paths import Paths
 
@@ -81,6 +81,7 @@ class MicrovmBackend:
     """:class:`dsec.edge.backends.api.Backend` on QEMU microvm."""
 
     name = "microvm"
+    boot_timeout_s: float | None = None  # a subclass's own (default: BOOT_TIMEOUT_S)
 
     def __init__(
         self,
@@ -178,7 +179,7 @@ class MicrovmBackend:
         kern = self.kernel()
         if kern is None:
             raise BackendUnavailable("no guest kernel on this node: run `dsec setup`")
-        image = self.images.resolve(spec.image)
+        image = self._image(spec)
         if paths.state_dir.exists():
             await self.destroy(sandbox_id, paths)
         try:
@@ -199,8 +200,9 @@ class MicrovmBackend:
             self._vms[sandbox_id] = vm
             await asyncio.to_thread(self._make_cgroup, sandbox_id, spec)
             vm.keeper = await asyncio.to_thread(_start_keeper, paths.state_dir)
-            await vm.vmm.boot(config, BOOT_TIMEOUT_S)
-            await self._attach(sandbox_id, vm, paths, BOOT_TIMEOUT_S)
+            boot_s = self.boot_timeout_s or BOOT_TIMEOUT_S
+            await vm.vmm.boot(config, boot_s)
+            await self._attach(sandbox_id, vm, paths, boot_s)
         except BaseException as exc:
             await asyncio.shield(self._rollback(sandbox_id, paths))
             if isinstance(exc, DsecError | asyncio.CancelledError):
@@ -210,6 +212,9 @@ class MicrovmBackend:
             raise
         log(_log, "microvm started", sandbox_id=sandbox_id, qemu=vm.vmm.pid, edge=self.edge_id)
         return Started(pid=vm.keeper)
+
+    def _image(self, spec: SandboxSpec) -> Image:
+        return self.images.resolve(spec.image)
 
     def _shared_images(self, layer_dirs: tuple[Path, ...]) -> dict[str, str]:
         out = {

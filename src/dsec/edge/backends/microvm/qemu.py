@@ -138,9 +138,13 @@ class QemuVmm:
             khz = host_tsc_khz()
             if khz:
                 cmdline += f" tsc_early_khz={khz}"
+        # extra["machine"] = "q35": a standard PC (SeaBIOS, virtio-pci) for full VMs
+        q35 = c.extra.get("machine") == "q35"
+        machine = "q35" if q35 else "microvm,x-option-roms=off,rtc=on,isa-serial=on"
+        bus = "pci" if q35 else "device"
         argv = [
             QEMU,
-            "-M", "microvm,x-option-roms=off,rtc=on,isa-serial=on,memory-backend=mem",
+            "-M", f"{machine},memory-backend=mem",
             "-accel", self.accel,
             "-cpu", "max" if self.accel == "tcg" else "host",
             "-smp", str(c.vcpus),
@@ -153,8 +157,8 @@ class QemuVmm:
             "-chardev", f"file,id=con,path={rd / 'console.log'}",
             "-serial", "chardev:con",
             "-qmp", f"unix:{rd / 'qmp.sock'},server=on,wait=off",
-            "-device", "virtio-rng-device",
-            "-device", "virtio-serial-device",
+            "-device", f"virtio-rng-{bus}",
+            "-device", f"virtio-serial-{bus}",
             "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
         ]  # fmt: skip
@@ -166,7 +170,7 @@ class QemuVmm:
             ro = ",readonly=on" if d.read_only else ""
             argv += [
                 "-drive", f"file={d.path},if=none,id=d{i},format={fmt},cache=unsafe{ro}",
-                "-device", f"virtio-blk-device,drive=d{i},serial={d.drive_id}",
+                "-device", f"virtio-blk-{bus},drive=d{i},serial={d.drive_id}",
             ]  # fmt: skip
         if incoming:
             argv += ["-incoming", "defer"]

@@ -1,0 +1,166 @@
+"""The full-VM backend: a QEMU ``q35`` PC booting the Debian system image with systemd.
+
+It is the microVM backend with a different machine and disk: the same QEMU driver
+(``extra["machine"] = "q35"``: SeaBIOS, virtio-pci devices), the same agent channel mux,
+keeper process, cgroups, snapshots (pause = snapshot to a file + quit QEMU, resume =
+restore), fork and destroy. What differs:
+
+* the guest boots the image's own kernel and initramfs (``image.VmImage``), with
+  ``root=/dev/vda``: one qcow2 overlay per VM on the shared base disk (copy-on-write);
+* systemd is PID 1; aether and the channel multiplexer are systemd services of the image;
+* the sandbox's environment and hostname travel on the kernel command line
+  (``systemd.setenv=``, ``systemd.hostname=``), so there is no config disk to read;
+* boots take seconds (systemd), so the boot watchdog allows more.
+
+``spec.image`` names the system image; only the built-in ``base`` (Debian bookworm,
+built by ``dsec setup --vm-image``) exists today.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dsec.core.errors import BackendUnavailable, ImageNotFound, InvalidArgument
+from dsec.core.spec import SandboxSpec
+from dsec.edge.backends.api import Availability, Capabilities, SandboxPaths
+from dsec.edge.backends.microvm import disks, qemu
+from dsec.edge.backends.microvm.backend import MicrovmBackend, _save_meta
+from dsec.edge.backends.microvm.vmm import Drive, VmConfig
+from dsec.edge.backends.vm import image as vm_image
+from dsec.edge.images.store import Image, ImageConfig
+
+IMAGES = ("base",)
+VM_BOOT_TIMEOUT_S = 480.0  # systemd under TCG: ~10 s idle, minutes on a 2-core host at load 8
+CMDLINE_MAX = 2000  # x86 COMMAND_LINE_SIZE is 2048; the driver adds console/tsc arguments
+_UNQUOTABLE = ('"', "\n", "\\")
+
+
+class VmBackend(MicrovmBackend):
+    """:class:`dsec.edge.backends.api.Backend` on QEMU q35 + the Debian system image."""
+
+    name = "vm"
+    boot_timeout_s = VM_BOOT_TIMEOUT_S
+
+    def availability(self) -> Availability:
+        if os.geteuid() != 0:
+            return Availability(False, "the vm backend needs root")
+        why = qemu.available()
+        if why:
+            return Availability(False, why)
+        img = self.system_image()
+        if img is None:
+            return Availability(False, "no VM system image: run `dsec setup --vm-image`")
+        return Availability(
+            True, f"QEMU q35, accel {qemu.accelerator()}, Debian kernel {img.kernel_version}"
+        )
+
+    def capabilities(self) -> Capabilities:
+        """A full OS (systemd, its own kernel and modules); otherwise as the microVM."""
+        caps = super().capabilities()
+        return replace(
+            caps,
+            notes=f"QEMU q35 + Debian with systemd, accel {qemu.accelerator()}; image base only",
+        )
+
+    def system_image(self) -> vm_image.VmImage | None:
+        return vm_image.current_image(self.paths.data)
+
+    def kernel(self) -> Path | None:
+        img = self.system_image()
+        return img.kernel if img is not None else None
+
+    def _image(self, spec: SandboxSpec) -> Image:
+        if spec.image not in IMAGES:
+            raise ImageNotFound(
+                f"the vm backend boots a system image ({', '.join(IMAGES)}), "
+                f"not {spec.image!r}: container images need backend container or microvm"
+            )
+        return Image(name=spec.image, diff_ids=(), layer_dirs=(), config=ImageConfig(), created="")
+
+    def _shared_images(self, layer_dirs: tuple[Path, ...]) -> dict[str, str]:
+        img = self.system_image()
+        if img is None:
+            raise BackendUnavailable("no VM system image on this node: run `dsec setup --vm-image`")
+        return {"disk": str(img.disk), "initrd": str(img.initrd), "kernel": str(img.kernel)}
+
+    def _prepare_state(
+        self,
+        sandbox_id: str,
+        paths: SandboxPaths,
+        spec: SandboxSpec,
+        shared: dict[str, str],
+        kern: Path,
+        env: dict[str, str],
+        layers: int,
+    ) -> None:
+        cmdline = guest_cmdline(sandbox_id, env)
+        sd = paths.state_dir
+        sd.mkdir(parents=True, exist_ok=True)
+        # The VM's disk is named like the microVM's writable disk, so fork (which freezes
+        # and re-overlays "scratch.qcow2") works unchanged; config.img is empty here.
+        disks.make_overlay(Path(shared["disk"]), sd / "scratch.qcow2", "qcow2")
+        disks.write_config(sd / "config.img", {})
+        meta: dict[str, Any] = {
+            "vcpus": max(1, round(spec.cpu)),
+            "memory_mib": spec.memory_mb,
+            "kernel": shared["kernel"],
+            "shared": shared,
+            "layers": 0,
+            "cmdline": cmdline,
+            "agent_socket": str(paths.agent_socket),
+            "mem_gen": "",
+            "shared_ram": True,
+        }
+        _save_meta(sd, meta)
+
+    def _config(self, sandbox_id: str, paths: SandboxPaths, meta: dict[str, Any]) -> VmConfig:
+        run = self.run_dir(sandbox_id)
+        return VmConfig(
+            vcpus=meta["vcpus"],
+            memory_mib=meta["memory_mib"],
+            kernel=Path(meta["kernel"]),
+            cmdline=meta["cmdline"],
+            run_dir=run,
+            mem_file=self.mem_file(sandbox_id, meta.get("mem_gen", "")),
+            drives=(Drive("root", paths.state_dir / "scratch.qcow2", read_only=False),),
+            agent_socket=run / "serial.sock",
+            extra={
+                "machine": "q35",
+                "initrd": meta["shared"]["initrd"],
+                "cgroups": ":".join(self._cgroup_dirs(sandbox_id)),
+            },
+        )
+
+
+def guest_cmdline(sandbox_id: str, env: dict[str, str]) -> str:
+    """The kernel command line: root disk, quiet systemd, hostname and environment.
+
+    Raises:
+        InvalidArgument: a value systemd cannot take from the command line (quotes,
+            newlines, backslashes) or an environment too large for it.
+    """
+    parts = [
+        "root=/dev/vda",
+        "rw",
+        "quiet",
+        "loglevel=3",
+        "systemd.show_status=false",
+        f"systemd.hostname={sandbox_id}",
+    ]
+    for key, value in env.items():
+        if any(ch in value for ch in _UNQUOTABLE):
+            raise InvalidArgument(
+                f"env {key}: the vm backend cannot pass quotes, backslashes or newlines"
+            )
+        item = f"systemd.setenv={key}={value}"
+        parts.append(f'"{item}"' if (" " in item or "\t" in item) else item)
+    line = " ".join(parts)
+    if len(line) > CMDLINE_MAX:
+        raise InvalidArgument(
+            f"the environment is too large for the vm backend ({len(line)} > {CMDLINE_MAX} "
+            "bytes on the kernel command line)"
+        )
+    return line
