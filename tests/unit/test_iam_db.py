@@ -296,3 +296,14 @@ def test_role_grants(db: IamDb) -> None:
     assert [g.project for g in db.list_grants("alice")] == ["org"]
     actions = [x.action for x in db.query_audit(AuditQuery(action="role."))]
     assert actions == ["role.grant"] * 4 + ["role.remove"]
+
+
+def test_a_database_from_before_roles_keeps_its_platform_admin(tmp_path: Path) -> None:
+    d = IamDb(tmp_path / "old.db")
+    assert d.bootstrap(lambda _k, _t: None)
+    raw = sqlite3.connect(tmp_path / "old.db")
+    with raw:
+        raw.execute("DELETE FROM grants")  # as written by a version without roles
+    raw.close()
+    assert not d.bootstrap(lambda _k, _t: None)
+    assert ("*", "admin", "admin") in {(g.project, g.subject, g.role) for g in d.list_grants()}

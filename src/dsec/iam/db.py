@@ -188,6 +188,10 @@ class IamDb(QuotasMixin):
         """
         with self._write() as db:
             if db.execute("SELECT 1 FROM meta WHERE key = 'bootstrapped'").fetchone():
+                # A database from before per-project roles had no grants: its bootstrap
+                # admin keeps the platform-wide admin role it had then.
+                if not db.execute("SELECT 1 FROM grants WHERE project = ?", (PLATFORM,)).fetchone():
+                    db.execute("INSERT INTO grants VALUES (?, 'admin', 'admin')", (PLATFORM,))
                 return False
             now = self._clock()
             self._upsert_project(db, DEFAULT_QUOTA, now)
