@@ -252,3 +252,38 @@ def test_skopeo_reads_and_copies_a_saved_tarball(
     image = Puller(dst).pull(f"{reg.host}/t/skopeo:v1", PullOptions(insecure=True))
     assert [b.digest for b in image.layer_blobs] == [x["digest"] for x in manifest["layers"]]
     assert (image.layer_dirs[0] / "opt/new").read_bytes() == b"new"
+
+
+def test_load_a_multi_arch_tarball_written_by_skopeo(reg: LocalRegistry, tmp_path: Path) -> None:
+    """skopeo's oci-archive of an index: index.json points at the index; we pick amd64."""
+    if shutil.which("skopeo") is None:
+        pytest.skip("needs skopeo (apt-get install skopeo)")
+    pushed = push_image(
+        reg,
+        "t/multi:v1",
+        [TarBuilder().file("common", b"c").build()],
+        platforms=("linux/amd64", "linux/arm64"),
+    )
+    out = tmp_path / "multi.tar"
+    env = {**os.environ, "TMPDIR": tempfile.mkdtemp(dir=tmp_path)}
+    proc = subprocess.run(
+        [
+            "skopeo",
+            "copy",
+            "--all",
+            "--src-tls-verify=false",
+            f"docker://{reg.host}/t/multi:v1",
+            f"oci-archive:{out}:multi/app:v1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    dst = ImageStore(tmp_path / "dst")
+    assert _load(dst, out) == ["multi/app:v1"]
+    image = dst.resolve("multi/app:v1")
+    amd64 = json.loads(_members(out)[f"blobs/sha256/{pushed.manifests['linux/amd64'][7:]}"])
+    assert [b.digest for b in image.layer_blobs] == [x["digest"] for x in amd64["layers"]]
+    assert (image.layer_dirs[-1] / "common").read_bytes() == b"c"

@@ -296,4 +296,7 @@ def _keep(store: ImageStore, src: Path, digest: str) -> None:
     if dest.is_file() or not src.is_file():
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(src, dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    os.link(src, tmp)  # scratch is on the store's filesystem
+    os.replace(tmp, dest)
