@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -287,3 +287,45 @@ def test_load_a_multi_arch_tarball_written_by_skopeo(reg: LocalRegistry, tmp_pat
     amd64 = json.loads(_members(out)[f"blobs/sha256/{pushed.manifests['linux/amd64'][7:]}"])
     assert [b.digest for b in image.layer_blobs] == [x["digest"] for x in amd64["layers"]]
     assert (image.layer_dirs[-1] / "common").read_bytes() == b"c"
+
+
+@pytest.mark.asyncio
+async def test_edge_streams_save_and_load_and_survives_a_dropped_client(tmp_path: Path) -> None:
+    """EdgeImages.save/load move the tar in chunks; a client gone mid-save ends the worker."""
+    from dsec.edge.images.service import EdgeImages
+    from dsec.rpc._gen import dsec_pb2 as pb
+
+    store = ImageStore(tmp_path / "src")
+    tar = tmp_path / "big.tar"
+    tar.write_bytes(TarBuilder().file("big", os.urandom(3 << 20)).build())
+    store.write_ref("local/big:v1", [store.import_trusted_tar(tar)], ImageConfig())
+    svc = EdgeImages(store, "e0", None)
+    chunks = [c.data async for c in svc.save("local/big:v1")]
+    assert len(chunks) > 2
+    assert svc._users == 0
+
+    gen = svc.save("local/big:v1")
+    assert isinstance(gen, AsyncGenerator)
+    await anext(gen)
+    await gen.aclose()  # the client went away: the saving thread must not hang
+    assert svc._users == 0
+
+    dst = EdgeImages(ImageStore(tmp_path / "dst"), "e1", None)
+
+    async def requests() -> AsyncIterator[pb.LoadImageRequest]:
+        yield pb.LoadImageRequest(name="local/copy:v1")
+        for c in chunks:
+            yield pb.LoadImageRequest(data=c)
+
+    events = [ev async for ev in dst.load(requests())]
+    assert events[-1].image.name == "local/copy:v1"
+    assert any(ev.progress.status == "verified" for ev in events[:-1])
+
+    async def cut() -> AsyncIterator[pb.LoadImageRequest]:
+        yield pb.LoadImageRequest(name="local/cut:v1")
+        yield pb.LoadImageRequest(data=chunks[0])
+
+    with pytest.raises(InvalidArgument):
+        _ = [ev async for ev in dst.load(cut())]
+    assert [i.name for i in dst.store.list()] == ["local/copy:v1"]
+    assert dst._users == 0
