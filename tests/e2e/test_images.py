@@ -198,3 +198,50 @@ def test_pack_push_then_pull_back(
         finally:
             again.kill()
             again.close()
+
+
+def test_cli_save_then_load_and_sandbox(
+    setup: tuple[RunningPlatform, LocalRegistry, LocalRegistry, Path], tmp_path: Path
+) -> None:
+    """save -> rm + gc -> load (under a new name too) -> a sandbox from the loaded image."""
+    platform, reg, _, shared = setup
+    _image(reg, shared, "e2e/savebase:v1")
+    ref = f"{reg.host}/e2e/savebase:v1"
+    env = platform.env()
+    dsec = [sys.executable, "-m", "dsec.cli.main"]
+    out = tmp_path / "app.tar"
+    with Client(api_url=platform.api_url, api_key=platform.admin_key) as client:
+        client.pull_image(ref, insecure=True)
+        res = subprocess.run(
+            [*dsec, "image", "save", ref, "-o", str(out)], env=env, capture_output=True, timeout=120
+        )
+        assert res.returncode == 0, res.stderr
+        assert out.stat().st_size > 0
+        client.remove_image(ref)
+        client.gc_images()
+        res = subprocess.run(
+            [*dsec, "image", "load", "--json", str(out)], env=env, capture_output=True, timeout=120
+        )
+        assert res.returncode == 0, res.stderr
+        assert [i["name"] for i in json.loads(res.stdout)] == [ref]
+        events: list[dict[str, Any]] = []
+        loaded = client.load_image(out, name="local/loaded:1", progress=events.append)
+        assert [i["name"] for i in loaded] == ["local/loaded:1"]
+        assert {e["status"] for e in events} >= {"verified", "exists"}
+        sbx = Sandbox.create(image="local/loaded:1", client=client, timeout=120)
+        try:
+            assert sbx.exec("echo $GREETING; cat /work/hello.txt").stdout == (
+                "hello\nfrom the image\n"
+            )
+        finally:
+            sbx.kill()
+            sbx.close()
+        cut = tmp_path / "cut.tar"
+        cut.write_bytes(out.read_bytes()[: out.stat().st_size // 2])
+        with pytest.raises(InvalidArgument):
+            client.load_image(cut, name="local/cut:1")
+        assert "local/cut:1" not in [i["name"] for i in client.list_images()]
+        with pytest.raises(ImageNotFound):
+            client.save_image("local/nope:1", tmp_path / "nope.tar")
+        assert not (tmp_path / "nope.tar").exists()
+        assert not list(tmp_path.glob(".*.part"))

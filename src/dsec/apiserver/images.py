@@ -1,4 +1,5 @@
-"""Image routes: pull onto the edges, list, remove, gc (each edge owns its image store).
+"""Image routes: pull onto the edges, list, remove, gc, save/load as OCI layout tars (each
+edge owns its image store).
 
 ``POST /v1/images/pull`` pulls on every healthy edge (or the one named by ``edge_id``) at
 once. With ``"stream": true`` the answer is NDJSON: ``{"edge_id", "progress": {...}}`` lines
@@ -18,7 +19,7 @@ from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, flag, json_body, ok, principal, query, sandbox_id
 from dsec.apiserver.roles import require_admin_on
 from dsec.apiserver.upstream import EdgeEntry, rpc
-from dsec.core.errors import DsecError, InvalidArgument, Unavailable
+from dsec.core.errors import DsecError, ImageNotFound, InvalidArgument, Unavailable
 from dsec.rpc._gen import dsec_pb2 as pb
 
 PULL_TIMEOUT_S = 3600.0
@@ -305,7 +306,94 @@ async def build(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def save(request: web.Request) -> web.StreamResponse:
+    """The image ?name= as an OCI image-layout tar, from the first edge that has it
+    (or ?edge_id=)."""
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    req = pb.ImageRef(name=query(request, "name"))
+    last: DsecError | None = None
+    for entry in await _edges(request, query(request, "edge_id", required=False)):
+        call = c.upstream.edge_stub(entry).SaveImage(
+            req, metadata=p.metadata(), timeout=PULL_TIMEOUT_S
+        )
+        stream = aiter(call)
+        try:
+            first = await rpc(f"edge {entry.edge_id}", anext(stream, None))
+        except ImageNotFound as exc:
+            last = exc
+            call.cancel()
+            continue
+        filename = req.name.replace("/", "_").replace(":", "_") + ".tar"
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "application/x-tar",
+                "Content-Disposition": f'attachment; filename="{filename}"',
+            }
+        )
+        await resp.prepare(request)
+        try:
+            chunk = first
+            while chunk is not None:
+                await resp.write(chunk.data)
+                chunk = await rpc(f"edge {entry.edge_id}", anext(stream, None))
+        except DsecError:
+            call.cancel()
+            raise  # the client sees a cut tar, which a load refuses
+        await resp.write_eof()
+        return resp
+    assert last is not None
+    raise last
+
+
+async def load(request: web.Request) -> web.StreamResponse:
+    """Import the OCI layout tar in the body on one edge (?edge_id=, else the first);
+    ?name= names a single-image tarball. NDJSON answer, as for a streamed pull."""
+    c, p = ctx(request), principal(request)
+    p.require("member")
+    name = query(request, "name", required=False)
+    entry = (await _edges(request, query(request, "edge_id", required=False)))[0]
+
+    async def requests() -> AsyncIterator[pb.LoadImageRequest]:
+        yield pb.LoadImageRequest(name=name)
+        async for chunk in request.content.iter_chunked(BUILD_CHUNK):
+            yield pb.LoadImageRequest(data=chunk)
+
+    call = c.upstream.edge_stub(entry).LoadImage(
+        requests(), metadata=p.metadata(), timeout=PULL_TIMEOUT_S
+    )
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    images: list[dict[str, Any]] = []
+
+    async def relay() -> None:
+        async for ev in call:
+            if ev.HasField("progress"):
+                pr = ev.progress
+                progress = {
+                    "digest": pr.digest,
+                    "status": pr.status,
+                    "done": pr.done,
+                    "total": pr.total,
+                }
+                await resp.write(_line({"edge_id": entry.edge_id, "progress": progress}))
+            elif ev.HasField("image"):
+                images.append(image_json(ev.image))
+
+    try:
+        await rpc(f"edge {entry.edge_id}", relay())
+        await resp.write(_line({"images": images}))
+    except DsecError as exc:
+        await resp.write(_line({"error": exc.to_wire()}))
+    finally:
+        call.cancel()
+    await resp.write_eof()
+    return resp
+
+
 ROUTES: list[tuple[str, str, Any]] = [
+    ("GET", "/v1/images/save", save),
+    ("POST", "/v1/images/load", load),
     ("POST", "/v1/images/build", build),
     ("POST", "/v1/sandboxes/{sandbox_id}/pack", pack),
     ("POST", "/v1/images/pull", pull),

@@ -1,4 +1,4 @@
-"""``dsec image pull|ls|rm|gc`` and ``dsec registry login|logout``.
+"""``dsec image pull|save|load|ls|rm|gc`` and ``dsec registry login|logout``.
 
 Registry logins are kept in ``$DSEC_HOME/registries.json`` (mode 0600), the file the edge
 on this machine reads too; ``dsec image pull`` also sends the stored (or Docker
@@ -36,7 +36,7 @@ def credentials() -> RegistryCredentials:
 
 @click.group("image")
 def image_group() -> None:
-    """Images on the edges: pull from registries, build, list, remove, gc."""
+    """Images on the edges: pull from registries, build, save/load tarballs, list, remove, gc."""
 
 
 @image_group.command("pull")
@@ -54,15 +54,7 @@ def pull(
     settings = credentials().lookup(ref.registry)
     show = not quiet and not as_json and sys.stderr.isatty()
     bars: dict[tuple[str, str], TaskID] = {}
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=stderr(),
-        disable=not show,
-        transient=False,
-    )
+    progress = _progress(show)
 
     def report(p: dict[str, Any]) -> None:
         key = (str(p.get("edge_id", "")), str(p.get("digest", "")))
@@ -150,6 +142,71 @@ def build(
         print_json(image)
         return
     click.echo(f"Built {image['name']} on {image['edge_id']} ({len(image['layers'])} layers)")
+
+
+def _progress(show: bool) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=stderr(),
+        disable=not show,
+        transient=False,
+    )
+
+
+@image_group.command("save")
+@click.argument("name")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="FILE.tar")
+@click.option("--edge", "edge_id", default="", help="Save from this edge.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def save(name: str, output: str, edge_id: str, quiet: bool) -> None:
+    """Write image NAME to an OCI image-layout tarball (for `dsec image load`, skopeo...)."""
+    progress = _progress(not quiet and sys.stderr.isatty())
+    with progress:
+        task = progress.add_task(name, total=None, status="saving")
+        size = (
+            state()
+            .client()
+            .save_image(
+                name,
+                output,
+                edge_id=edge_id,
+                progress=lambda n: progress.update(task, completed=n),
+            )
+        )
+        progress.update(task, status="done")
+    click.echo(f"saved {name} to {output} ({size / (1 << 20):.1f} MiB)")
+
+
+@image_group.command("load")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--name", default="", help="Store the (single) image under this name.")
+@click.option("--edge", "edge_id", default="", help="Load onto this edge [the first].")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@json_option
+def load(file: str, name: str, edge_id: str, quiet: bool, as_json: bool) -> None:
+    """Import the images of an OCI image-layout tarball FILE (every blob is verified)."""
+    progress = _progress(not quiet and not as_json and sys.stderr.isatty())
+    bars: dict[str, TaskID] = {}
+
+    def report(p: dict[str, Any]) -> None:
+        digest = str(p.get("digest", ""))
+        total = int(p.get("total", 0)) or None
+        if digest not in bars:
+            bars[digest] = progress.add_task(
+                digest.removeprefix("sha256:")[:12], total=total, status=""
+            )
+        progress.update(bars[digest], completed=int(p.get("done", 0)), status=p.get("status"))
+
+    with progress:
+        images = state().client().load_image(file, name=name, edge_id=edge_id, progress=report)
+    if as_json:
+        print_json(images)
+        return
+    for img in images:
+        click.echo(f"{img['edge_id']}: {img['name']} ({len(img['layers'])} layers)")
 
 
 @image_group.command("ls")

@@ -150,6 +150,20 @@ class EdgeService(pb_grpc.EdgeServicer):
         async for event in images.build(request_iterator, self._m, caller_of(context)):
             yield event
 
+    async def SaveImage(
+        self, request: pb.ImageRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.SaveImageChunk]:
+        async for chunk in self._image_service().save(request.name):
+            yield chunk
+
+    async def LoadImage(
+        self,
+        request_iterator: AsyncIterator[pb.LoadImageRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.PullImageEvent]:
+        async for event in self._image_service().load(request_iterator):
+            yield event
+
     async def GcImages(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GcImagesReply:

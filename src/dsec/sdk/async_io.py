@@ -162,15 +162,18 @@ class AsyncTransport:
 
     @asynccontextmanager
     async def download(
-        self, req: Request, chunk_size: int = CHUNK
+        self, req: Request, chunk_size: int = CHUNK, content: AsyncContent | None = None
     ) -> AsyncIterator[AsyncIterator[bytes]]:
-        """Open a streamed download; the yielded iterator gives the body in chunks."""
+        """Open a streamed download; the yielded iterator gives the body in chunks.
+
+        ``content`` (chunks) is sent as the body instead of ``req.body``.
+        """
         try:
             async with self._http.stream(
                 req.method,
                 self._url(req.path),
                 params=req.params or None,
-                content=req.body,
+                content=req.body if content is None else content,
                 headers=dict(req.headers),
                 timeout=self._req_timeout(req.timeout),
             ) as resp:

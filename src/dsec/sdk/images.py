@@ -1,4 +1,5 @@
-"""Sans-I/O calls for images: pull (NDJSON progress stream), list, remove, gc."""
+"""Sans-I/O calls for images: pull and load (NDJSON progress stream), save, list, remove,
+gc."""
 
 from __future__ import annotations
 
@@ -84,6 +85,27 @@ class PullReader:
         if self.images is None:
             raise Internal("the pull stream ended without a result")
         return self.images
+
+
+def save_request(name: str, *, edge_id: str = "") -> Request:
+    """``GET /v1/images/save``: the image as an OCI image-layout tar."""
+    if not name:
+        raise InvalidArgument("an image name is required")
+    params = (("name", name),) + ((("edge_id", edge_id),) if edge_id else ())
+    return Request("GET", "/v1/images/save", params, None, (), PULL_TIMEOUT_S)
+
+
+def load_request(*, name: str = "", edge_id: str = "") -> Request:
+    """``POST /v1/images/load`` (the tar goes as streamed content); NDJSON answer."""
+    params = tuple((k, v) for k, v in (("name", name), ("edge_id", edge_id)) if v)
+    return Request(
+        "POST",
+        "/v1/images/load",
+        params,
+        None,
+        (("Content-Type", "application/x-tar"),),
+        PULL_TIMEOUT_S,
+    )
 
 
 def _images(obj: JSON) -> list[JSON]:

@@ -178,14 +178,19 @@ class SyncTransport:
         return port_response(resp.status_code, resp.headers.multi_items(), resp.content)
 
     @contextmanager
-    def download(self, req: Request, chunk_size: int = CHUNK) -> Iterator[Iterator[bytes]]:
-        """Open a streamed download; the yielded iterator gives the body in chunks."""
+    def download(
+        self, req: Request, chunk_size: int = CHUNK, content: Content | None = None
+    ) -> Iterator[Iterator[bytes]]:
+        """Open a streamed download; the yielded iterator gives the body in chunks.
+
+        ``content`` (an iterable of chunks) is sent as the body instead of ``req.body``.
+        """
         try:
             with self._http.stream(
                 req.method,
                 self._url(req.path),
                 params=req.params or None,
-                content=req.body,
+                content=req.body if content is None else content,
                 headers=dict(req.headers),
                 timeout=self._req_timeout(req.timeout),
             ) as resp:

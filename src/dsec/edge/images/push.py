@@ -22,6 +22,8 @@ from dsec.edge.images.reference import parse_reference
 from dsec.edge.images.registry import OCI_MANIFEST, RegistryClient, sha256_digest
 from dsec.edge.images.store import Image, ImageStore, LayerBlob, sha256_file
 
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+
 
 def export_layer(store: ImageStore, diff_id: str, layer_dir: Path) -> LayerBlob:
     """Export an unpacked layer dir as a gzip'd OCI layer blob in the store."""
@@ -66,22 +68,24 @@ def push_image(
     settings = (credentials or RegistryCredentials()).lookup(ref.registry)
     if username:
         settings = replace(settings, username=username, password=password)
-    blobs = _layer_blobs(store, image)
-    if blobs != list(image.layer_blobs):  # remember exported blobs for the next push
-        store.write_ref(
-            name,
-            image.diff_ids,
-            image.config,
-            blobs=image.blobs,
-            source=image.source,
-            layer_blobs=blobs,
-        )
+    blobs = layer_blobs(store, name, image)
     source = parse_reference(image.source) if image.source else None
     mount_from = (
         source.repository
         if source and source.registry == ref.registry and source.repository != ref.repository
         else ""
     )
+    config, manifest = oci_manifest(image, blobs)
+    config_digest = sha256_digest(config)
+    with RegistryClient(ref, settings, insecure=insecure, push=True) as client:
+        for b in blobs:
+            client.upload_blob_file(b.digest, store.blob_path(b.digest), mount_from=mount_from)
+        client.upload_blob(config_digest, config)
+        return client.put_manifest(ref.tag or "latest", OCI_MANIFEST, manifest)
+
+
+def oci_manifest(image: Image, blobs: list[LayerBlob]) -> tuple[bytes, bytes]:
+    """The OCI image config and manifest (JSON bytes) of ``image`` with layer ``blobs``."""
     cfg = image.config
     config = json.dumps(
         {
@@ -98,26 +102,36 @@ def push_image(
         },
         sort_keys=True,
     ).encode()
-    config_digest = sha256_digest(config)
-    with RegistryClient(ref, settings, insecure=insecure, push=True) as client:
-        for b in blobs:
-            client.upload_blob_file(b.digest, store.blob_path(b.digest), mount_from=mount_from)
-        client.upload_blob(config_digest, config)
-        manifest = json.dumps(
-            {
-                "schemaVersion": 2,
-                "mediaType": OCI_MANIFEST,
-                "config": {
-                    "mediaType": "application/vnd.oci.image.config.v1+json",
-                    "digest": config_digest,
-                    "size": len(config),
-                },
-                "layers": [
-                    {"mediaType": b.media_type, "digest": b.digest, "size": b.size} for b in blobs
-                ],
-            }
-        ).encode()
-        return client.put_manifest(ref.tag or "latest", OCI_MANIFEST, manifest)
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {
+                "mediaType": OCI_CONFIG,
+                "digest": sha256_digest(config),
+                "size": len(config),
+            },
+            "layers": [
+                {"mediaType": b.media_type, "digest": b.digest, "size": b.size} for b in blobs
+            ],
+        }
+    ).encode()
+    return config, manifest
+
+
+def layer_blobs(store: ImageStore, name: str, image: Image) -> list[LayerBlob]:
+    """The layer blobs of ``image`` (exported once when missing, and remembered)."""
+    blobs = _layer_blobs(store, image)
+    if blobs != list(image.layer_blobs):  # remember exported blobs for the next push/save
+        store.write_ref(
+            name,
+            image.diff_ids,
+            image.config,
+            blobs=image.blobs,
+            source=image.source,
+            layer_blobs=blobs,
+        )
+    return blobs
 
 
 def _layer_blobs(store: ImageStore, image: Image) -> list[LayerBlob]:

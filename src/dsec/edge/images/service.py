@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import IO, cast
 
 from dsec.core.errors import InvalidArgument
 from dsec.edge.images.credentials import RegistryCredentials, default_docker_configs
@@ -210,6 +212,83 @@ class EdgeImages:
                         yield pb.BuildImageEvent(cached=True)
                     else:
                         yield pb.BuildImageEvent(log=ev.text)
+
+    async def save(self, name: str) -> AsyncIterator[pb.SaveImageChunk]:
+        """Stream the stored image ``name`` as an OCI layout tar."""
+        from dsec.edge.images.archive import save_image
+        from dsec.edge.images.pipe import ChunkWriter
+
+        self.store.resolve(name)  # a clear ImageNotFound before the stream starts
+        out = ChunkWriter(asyncio.get_running_loop())
+
+        def work() -> None:
+            save_image(self.store, name, cast("IO[bytes]", out))  # buffers CHUNK bytes
+            out.finish()
+
+        async with self._shared():
+            task = asyncio.ensure_future(asyncio.to_thread(work))
+            try:
+                while (chunk := await out.next_chunk()) is not None:
+                    yield pb.SaveImageChunk(data=chunk)
+                await task
+            finally:
+                out.aborted.set()
+                if not task.done():
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(task)
+
+    async def load(
+        self, requests: AsyncIterator[pb.LoadImageRequest]
+    ) -> AsyncIterator[pb.PullImageEvent]:
+        """Import the OCI layout tar streamed in ``requests``; yield progress, then images."""
+        from dsec.edge.images.archive import load_image
+        from dsec.edge.images.pipe import ChunkReader, PipeClosed
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[LayerProgress | None] = asyncio.Queue()
+        src = ChunkReader()
+        first = await anext(aiter(requests), None)
+        name = first.name if first is not None else ""
+
+        def report(p: LayerProgress) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, p)
+
+        def work() -> list[Image]:
+            try:
+                with io.BufferedReader(src, 1 << 20) as f:
+                    return load_image(self.store, f, name=name, progress=report)
+            finally:
+                src.stop()
+                loop.call_soon_threadsafe(events.put_nowait, None)
+
+        async def feed() -> None:
+            with contextlib.suppress(PipeClosed):
+                if first is not None and first.data:
+                    await src.feed(first.data)
+                async for req in requests:
+                    if req.data:
+                        await src.feed(req.data)
+                await src.feed(None)
+
+        async with self._shared():
+            task = asyncio.ensure_future(asyncio.to_thread(work))
+            feeder = asyncio.ensure_future(feed())
+            try:
+                while (item := await events.get()) is not None:
+                    yield pb.PullImageEvent(
+                        progress=pb.PullProgress(
+                            digest=item.digest, status=item.status, done=item.done, total=item.total
+                        )
+                    )
+                images = await task
+            finally:
+                feeder.cancel()
+                src.stop()
+                if not task.done():
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(task)
+        for image in images:
+            yield pb.PullImageEvent(image=image_to_pb(image, self.edge_id))
 
     def list(self) -> pb.ImageList:
         return pb.ImageList(images=[image_to_pb(i, self.edge_id) for i in self.store.list()])

@@ -293,6 +293,7 @@ class ImageStore:
                     "digest": b.digest,
                     "mediaType": b.media_type,
                     "size": b.size,
+                    **({"uncompressed": b.uncompressed} if b.uncompressed else {}),
                 }
                 for b in layer_blobs
             ]

@@ -822,6 +822,52 @@ class BuildImageEvent(_message.Message):
 Global___BuildImageEvent: _TypeAlias = BuildImageEvent  # noqa: Y015
 
 @_typing.final
+class SaveImageChunk(_message.Message):
+    """`dsec image save|load`: an image as an OCI image-layout tar, in chunks. A load's first
+    message names the image (optional) and later ones carry the tar; its answer is
+    PullImageEvents (progress, then one `image` per image loaded).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveImageChunk: _TypeAlias = SaveImageChunk  # noqa: Y015
+
+@_typing.final
+class LoadImageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadImageRequest: _TypeAlias = LoadImageRequest  # noqa: Y015
+
+@_typing.final
 class GcImagesReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

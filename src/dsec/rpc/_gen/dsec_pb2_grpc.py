@@ -109,6 +109,16 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.FromString,
                 _registered_method=True)
+        self.SaveImage = channel.unary_stream(
+                '/dsec.v1.Edge/SaveImage',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageRef.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SaveImageChunk.FromString,
+                _registered_method=True)
+        self.LoadImage = channel.stream_stream(
+                '/dsec.v1.Edge/LoadImage',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.LoadImageRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageEvent.FromString,
+                _registered_method=True)
         self.PackSandbox = channel.unary_unary(
                 '/dsec.v1.Edge/PackSandbox',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PackSandboxRequest.SerializeToString,
@@ -226,6 +236,18 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveImage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadImage(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PackSandbox(self, request, context):
         """The sandbox's changes as a new layer on its image, recorded as image `name`.
         """
@@ -331,6 +353,16 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.GcImages,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.SerializeToString,
+            ),
+            'SaveImage': grpc.unary_stream_rpc_method_handler(
+                    servicer.SaveImage,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageRef.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SaveImageChunk.SerializeToString,
+            ),
+            'LoadImage': grpc.stream_stream_rpc_method_handler(
+                    servicer.LoadImage,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.LoadImageRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageEvent.SerializeToString,
             ),
             'PackSandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.PackSandbox,
@@ -758,6 +790,60 @@ class Edge:
             '/dsec.v1.Edge/GcImages',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.GcImagesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dsec.v1.Edge/SaveImage',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImageRef.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SaveImageChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadImage(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.v1.Edge/LoadImage',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.LoadImageRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.PullImageEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,8 @@ class EdgeStub:
     ListImages: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ImageList]
     RemoveImage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ImageRef, _dsec_pb2.Empty]
     GcImages: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.GcImagesReply]
+    SaveImage: _grpc.UnaryStreamMultiCallable[_dsec_pb2.ImageRef, _dsec_pb2.SaveImageChunk]
+    LoadImage: _grpc.StreamStreamMultiCallable[_dsec_pb2.LoadImageRequest, _dsec_pb2.PullImageEvent]
     PackSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.PackSandboxRequest, _dsec_pb2.ImageInfo]
     """The sandbox's changes as a new layer on its image, recorded as image `name`."""
     BuildImage: _grpc.StreamStreamMultiCallable[_dsec_pb2.BuildImageRequest, _dsec_pb2.BuildImageEvent]
@@ -81,6 +83,8 @@ class EdgeAsyncStub(EdgeStub):
     ListImages: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.ImageList]  # type: ignore[assignment]
     RemoveImage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ImageRef, _dsec_pb2.Empty]  # type: ignore[assignment]
     GcImages: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.GcImagesReply]  # type: ignore[assignment]
+    SaveImage: _aio.UnaryStreamMultiCallable[_dsec_pb2.ImageRef, _dsec_pb2.SaveImageChunk]  # type: ignore[assignment]
+    LoadImage: _aio.StreamStreamMultiCallable[_dsec_pb2.LoadImageRequest, _dsec_pb2.PullImageEvent]  # type: ignore[assignment]
     PackSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.PackSandboxRequest, _dsec_pb2.ImageInfo]  # type: ignore[assignment]
     """The sandbox's changes as a new layer on its image, recorded as image `name`."""
     BuildImage: _aio.StreamStreamMultiCallable[_dsec_pb2.BuildImageRequest, _dsec_pb2.BuildImageEvent]  # type: ignore[assignment]
@@ -197,6 +201,20 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.Empty,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.GcImagesReply, _abc.Awaitable[_dsec_pb2.GcImagesReply]]: ...
+
+    @_abc_1.abstractmethod
+    def SaveImage(
+        self,
+        request: _dsec_pb2.ImageRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_dsec_pb2.SaveImageChunk], _abc.AsyncIterator[_dsec_pb2.SaveImageChunk]]: ...
+
+    @_abc_1.abstractmethod
+    def LoadImage(
+        self,
+        request_iterator: _MaybeAsyncIterator[_dsec_pb2.LoadImageRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_dsec_pb2.PullImageEvent], _abc.AsyncIterator[_dsec_pb2.PullImageEvent]]: ...
 
     @_abc_1.abstractmethod
     def PackSandbox(
