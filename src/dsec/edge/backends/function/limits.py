@@ -57,6 +57,9 @@ class WorkerCgroups:
         if mem is not None:
             limit = str(memory_mb * 1024 * 1024)
             if "memory" in self.layout.v1:
+                # v1 wants memory <= memory+swap at every step, and a reused cgroup may hold
+                # a lower limit from its last call: lift memsw first, then set both.
+                _write(mem / "memory.memsw.limit_in_bytes", "-1", optional=True)
                 _write(mem / "memory.limit_in_bytes", limit)
                 _write(mem / "memory.memsw.limit_in_bytes", limit, optional=True)
             else:
