@@ -134,7 +134,7 @@ def build_base_image(
             tar = scratch / "base.tar"
             cmd = mmdebstrap_command(tar, sources)
             say(f"building {BASE_IMAGE}: {' '.join(cmd)}")
-            _run_streaming(cmd, say)
+            run_mmdebstrap(cmd, say)
             say("hashing the layer")
             diff_id = sha256_file(tar)
             say(f"unpacking layer sha256:{diff_id[:12]}")
@@ -160,7 +160,8 @@ def install_base_from_tar(
         return store.write_ref(BASE_IMAGE, [diff_id], BASE_CONFIG)
 
 
-def _run_streaming(cmd: list[str], say: Progress) -> None:
+def run_mmdebstrap(cmd: list[str], say: Progress) -> None:
+    """Run an mmdebstrap command line, each output line to ``say``; the tail on failure."""
     tail: list[str] = []
     with subprocess.Popen(
         cmd,

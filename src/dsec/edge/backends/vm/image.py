@@ -35,12 +35,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.core.errors import DsecError, Internal, Unavailable
-from dsec.edge.images.base import SUITE, find_apt_sources
+from dsec.edge.images.base import SUITE, Progress, find_apt_sources, run_mmdebstrap
 
 FORMAT = "1"
 PACKAGES = (
@@ -125,8 +125,6 @@ _CUSTOMIZE = (
     ': > "$1"/etc/machine-id',
     'mkdir -p "$1"/root',
 )
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +263,7 @@ def _build_rootfs(rootfs: Path, say: Progress) -> None:
     shutil.rmtree(rootfs, ignore_errors=True)
     cmd = mmdebstrap_command(rootfs, find_apt_sources())
     say(f"VM image: installing Debian {SUITE} with systemd and linux-image-amd64 (minutes)")
-    _run_streaming(cmd, say)
+    run_mmdebstrap(cmd, say)
     (rootfs / ".complete").touch()
 
 
@@ -368,26 +366,6 @@ def _run(argv: list[str]) -> None:
     r = subprocess.run(argv, capture_output=True, text=True)
     if r.returncode != 0:
         raise Internal(f"{argv[0]} failed: {(r.stderr or r.stdout).strip()[-2000:]}")
-
-
-def _run_streaming(cmd: list[str], say: Progress) -> None:
-    tail: list[str] = []
-    with subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            say(line)
-            tail = [*tail[-9:], line]
-        rc = proc.wait()
-    if rc != 0:
-        raise Internal(f"mmdebstrap failed (exit {rc}): " + " | ".join(tail))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
