@@ -43,7 +43,7 @@ from dsec.core.errors import (
 from dsec.core.ids import edge_of, is_sandbox_id, parse_api_key, validate_edge_id
 from dsec.iam.audit import AuditQuery
 from dsec.iam.keys import hash_secret, new_api_key, secret_matches
-from dsec.iam.quotas import check_quota
+from dsec.iam.quotas import check_admission, check_quota
 from dsec.iam.records import (
     DEFAULT_PROJECT,
     DEFAULT_QUOTA,
@@ -506,16 +506,7 @@ class KvIam:
         return result
 
     async def _admit_one(self, stm: Stm, a: Admission, now: float) -> bool:
-        if not is_sandbox_id(a.sandbox_id):
-            raise InvalidArgument(f"malformed sandbox id {a.sandbox_id!r}")
-        owner = edge_of(a.sandbox_id)
-        if a.edge_id and validate_edge_id(a.edge_id) != owner:
-            raise InvalidArgument(
-                f"sandbox {a.sandbox_id} belongs to edge {owner}, not {a.edge_id}"
-            )
-        if a.cpu < 0 or a.memory_mb < 0:
-            raise InvalidArgument("cpu and memory_mb must be >= 0")
-        cpu_milli = milli(a.cpu)
+        cpu_milli = check_admission(a)
         chain_ = []
         for level in projects.ancestors(a.project):
             raw = await stm.get(_k("projects", level))

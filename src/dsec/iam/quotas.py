@@ -129,16 +129,7 @@ class QuotasMixin:
         return out
 
     def _admit_one(self, db: sqlite3.Connection, a: Admission) -> bool:
-        if not is_sandbox_id(a.sandbox_id):
-            raise InvalidArgument(f"malformed sandbox id {a.sandbox_id!r}")
-        owner = edge_of(a.sandbox_id)
-        if a.edge_id and validate_edge_id(a.edge_id) != owner:
-            raise InvalidArgument(
-                f"sandbox {a.sandbox_id} belongs to edge {owner}, not {a.edge_id}"
-            )
-        if a.cpu < 0 or a.memory_mb < 0:
-            raise InvalidArgument("cpu and memory_mb must be >= 0")
-        cpu_milli = milli(a.cpu)
+        cpu_milli = check_admission(a)
         chain = []
         for level in projects.ancestors(a.project):
             row = db.execute(
@@ -161,7 +152,7 @@ class QuotasMixin:
             check_quota(level, row, _subtree_usage(db, level), cpu_milli, a.memory_mb)
         db.execute(
             "INSERT INTO allocations VALUES (?, ?, ?, ?, ?, ?)",
-            (a.sandbox_id, a.project, owner, cpu_milli, a.memory_mb, self._clock()),
+            (a.sandbox_id, a.project, edge_of(a.sandbox_id), cpu_milli, a.memory_mb, self._clock()),
         )
         return True
 
@@ -282,6 +273,18 @@ def _subtree_usage(db: sqlite3.Connection, project: str) -> tuple[int, int, int]
         (project, project + "/", project + "0"),
     ).fetchone()
     return int(row[0]), int(row[1]), int(row[2])
+
+
+def check_admission(a: Admission) -> int:
+    """Validate an admission request (sandbox id, its edge, amounts); return its milli-CPUs."""
+    if not is_sandbox_id(a.sandbox_id):
+        raise InvalidArgument(f"malformed sandbox id {a.sandbox_id!r}")
+    owner = edge_of(a.sandbox_id)
+    if a.edge_id and validate_edge_id(a.edge_id) != owner:
+        raise InvalidArgument(f"sandbox {a.sandbox_id} belongs to edge {owner}, not {a.edge_id}")
+    if a.cpu < 0 or a.memory_mb < 0:
+        raise InvalidArgument("cpu and memory_mb must be >= 0")
+    return milli(a.cpu)
 
 
 def check_quota(
