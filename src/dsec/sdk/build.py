@@ -4,7 +4,6 @@ request, and the NDJSON progress reader. Sans-I/O apart from reading the context
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import tarfile
@@ -12,8 +11,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dsec.core.errors import Internal, InvalidArgument, error_from_wire
+from dsec.core.errors import InvalidArgument
 from dsec.sdk.models import JSON
+from dsec.sdk.ndjson import NdjsonReader
 from dsec.sdk.wire import Request
 
 BUILD_TIMEOUT_S = 4 * 3600.0
@@ -132,40 +132,17 @@ def build_request(
     )
 
 
-class BuildReader:
+class BuildReader(NdjsonReader[JSON]):
     """Feeds NDJSON bytes in; reports steps, CACHED and RUN output; ends with the image."""
 
+    what = "build"
+
     def __init__(self, progress: BuildProgress | None) -> None:
+        super().__init__()
         self.progress = progress
-        self.buf = b""
-        self.image: JSON | None = None
 
-    def feed(self, chunk: bytes) -> None:
-        self.buf += chunk
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            if line.strip():
-                self._line(line)
-
-    def _line(self, line: bytes) -> None:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            raise Internal(f"malformed build progress line: {line[:200]!r}") from None
-        if not isinstance(obj, dict):
-            raise Internal("malformed build progress line")
-        if "error" in obj:
-            err = obj["error"] if isinstance(obj["error"], dict) else {}
-            raise error_from_wire(str(err.get("code", "")), str(err.get("message", "")))
+    def on_object(self, obj: JSON) -> None:
         if "image" in obj:
-            self.image = dict(obj["image"])
+            self.value = dict(obj["image"])
         elif self.progress is not None:
             self.progress(obj)
-
-    def result(self) -> JSON:
-        if self.buf.strip():
-            self._line(self.buf)
-            self.buf = b""
-        if self.image is None:
-            raise Internal("the build stream ended without a result")
-        return self.image

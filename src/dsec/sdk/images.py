@@ -3,12 +3,12 @@ gc."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
-from dsec.core.errors import Internal, InvalidArgument, error_from_wire
+from dsec.core.errors import InvalidArgument
 from dsec.sdk.models import JSON
+from dsec.sdk.ndjson import NdjsonReader
 from dsec.sdk.wire import Call, Request, json_body, json_request
 
 PULL_TIMEOUT_S = 3600.0
@@ -48,43 +48,20 @@ def pull_request(
     )
 
 
-class PullReader:
+class PullReader(NdjsonReader[list[JSON]]):
     """Feeds NDJSON bytes in; reports progress lines; ends with the pulled images."""
 
+    what = "pull"
+
     def __init__(self, progress: PullProgress | None) -> None:
+        super().__init__()
         self.progress = progress
-        self.buf = b""
-        self.images: list[JSON] | None = None
 
-    def feed(self, chunk: bytes) -> None:
-        self.buf += chunk
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            if line.strip():
-                self._line(line)
-
-    def _line(self, line: bytes) -> None:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            raise Internal(f"malformed pull progress line: {line[:200]!r}") from None
-        if not isinstance(obj, dict):
-            raise Internal("malformed pull progress line")
-        if "error" in obj:
-            err = obj["error"] if isinstance(obj["error"], dict) else {}
-            raise error_from_wire(str(err.get("code", "")), str(err.get("message", "")))
+    def on_object(self, obj: JSON) -> None:
         if "images" in obj:
-            self.images = list(obj["images"])
+            self.value = list(obj["images"])
         elif "progress" in obj and self.progress is not None:
             self.progress({"edge_id": obj.get("edge_id", ""), **obj["progress"]})
-
-    def result(self) -> list[JSON]:
-        if self.buf.strip():
-            self._line(self.buf)
-            self.buf = b""
-        if self.images is None:
-            raise Internal("the pull stream ended without a result")
-        return self.images
 
 
 def save_request(name: str, *, edge_id: str = "") -> Request:
