@@ -13,7 +13,7 @@ from dsec.agent import protocol
 from dsec.apiserver.auth import Principal
 from dsec.apiserver.context import Ctx
 from dsec.apiserver.upstream import rpc
-from dsec.core.errors import error_from_wire
+from dsec.core.errors import DeadlineExceeded, error_from_wire
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.errors import translate_rpc_error
 
@@ -112,3 +112,14 @@ class EdgeStream:
         except grpc.aio.UsageError:
             # Writing after the server finished: the final frame (or error) will tell why.
             return None
+
+
+async def read_final(stream: EdgeStream) -> dict[str, Any]:
+    """Read ``stream`` to its final frame: the result, or the error it carries, raised."""
+    while (frame := await stream.read()) is not None:
+        kind, data = frame
+        if kind == protocol.KIND_JSON:
+            msg = protocol.decode_json(data)
+            if "result" in msg or "error" in msg:
+                return raise_for_final(msg)
+    raise DeadlineExceeded("the runtime call ended without a result")

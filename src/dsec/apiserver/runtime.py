@@ -254,16 +254,6 @@ async def process_resize(request: web.Request) -> web.Response:
     )
 
 
-async def _read_final(stream: relay.EdgeStream) -> dict[str, Any]:
-    while (frame := await stream.read()) is not None:
-        kind, data = frame
-        if kind == protocol.KIND_JSON:
-            msg = protocol.decode_json(data)
-            if "result" in msg or "error" in msg:
-                return relay.raise_for_final(msg)
-    raise DeadlineExceeded("the runtime call ended without a result")
-
-
 async def files_read(request: web.Request) -> web.StreamResponse:
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("viewer")
@@ -348,7 +338,7 @@ async def files_write(request: web.Request) -> web.Response:
             await stream.send(protocol.KIND_IN, chunk)
         await stream.send(protocol.KIND_CLOSE)
         await stream.done_writing()
-        return ok(await _read_final(stream))
+        return ok(await relay.read_final(stream))
     finally:
         stream.cancel()
 

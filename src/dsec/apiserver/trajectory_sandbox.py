@@ -117,13 +117,7 @@ async def write_file(
             await stream.send(protocol.KIND_IN, body[i : i + protocol.CHUNK])
         await stream.send(protocol.KIND_CLOSE)
         await stream.done_writing()
-        while (frame := await stream.read()) is not None:
-            kind, data = frame
-            if kind == protocol.KIND_JSON:
-                msg = protocol.decode_json(data)
-                if "result" in msg or "error" in msg:
-                    return relay.raise_for_final(msg)
-        raise DeadlineExceeded("the runtime call ended without a result")
+        return await relay.read_final(stream)
     finally:
         stream.cancel()
 
