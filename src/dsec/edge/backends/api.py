@@ -8,11 +8,15 @@ apart again. Every method is idempotent, so the edge can repeat any of them afte
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from dsec.core.spec import SandboxSpec
+
+# What a backend accepts as a sandbox id: it names cgroups, sockets and directories.
+SANDBOX_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 class RuntimeState(enum.Enum):

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import shutil
 import socket
 from pathlib import Path
@@ -31,6 +30,7 @@ from dsec.core.errors import (
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import (
+    SANDBOX_NAME_RE,
     Availability,
     Capabilities,
     RuntimeState,
@@ -46,7 +46,6 @@ from dsec.obs import log
 from dsec.paths import Paths
 
 _log = logging.getLogger(__name__)
-_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _STATES = {
     "running": RuntimeState.RUNNING,
     "paused": RuntimeState.PAUSED,
@@ -254,7 +253,7 @@ class ContainerBackend:
 
     async def state(self, sandbox_id: str) -> tuple[RuntimeState, int]:
         """Runtime state from ``crun state`` and the init's host pid (0 unless running)."""
-        if not _ID_RE.match(sandbox_id):
+        if not SANDBOX_NAME_RE.match(sandbox_id):
             return RuntimeState.MISSING, 0
         st = await self.crun.state(sandbox_id)
         if st is None:
@@ -373,7 +372,7 @@ class ContainerBackend:
 
 
 def _check_id(sandbox_id: str) -> None:
-    if not _ID_RE.match(sandbox_id):
+    if not SANDBOX_NAME_RE.match(sandbox_id):
         raise InvalidArgument(f"invalid sandbox id {sandbox_id!r}")
 
 

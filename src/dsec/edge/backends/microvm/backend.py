@@ -23,7 +23,6 @@ import functools
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -43,6 +42,7 @@ from dsec.core.errors import (
 )
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import (
+    SANDBOX_NAME_RE,
     Availability,
     Capabilities,
     RuntimeState,
@@ -58,7 +58,6 @@ from dsec.obs import log
 from dsec.paths import Paths
 
 _log = logging.getLogger(__name__)
-_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 BOOT_TIMEOUT_S = 60.0
 RESTORE_TIMEOUT_S = 30.0
 VMM_OVERHEAD_MIB = 256  # QEMU, its TCG code buffer and page tables, on top of guest RAM
@@ -382,7 +381,7 @@ class MicrovmBackend:
         return vm
 
     async def state(self, sandbox_id: str) -> tuple[RuntimeState, int]:
-        if not _ID_RE.match(sandbox_id):
+        if not SANDBOX_NAME_RE.match(sandbox_id):
             return RuntimeState.MISSING, 0
         vm = await self._vm(sandbox_id)
         if vm is None:
@@ -583,7 +582,7 @@ class MicrovmBackend:
 
     async def destroy(self, sandbox_id: str, paths: SandboxPaths) -> None:
         """Kill QEMU, the keeper and the mux; remove cgroups, files, sockets. Idempotent."""
-        if not _ID_RE.match(sandbox_id):
+        if not SANDBOX_NAME_RE.match(sandbox_id):
             raise InvalidArgument(f"invalid sandbox id {sandbox_id!r}")
         vm = self._vms.pop(sandbox_id, None)
         if vm is None:
@@ -636,7 +635,7 @@ class MicrovmBackend:
         )
 
     async def _need(self, sandbox_id: str) -> _Vm:
-        vm = await self._vm(sandbox_id) if _ID_RE.match(sandbox_id) else None
+        vm = await self._vm(sandbox_id) if SANDBOX_NAME_RE.match(sandbox_id) else None
         if vm is None:
             raise SandboxNotFound(f"no microVM for sandbox {sandbox_id}")
         return vm
@@ -650,7 +649,7 @@ def _noop() -> None:
 
 
 def _check_id(sandbox_id: str) -> None:
-    if not _ID_RE.match(sandbox_id):
+    if not SANDBOX_NAME_RE.match(sandbox_id):
         raise InvalidArgument(f"invalid sandbox id {sandbox_id!r}")
 
 
