@@ -92,15 +92,11 @@ class Worker:
     deadline: float = 0.0
 
 
-HAND_OVER_ATTEMPTS = 3  # workers tried for one call before it fails
-
-
 @dataclass(eq=False)
 class PendingCall:
     sandbox: Sandbox
     conn: socket.socket
     request: dict[str, Any]
-    attempts: int = 0  # workers that failed to take this call
 
 
 @dataclass(eq=False)
@@ -347,16 +343,9 @@ class Pool:
             try:
                 self._hand_over(w, call)
             except OSError as exc:
-                # A warm worker can die before its first call (e.g. the OOM killer under
-                # memory pressure): the call has not started, so the next worker takes it.
                 _log(f"handing a call to worker {w.pid} failed: {exc}")
+                _send_and_close(call.conn, protocol.error("unavailable", "function worker lost"))
                 self._kill(w)
-                call.attempts += 1
-                if call.attempts < HAND_OVER_ATTEMPTS:
-                    pool.pending.appendleft(call)
-                else:
-                    msg = "function worker lost"
-                    _send_and_close(call.conn, protocol.error("unavailable", msg))
         self._refill(image)
 
     def _hand_over(self, w: Worker, call: PendingCall) -> None:
