@@ -398,14 +398,29 @@ def leaf_certificate(
     now: dt.datetime,
     lifetime: dt.timedelta = LEAF_LIFETIME,
 ) -> x509.Certificate:
-    """A leaf for ``ident`` holding ``public_key``, signed by the CA."""
+    """A mesh leaf for ``ident`` holding ``public_key``, signed by the CA."""
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _sign_leaf(
+        public_key, ident.name, _required_sans(ident), usages, ca_key, ca_cert, now, lifetime
+    )
+
+
+def _sign_leaf(
+    public_key: ec.EllipticCurvePublicKey,
+    common_name: str,
+    sans: list[x509.GeneralName],
+    usages: list[x509.ObjectIdentifier],
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    now: dt.datetime,
+    lifetime: dt.timedelta,
+) -> x509.Certificate:
     subject = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "OpenDsec"),
-            x509.NameAttribute(NameOID.COMMON_NAME, ident.name),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
         ]
     )
-    eku = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
     aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
     return (
         x509.CertificateBuilder()
@@ -417,8 +432,8 @@ def leaf_certificate(
         .not_valid_after(min(now + lifetime, ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_key_usage(ca=False), critical=True)
-        .add_extension(eku, critical=False)
-        .add_extension(x509.SubjectAlternativeName(_required_sans(ident)), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .add_extension(aki, critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -508,32 +523,9 @@ def _issue_web(
     now: dt.datetime,
 ) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "OpenDsec"),
-            x509.NameAttribute(NameOID.COMMON_NAME, names[0]),
-        ]
-    )
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _CLOCK_SKEW)
-        .not_valid_after(min(now + LEAF_LIFETIME, ca_cert.not_valid_after_utc))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_key_usage(ca=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH]  # never a mesh identity: no client auth
+    cert = _sign_leaf(key.public_key(), names[0], sans, usages, ca_key, ca_cert, now, LEAF_LIFETIME)
     _write_atomic(key_path, _key_pem(key), 0o600)
     _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
