@@ -83,7 +83,7 @@ async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) 
             memory_mb=spec.memory_mb,
             edge_id=entry.edge_id,
         )
-        await rpc("iam", c.upstream.iam.Admit(admit, timeout=10))
+        await c.upstream.iam_batch.admit(admit)
         try:
             info = await rpc(
                 f"edge {entry.edge_id}",

@@ -489,8 +489,7 @@ class KvIam:
 
     async def _admit_batch(self, batch: Sequence[Admission]) -> list[bool | Exception]:
         async def fn(stm: Stm) -> list[bool | Exception]:
-            wanted = set().union(*(_admission_keys(a) for a in batch))
-            await asyncio.gather(*(stm.get(k) for k in sorted(wanted)))
+            await stm.prefetch(sorted(set().union(*(_admission_keys(a) for a in batch))))
             now = self._clock()
             results: list[bool | Exception] = []
             for a in batch:
