@@ -158,7 +158,11 @@ class StateStore(Protocol):
         """Several keys, in order (etcd: one round trip, all read at one revision)."""
         ...
 
-    async def range(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult: ...
+    async def range(
+        self, prefix: bytes, *, revision: int = 0, limit: int = 0, start: bytes = b""
+    ) -> RangeResult:
+        """Keys under ``prefix`` in order (from ``start`` on, when given: to page through)."""
+        ...
 
     async def txn(
         self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()

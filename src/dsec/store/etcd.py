@@ -199,9 +199,11 @@ class EtcdStore(StoreHelpers):
     async def range_exact(self, key: bytes) -> RangeResult:
         return await self._range(key, b"", 0, 0)
 
-    async def range(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult:
+    async def range(
+        self, prefix: bytes, *, revision: int = 0, limit: int = 0, start: bytes = b""
+    ) -> RangeResult:
         key, end = _span(prefix, True)
-        return await self._range(key, end, revision, limit)
+        return await self._range(max(key, start), end, revision, limit)
 
     async def _range(self, key: bytes, end: bytes, revision: int, limit: int) -> RangeResult:
         req = pb.RangeRequest(key=key, range_end=end, revision=revision, limit=limit)

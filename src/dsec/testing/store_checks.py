@@ -90,6 +90,15 @@ async def check_range(s: StateStore, p: bytes) -> None:
     assert [kv.value for kv in now.kvs] == [b"new", b"c", b"c\xff"]
     assert now.revision == old + 2
     await _raises(InvalidArgument, s.range(p + b"r/", revision=now.revision + 1000))
+    page = await s.range(p + b"r/", start=p + b"r/c", limit=1)  # paging: from a key on
+    assert [kv.value for kv in page.kvs] == [b"c"]
+    assert page.more
+    rest = await s.range(p + b"r/", start=page.kvs[-1].key + b"\x00")
+    assert [kv.value for kv in rest.kvs] == [b"c\xff"]
+    assert [kv.key for kv in (await s.range(p + b"r/", start=p)).kvs] == [kv.key for kv in now.kvs]
+    assert (await s.range(p + b"r/", start=p + b"s")).kvs == ()
+    old_page = await s.range(p + b"r/", revision=old, start=p + b"r/b")
+    assert [kv.value for kv in old_page.kvs] == [b"b", b"c", b"c\xff"]
 
 
 async def check_get_many(s: StateStore, p: bytes) -> None:
