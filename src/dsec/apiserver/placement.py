@@ -3,7 +3,9 @@
 Filter: healthy edges that offer the backend and, by their last report, have room for the
 memory asked for. Score: the memory left after what the edge reported plus what this
 apiserver placed there since that report (so a burst between two heartbeats does not pile
-onto one edge). Order: ``spread`` puts the emptiest edge first, ``pack`` the fullest that
+onto one edge). Order: ``spread`` puts the emptiest edge first (of
+:data:`SPREAD_SAMPLE` edges picked at random when there are more: the power of K choices,
+which spreads nearly as evenly at a fraction of the cost), ``pack`` the fullest that
 still fits (to keep whole nodes free); ties are broken at random so several apiservers do
 not all pick the same edge. The caller tries them in order and moves on when an edge
 answers "node full".
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 POLICIES = ("spread", "pack")
 MEMORY_OVERCOMMIT = 4.0
 _FORGET_S = 30.0
+SPREAD_SAMPLE = 16  # spread scores this many edges picked at random, not all of them
+_Scored = tuple[float, float, "EdgeEntry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,10 @@ class Placement:
             ]  # fmt: skip
         return self._offers
 
+    def _fit(self, offer: list[_Offer], memory_mb: int, now: float) -> list[_Scored]:
+        scored = [(o.room_mb - self._pending_mb(o, now), random.random(), o.entry) for o in offer]
+        return [t for t in scored if t[0] >= memory_mb]
+
     def order(
         self, edges: list[EdgeEntry], backend: str, memory_mb: int, *, limit: int = 0
     ) -> list[EdgeEntry]:
@@ -91,8 +99,11 @@ class Placement:
                 f"no edge offers backend {backend!r} (offered: {', '.join(offered) or 'none'})"
             )
         now = time.time()
-        scored = [(o.room_mb - self._pending_mb(o, now), random.random(), o.entry) for o in offer]
-        fit = [t for t in scored if t[0] >= memory_mb]
+        fit = []
+        if self.policy == "spread" and len(offer) > SPREAD_SAMPLE:
+            fit = self._fit(random.sample(offer, SPREAD_SAMPLE), memory_mb, now)
+        if not fit:  # pack looks at every edge; so does spread when its sample is full
+            fit = self._fit(offer, memory_mb, now)
         if not fit:
             raise NodeFull(f"no edge has {memory_mb} MiB free for this sandbox")
         pick = heapq.nlargest if self.policy == "spread" else heapq.nsmallest
