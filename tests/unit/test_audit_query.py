@@ -110,3 +110,44 @@ def test_a_store_query_reads_about_what_it_returns(db: IamDb) -> None:
         assert got
         read = _store.read - before
         assert read <= most, (q, read)
+
+
+def test_a_log_from_before_the_index_is_still_answered_in_full() -> None:
+    """Entries written without index keys (an older iam) are found by a scan of the log
+    up to the first indexed entry; later ones through the index."""
+    global _store
+    _store = CountingStore()
+    clock = itertools.count(1000.0, 1.0)
+    d = SyncKvIam(_counting_store, clock=lambda: next(clock))
+    try:
+        old = [AuditEvent(ts=0.0, actor="alice", action="key.create", project="org",
+                          target=f"old{i}") for i in range(30)]  # fmt: skip
+        d.append_audit_many(old)
+        d._call(_drop_index_keys(_store))  # as an iam before the index wrote them
+        assert len(d.query_audit(AuditQuery(project="org"))) == 30
+        d.kv._indexed = False  # a new iam process starts on that log
+        d.append_audit_many(
+            [
+                AuditEvent(
+                    ts=0.0, actor="alice", action="key.create", project="org", target=f"new{i}"
+                )
+                for i in range(5)
+            ]
+        )
+        got = d.query_audit(AuditQuery(project="org"))
+        assert [e.target for e in got] == [f"old{i}" for i in range(30)] + [
+            f"new{i}" for i in range(5)
+        ]
+        assert [e.target for e in d.query_audit(AuditQuery(actor="alice", after_seq=28))] == [
+            "old28", "old29", "new0", "new1", "new2", "new3", "new4"
+        ]  # fmt: skip
+        assert [e.target for e in d.query_audit(AuditQuery(project="org", limit=3))] == [
+            "old0", "old1", "old2"
+        ]  # fmt: skip
+    finally:
+        d.close()
+
+
+async def _drop_index_keys(store: StateStore) -> None:
+    await store.delete(b"/dsec/iam/audit_ix/", prefix=True)
+    await store.delete(b"/dsec/iam/meta/audit_ix_from")

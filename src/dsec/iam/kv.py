@@ -104,6 +104,7 @@ class KvIam:
         self._clock = clock
         self._lock = asyncio.Lock()
         self._retry_s = retry_s
+        self._indexed = False  # meta/audit_ix_from is known to be set
 
     async def _atomic(self, fn: Callable[[Stm], Any]) -> Any:
         return await atomically(self.store, fn, lock=self._lock, retry_s=self._retry_s)
@@ -120,6 +121,11 @@ class KvIam:
         body = _dump(asdict(entry))
         stm.put(_k("audit", _seq(entry.seq)), body)
         stm.put(_k("meta", "audit_head"), body)
+        if not self._indexed:  # mark the first entry with index keys (in a log from before)
+            if await stm.get(_k("meta", "audit_ix_from")) is None:
+                stm.put(_k("meta", "audit_ix_from"), str(entry.seq).encode())
+            else:
+                self._indexed = True
         for field, value in (("p", entry.project), ("a", entry.actor), ("x", entry.action)):
             stm.put(_audit_ix(field, value) + _seq(entry.seq).encode(), b"")
         stm.put(_audit_ix("t") + _ts(entry.ts) + b"/" + _seq(entry.seq).encode(), b"")
@@ -165,6 +171,12 @@ class KvIam:
             prefix = _k("audit", "")
             start = prefix + first
         out: list[AuditEvent] = []
+        raw = await self.store.get(_k("meta", "audit_ix_from"))
+        indexed_from = int(raw.value) if raw else 1 << 62  # earlier entries have no index keys
+        if prefix != _k("audit", "") and q.after_seq + 1 < indexed_from:
+            out = await self._scan_unindexed(q, want, indexed_from)
+            if raw is None:  # nothing is marked as indexed: the scan saw the whole log
+                return out
         size = 16  # pages grow while a filter the index does not cover drops entries
         while len(out) < want:
             page = await self.store.range(prefix, start=start, limit=min(size, want - len(out)))
@@ -185,6 +197,23 @@ class KvIam:
         if prefix == _audit_ix("t"):
             out.sort(key=lambda e: e.seq)
         return out[:want]
+
+    async def _scan_unindexed(self, q: AuditQuery, want: int, end: int) -> list[AuditEvent]:
+        """Entries before ``end`` (written before the indexes existed) that match ``q``."""
+        out: list[AuditEvent] = []
+        start = _k("audit", _seq(q.after_seq + 1))
+        while len(out) < want:
+            page = await self.store.range(_k("audit", ""), start=start, limit=256)
+            for kv in page.kvs:
+                e = AuditEvent(**_load(kv.value))
+                if e.seq >= end:
+                    return out
+                if _matches(e, q) and len(out) < want:
+                    out.append(e)
+            if not page.more:
+                break
+            start = page.kvs[-1].key + b"\x00"
+        return out
 
     async def verify_audit(self) -> tuple[int, int | None, str]:
         entries = await self._entries()
