@@ -14,6 +14,10 @@ creates/s and p50/p99 latency of ``POST /v1/sandboxes`` (authentication, admissi
 the project's quota, placement, the edge's create and the audit entry).
 
     .venv/bin/python -m bench.cluster [--seconds 20] [--concurrency 32] [--only sqlite|etcd]
+        [--apiservers N]
+
+``--apiservers N`` runs N apiserver processes sharing one port (``--reuse-port``), as one
+would on an N-core host.
 
 Prints a Markdown table and writes ``bench/results/cluster.json``.
 """
@@ -181,15 +185,18 @@ async def load(api: str, key: str, seconds: float, concurrency: int) -> dict[str
     }
 
 
-async def run_one(backend: str, root: Path, seconds: float, concurrency: int) -> dict[str, Any]:
+async def run_one(
+    backend: str, root: Path, seconds: float, concurrency: int, apiservers: int = 1
+) -> dict[str, Any]:
     home = root / backend
-    iam_home, w_home, a_home = home / "iam", home / "watcher", home / "apiserver"
-    for h in (iam_home, w_home, a_home):
+    iam_home, w_home = home / "iam", home / "watcher"
+    a_homes = [home / f"apiserver{i}" for i in range(apiservers)]
+    for h in (iam_home, w_home, *a_homes):
         h.mkdir(parents=True)
     pki = iam_home / "pki"
     idents = [Identity.singleton(r) for r in ("iam", "watcher", "apiserver", "admin")]
     ensure_pki(pki, [*idents, *(Identity.edge(e) for e in _edge_ids())])
-    for h in (w_home, a_home):
+    for h in (w_home, *a_homes):
         shutil.copytree(pki, h / "pki")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[bytes]] = []
@@ -228,10 +235,13 @@ async def run_one(backend: str, root: Path, seconds: float, concurrency: int) ->
                              "--log-level", "WARNING"], home / "watcher.log", env))  # fmt: skip
         prof = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get(
             "BENCH_PROFILE") else []  # fmt: skip
-        procs.append(_spawn([py, *prof, "-m", "dsec.apiserver", "--home", str(a_home), "--listen",
-                             f"127.0.0.1:{a_port}", "--iam", f"127.0.0.1:{iam_port}",
-                             "--watcher", f"127.0.0.1:{w_port}", "--log-level", "WARNING"],
-                            home / "apiserver.log", env))  # fmt: skip
+        for i, a_home in enumerate(a_homes):
+            out = [*prof[:-1], f"{prof[-1]}.{i}"] if prof else []
+            procs.append(_spawn([py, *out, "-m", "dsec.apiserver", "--home", str(a_home),
+                                 "--listen", f"127.0.0.1:{a_port}", "--iam",
+                                 f"127.0.0.1:{iam_port}", "--watcher", f"127.0.0.1:{w_port}",
+                                 "--log-level", "WARNING", "--reuse-port"],
+                                home / f"apiserver{i}.log", env))  # fmt: skip
         procs.append(_spawn([py, "-m", "dsec.testing.simulated_edges", "--pki", str(pki),
                              "--edges", ",".join(_edge_ids()), "--watcher",
                              f"127.0.0.1:{w_port}", "--preload", str(INVENTORY // EDGES)],
@@ -239,13 +249,17 @@ async def run_one(backend: str, root: Path, seconds: float, concurrency: int) ->
         key = (iam_home / "admin.key").read_text().strip()
         api = f"http://127.0.0.1:{a_port}"
         await _wait_edges(api, key, EDGES)
-        names = ["iam", "watcher", "apiserver", "simulated edges"]
+        names = ["iam", "watcher", *["apiserver"] * apiservers, "simulated edges"]
         before = [_cpu_s(p.pid) for p in procs]
         result = await load(api, key, seconds, concurrency)
         spent = [_cpu_s(p.pid) - b for p, b in zip(procs, before, strict=True)]
         n = max(1, result["creates"])
-        result["cpu_ms_per_create"] = {k: round(v * 1000 / n, 2)
-                                       for k, v in zip(names, spent, strict=True)}  # fmt: skip
+        cpu: dict[str, float] = {}
+        for k, v in zip(names, spent, strict=True):
+            cpu[k] = cpu.get(k, 0.0) + v * 1000 / n
+        result["cpu_ms_per_create"] = {k: round(v, 2) for k, v in cpu.items()}
+        result["apiservers"] = apiservers
+        result["load_average"] = os.getloadavg()
         result["inventory_load_s"] = round(loaded_s, 1)
         return result
     finally:
@@ -271,7 +285,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"dsec-bench-{secrets.token_hex(2)}-", dir="/tmp"))
     try:
         for b in backends:
-            out[b] = await run_one(b, root, args.seconds, args.concurrency)
+            out[b] = await run_one(b, root, args.seconds, args.concurrency, args.apiservers)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out
@@ -282,22 +296,27 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--only", choices=["sqlite", "etcd"], default="")
+    ap.add_argument("--apiservers", type=int, default=1, help="apiserver processes on one port")
+    ap.add_argument("--out", default="", help="results file (default bench/results/cluster.json)")
     ap.add_argument("--inventory", type=int, default=INVENTORY, help="live sandboxes at start")
     args = ap.parse_args()
     globals()["INVENTORY"] = args.inventory
     results = asyncio.run(run(args))
     print(f"\n{EDGES} simulated edges, {INVENTORY} live sandboxes, "
-          f"{args.concurrency} concurrent clients, {args.seconds:g} s\n")  # fmt: skip
+          f"{args.concurrency} concurrent clients, {args.apiservers} apiserver(s), "
+          f"{args.seconds:g} s, load average at the end "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")  # fmt: skip
     print("| iam state | creates/s | p50 ms | p99 ms | CPU ms per create | errors |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         cpu = ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_create"].items())
         print(f"| {name} | {r['creates_per_s']} | {r['p50_ms']} | {r['p99_ms']} | {cpu} | "
               f"{r['errors'] or '-'} |")  # fmt: skip
-    out = Path(__file__).parent / "results" / "cluster.json"
+    out = Path(args.out or Path(__file__).parent / "results" / "cluster.json")
     out.write_text(json.dumps({"edges": EDGES, "inventory": INVENTORY,
-                               "concurrency": args.concurrency, "seconds": args.seconds,
-                               "results": results}, indent=2) + "\n")  # fmt: skip
+                               "concurrency": args.concurrency, "apiservers": args.apiservers,
+                               "seconds": args.seconds, "results": results},
+                              indent=2) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

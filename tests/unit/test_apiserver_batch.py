@@ -63,8 +63,16 @@ class FakeEdge:
 class FakeIam:
     audit: list[pb.AuditEntry] = field(default_factory=list)
 
-    async def AppendAudit(self, entry: pb.AuditEntry, metadata: Any, timeout: float) -> None:
+    async def audit_entry(self, entry: pb.AuditEntry) -> None:
         self.audit.append(entry)
+
+
+@dataclass
+class FakeIamBatch:  # the apiserver's queue to the iam (dsec.apiserver.iam_batch)
+    iam: FakeIam
+
+    async def audit(self, entry: pb.AuditEntry) -> None:
+        await self.iam.audit_entry(entry)
 
 
 @dataclass
@@ -76,6 +84,7 @@ class FakeEntry:
 class FakeUpstream:
     def __init__(self, edge: FakeEdge) -> None:
         self.edge, self.iam = edge, FakeIam()
+        self.iam_batch = FakeIamBatch(self.iam)
 
     async def edge_for(self, sid: str) -> FakeEdge:
         if not sid.startswith("sbx-e0a1-"):

@@ -196,3 +196,64 @@ async def test_authenticate_round_trip_latency(iam: Iam) -> None:
         f"p99 {ms[989]:.3f} ms over 1000 sequential calls"
     )
     assert statistics.median(ms) < 50
+
+
+@pytest.mark.asyncio
+async def test_apiserver_batches_admissions_and_audit(
+    iam: Iam, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """500 concurrent creates' admissions and audit entries through the apiserver's
+    IamBatch: exactly the remaining quota admitted, every entry chained, far fewer calls."""
+    from dsec.apiserver.iam_batch import IamBatch
+
+    async with iam.channel("apiserver") as ch:
+        stub = pb_grpc.IamStub(ch)
+        await stub.PutProject(pb.Project(name="rl", max_sandboxes=400), timeout=5)
+        for i in range(100):
+            await stub.Admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", i)), timeout=5)
+        calls = 0
+        real = stub.AdmitMany
+
+        def counting(*args: object, **kwargs: object) -> object:
+            nonlocal calls
+            calls += 1
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(stub, "AdmitMany", counting)
+        batch = IamBatch(stub)
+        refusals: list[str] = []
+
+        async def create(i: int) -> str:
+            req = pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 1000 + i), cpu=0.5)
+            try:
+                await batch.admit(req)
+                result = "ok"
+            except e.QuotaExceeded as exc:
+                refusals.append(exc.message)
+                result = exc.code
+            await batch.audit(pb.AuditEntry(action="sandbox.create", project="rl",
+                                            target=req.sandbox_id, result=result,
+                                            actor="alice (key k1)"))  # fmt: skip
+            return result
+
+        results = await asyncio.gather(*(create(i) for i in range(500)))
+        assert results.count("ok") == 300
+        assert results.count("quota_exceeded") == 200
+        assert all("max_sandboxes 400" in m for m in refusals)
+        assert calls < 250, calls  # two items per create, coalesced
+        usage = await stub.GetUsage(pb.ProjectRef(project="rl"), timeout=5)
+        assert usage.sandboxes == 400
+        got = await stub.QueryAudit(pb.AuditQuery(action="sandbox.create", limit=1000), timeout=5)
+        assert len(got.entries) == 500
+        assert {x.actor for x in got.entries} == {
+            "alice (key k1) via spiffe://dsec/apiserver/apiserver"
+        }
+        assert sorted(x.result for x in got.entries) == sorted(results)
+        verdict = await stub.VerifyAudit(pb.Empty(), timeout=30)
+        assert verdict.broken_at == 0
+        # A project that does not exist: that admission fails alone, with its own error.
+        bad = batch.admit(pb.AdmitRequest(project="nope", sandbox_id=sid("ab12", 9000)))
+        good = batch.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 0)))
+        out = await asyncio.gather(bad, good, return_exceptions=True)
+        assert isinstance(out[0], e.NotFound)
+        assert out[1] is None

@@ -48,3 +48,18 @@ def test_pack_fills_the_fullest_that_fits_and_filters() -> None:
         p.order([edges[3]], "container", 1)
     with pytest.raises(errors.InvalidArgument):
         Placement("random")
+
+
+def test_spread_over_many_edges_scores_a_sample_and_stays_even() -> None:
+    p = Placement("spread")
+    edges = [_edge(f"e{n:03d}", 0) for n in range(100)]
+    counts: dict[str, int] = {}
+    for _ in range(1000):  # 10 per edge if perfectly even
+        first = p.order(edges, "container", 30, limit=3)[0]
+        p.placed(first.edge_id, 30)
+        counts[first.edge_id] = counts.get(first.edge_id, 0) + 1
+    assert len(counts) == 100
+    assert max(counts.values()) <= 14
+    # Only one edge with room: the sample misses it most of the time; the full scan finds it.
+    full = [_edge(f"f{n:03d}", 4000) for n in range(99)] + [_edge("room", 0)]
+    assert [e.edge_id for e in p.order(full, "container", 100, limit=3)] == ["room"]

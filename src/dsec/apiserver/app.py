@@ -220,7 +220,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = _split(args.listen)
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=args.reuse_port or None)
     await site.start()
     log(_log, "apiserver listening", address=args.listen, domain=args.domain or "")
     if args.tls_listen:
@@ -266,6 +266,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trajectory-quota-bytes", type=int, default=1024**3)
     ap.add_argument("--trajectory-max-age-days", type=float, default=30.0)
     ap.add_argument("--trajectory-max-bytes", type=int, default=0)
+    ap.add_argument("--reuse-port", action="store_true",
+                    help="share --listen with other apiservers on this host (SO_REUSEPORT: "
+                         "the kernel spreads connections over them, one per core)")  # fmt: skip
     ap.add_argument("--placement", choices=["spread", "pack"], default="spread",
                     help="spread sandboxes over edges, or pack them onto the fewest")  # fmt: skip
     return ap.parse_args(argv)

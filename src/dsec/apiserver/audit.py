@@ -62,7 +62,7 @@ async def append(request: web.Request, p: Principal, action: str, target: str, p
     )  # fmt: skip
     c = ctx(request)
     try:
-        await c.upstream.iam.AppendAudit(entry, metadata=p.metadata(), timeout=10)
+        await c.upstream.iam_batch.audit(entry)
     except DsecError as exc:
         c.metrics.inc("audit_append_failures")
         log(_log, "audit append failed", logging.ERROR, action=action, target=target,

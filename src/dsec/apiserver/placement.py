@@ -3,7 +3,9 @@
 Filter: healthy edges that offer the backend and, by their last report, have room for the
 memory asked for. Score: the memory left after what the edge reported plus what this
 apiserver placed there since that report (so a burst between two heartbeats does not pile
-onto one edge). Order: ``spread`` puts the emptiest edge first, ``pack`` the fullest that
+onto one edge). Order: ``spread`` puts the emptiest edge first (of
+:data:`SPREAD_SAMPLE` edges picked at random when there are more: the power of K choices,
+which spreads nearly as evenly at a fraction of the cost), ``pack`` the fullest that
 still fits (to keep whole nodes free); ties are broken at random so several apiservers do
 not all pick the same edge. The caller tries them in order and moves on when an edge
 answers "node full".
@@ -11,8 +13,10 @@ answers "node full".
 
 from __future__ import annotations
 
+import heapq
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,12 +28,27 @@ if TYPE_CHECKING:
 POLICIES = ("spread", "pack")
 MEMORY_OVERCOMMIT = 4.0
 _FORGET_S = 30.0
+SPREAD_SAMPLE = 16  # spread scores this many edges picked at random, not all of them
+_Scored = tuple[float, float, "EdgeEntry"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Offer:
+    """What one edge's last report says, read once per view (protobuf reads are slow)."""
+
+    entry: EdgeEntry
+    backends: frozenset[str]
+    room_mb: float  # memory (overcommitted) not allocated at the report
+    seen: float
 
 
 @dataclass
 class Placement:
     policy: str = "spread"
-    _recent: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    _recent: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+    _pending: dict[str, int] = field(default_factory=dict)  # sum of _recent's MiB
+    _view: list[EdgeEntry] | None = None
+    _offers: list[_Offer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -37,35 +56,56 @@ class Placement:
 
     def placed(self, edge_id: str, memory_mb: int) -> None:
         """Remember a placement until the edge's reports include it."""
-        self._recent.setdefault(edge_id, []).append((time.time(), memory_mb))
+        self._recent.setdefault(edge_id, deque()).append((time.time(), memory_mb))
+        self._pending[edge_id] = self._pending.get(edge_id, 0) + memory_mb
 
-    def _pending(self, e: EdgeEntry) -> int:
-        recent = self._recent.get(e.edge_id)
+    def _pending_mb(self, o: _Offer, now: float) -> int:
+        recent = self._recent.get(o.entry.edge_id)
         if not recent:
             return 0
-        seen = e.view.last_seen
-        recent[:] = [r for r in recent if r[0] > seen and r[0] > time.time() - _FORGET_S]
-        return sum(m for _, m in recent)
+        cutoff = max(o.seen, now - _FORGET_S)
+        total = self._pending[o.entry.edge_id]
+        while recent and recent[0][0] <= cutoff:  # in the report now, or too old
+            total -= recent.popleft()[1]
+        self._pending[o.entry.edge_id] = total
+        return total
 
-    def order(self, edges: list[EdgeEntry], backend: str, memory_mb: int) -> list[EdgeEntry]:
-        healthy = [e for e in edges if e.healthy]
+    def _offers_of(self, edges: list[EdgeEntry]) -> list[_Offer]:
+        if edges is not self._view:  # a new view from the watcher
+            self._view = edges
+            self._offers = [
+                _Offer(e, frozenset(e.view.status.backends),
+                       e.view.status.memory_total_mb * MEMORY_OVERCOMMIT
+                       - e.view.status.memory_allocated_mb, e.view.last_seen)
+                for e in edges if e.healthy
+            ]  # fmt: skip
+        return self._offers
+
+    def _fit(self, offer: list[_Offer], memory_mb: int, now: float) -> list[_Scored]:
+        scored = [(o.room_mb - self._pending_mb(o, now), random.random(), o.entry) for o in offer]
+        return [t for t in scored if t[0] >= memory_mb]
+
+    def order(
+        self, edges: list[EdgeEntry], backend: str, memory_mb: int, *, limit: int = 0
+    ) -> list[EdgeEntry]:
+        """The edges to try, best first (the first ``limit`` of them, if given)."""
+        healthy = self._offers_of(edges)
         if not healthy:
             raise Unavailable("no healthy edge is reporting to the watcher")
-        offer = [e for e in healthy if backend in e.view.status.backends]
+        offer = [o for o in healthy if backend in o.backends]
         if not offer:
-            offered = sorted({b for e in healthy for b in e.view.status.backends})
+            offered = sorted({b for o in healthy for b in o.backends})
             raise BackendUnavailable(
                 f"no edge offers backend {backend!r} (offered: {', '.join(offered) or 'none'})"
             )
-
-        def free(e: EdgeEntry) -> float:
-            s = e.view.status
-            total = s.memory_total_mb * MEMORY_OVERCOMMIT
-            return total - s.memory_allocated_mb - self._pending(e)
-
-        scored = [(free(e), random.random(), e) for e in offer]
-        fit = [t for t in scored if t[0] >= memory_mb]
+        now = time.time()
+        fit = []
+        if self.policy == "spread" and len(offer) > SPREAD_SAMPLE:
+            fit = self._fit(random.sample(offer, SPREAD_SAMPLE), memory_mb, now)
+        if not fit:  # pack looks at every edge; so does spread when its sample is full
+            fit = self._fit(offer, memory_mb, now)
         if not fit:
             raise NodeFull(f"no edge has {memory_mb} MiB free for this sandbox")
-        fit.sort(key=lambda t: (t[0], t[1]), reverse=self.policy == "spread")
-        return [e for _, _, e in fit]
+        pick = heapq.nlargest if self.policy == "spread" else heapq.nsmallest
+        best = pick(limit or len(fit), fit, key=lambda t: (t[0], t[1]))
+        return [e for _, _, e in best]

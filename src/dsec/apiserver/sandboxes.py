@@ -71,9 +71,8 @@ async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) 
     req_spec = spec_to_pb(spec)
     last: DsecError = NodeFull("every edge is full")
     placement = c.upstream.placement
-    for entry in placement.order(await c.upstream.edges(), spec.backend, spec.memory_mb)[
-        :MAX_EDGE_TRIES
-    ]:
+    edges = await c.upstream.edges()
+    for entry in placement.order(edges, spec.backend, spec.memory_mb, limit=MAX_EDGE_TRIES):
         sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
         request[audit.TARGET] = sid
         admit = pb.AdmitRequest(
@@ -83,7 +82,7 @@ async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) 
             memory_mb=spec.memory_mb,
             edge_id=entry.edge_id,
         )
-        await rpc("iam", c.upstream.iam.Admit(admit, timeout=10))
+        await c.upstream.iam_batch.admit(admit)
         try:
             info = await rpc(
                 f"edge {entry.edge_id}",

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 
+from dsec.apiserver.iam_batch import IamBatch
 from dsec.apiserver.placement import Placement
 from dsec.core.errors import SandboxNotFound, Unavailable
 from dsec.core.ids import edge_of
@@ -53,6 +54,7 @@ class Upstream:
         self._iam_ch = secure_channel(pki, name, iam)
         self._watcher_ch = secure_channel(pki, name, watcher)
         self.iam = pb_grpc.IamStub(self._iam_ch)
+        self.iam_batch = IamBatch(self.iam)
         self.watcher = pb_grpc.WatcherStub(self._watcher_ch)
         self._edge_channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
         self._view: list[EdgeEntry] = []

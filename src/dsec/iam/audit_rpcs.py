@@ -33,6 +33,18 @@ def _entry(e: AuditEvent) -> pb.AuditEntry:
     )  # fmt: skip
 
 
+def event_from(request: pb.AuditEntry, peer: str) -> AuditEvent:
+    """The event a component asked to append, its actor naming the calling component."""
+    actor = request.actor or peer
+    if peer not in actor:
+        actor = f"{actor} via {peer}"
+    return AuditEvent(
+        ts=0.0, actor=actor, action=request.action, project=request.project,
+        target=request.target, result=request.result or "ok",
+        request_id=request.request_id, details=request.details,
+    )  # fmt: skip
+
+
 class AuditRpcs:
     """The audit RPCs, mixed into :class:`IamService`."""
 
@@ -42,16 +54,7 @@ class AuditRpcs:
         raise NotImplementedError
 
     async def AppendAudit(self, request: pb.AuditEntry, context: _Ctx) -> pb.Empty:
-        peer = peer_identity(context).spiffe_id
-        actor = request.actor or peer
-        if peer not in actor:
-            actor = f"{actor} via {peer}"
-        event = AuditEvent(
-            ts=0.0, actor=actor, action=request.action, project=request.project,
-            target=request.target, result=request.result or "ok",
-            request_id=request.request_id, details=request.details,
-        )  # fmt: skip
-        await self.batched_audit(event)
+        await self.batched_audit(event_from(request, peer_identity(context).spiffe_id))
         return pb.Empty()
 
     async def QueryAudit(self, request: pb.AuditQuery, context: _Ctx) -> pb.AuditList:

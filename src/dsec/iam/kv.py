@@ -11,7 +11,14 @@ as keys under ``/dsec/iam/``:
 ``grants/<path>/@<subj>``   a role granted to a subject on a project
 ``revocations/<seq>``       the revocation feed (``meta/revocation_seq`` is its head)
 ``audit/<seq>``             the audit hash chain (``meta/audit_head`` is its last entry)
+``audit_ix/<f>/<h>/<seq>``  an index entry of ``audit/<seq>`` for a query by project,
+                            actor or action (``f``: p, a, x; ``h``: a hash of the value)
+``audit_ix/t/<ts>/<seq>``   the same by time
 ==========================  ========================================================
+
+A query of the audit log ranges the index of its most selective filter (or ``audit/``
+from the first sequence number asked for) a page at a time and stops when it has the
+entries it returns: it reads what it answers, not the log.
 
 Every mutation is one optimistic transaction (:mod:`dsec.iam.stm`) that reads what it
 decides on and commits only if none of it changed, so several iam processes on one etcd
@@ -24,6 +31,7 @@ burst of admissions is decided in one transaction.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +73,7 @@ from dsec.store.api import StateStore
 
 ROOT = b"/dsec/iam/"
 MAX_BATCH = 60  # records per transaction (etcd allows 128 compares and 128 ops)
+AUDIT_BATCH = 20  # audit entries per transaction (six keys each, the head once)
 MAX_KEYS = 120  # keys one admission transaction reads (each read is a compare)
 REVOCATION_KINDS = frozenset({"token", "key", "subject"})
 
@@ -95,6 +104,7 @@ class KvIam:
         self._clock = clock
         self._lock = asyncio.Lock()
         self._retry_s = retry_s
+        self._indexed = False  # meta/audit_ix_from is known to be set
 
     async def _atomic(self, fn: Callable[[Stm], Any]) -> Any:
         return await atomically(self.store, fn, lock=self._lock, retry_s=self._retry_s)
@@ -111,6 +121,14 @@ class KvIam:
         body = _dump(asdict(entry))
         stm.put(_k("audit", _seq(entry.seq)), body)
         stm.put(_k("meta", "audit_head"), body)
+        if not self._indexed:  # mark the first entry with index keys (in a log from before)
+            if await stm.get(_k("meta", "audit_ix_from")) is None:
+                stm.put(_k("meta", "audit_ix_from"), str(entry.seq).encode())
+            else:
+                self._indexed = True
+        for field, value in (("p", entry.project), ("a", entry.actor), ("x", entry.action)):
+            stm.put(_audit_ix(field, value) + _seq(entry.seq).encode(), b"")
+        stm.put(_audit_ix("t") + _ts(entry.ts) + b"/" + _seq(entry.seq).encode(), b"")
         return entry
 
     async def append_audit(self, event: AuditEvent) -> AuditEvent:
@@ -123,10 +141,10 @@ class KvIam:
 
     async def append_audit_many(self, events: Sequence[AuditEvent]) -> list[AuditEvent]:
         out: list[AuditEvent] = []
-        for i in range(0, len(events), MAX_BATCH):
+        for i in range(0, len(events), AUDIT_BATCH):
 
             async def fn(
-                stm: Stm, chunk: Sequence[AuditEvent] = events[i : i + MAX_BATCH]
+                stm: Stm, chunk: Sequence[AuditEvent] = events[i : i + AUDIT_BATCH]
             ) -> list[AuditEvent]:
                 now = self._clock()
                 return [await self._audit(stm, e if e.ts else replace(e, ts=now)) for e in chunk]
@@ -139,21 +157,62 @@ class KvIam:
         return [AuditEvent(**_load(kv.value)) for kv in got.kvs]
 
     async def query_audit(self, q: AuditQuery) -> list[AuditEvent]:
-        out = []
-        for e in await self._entries():
-            if e.seq <= q.after_seq or (q.since and e.ts < q.since):
-                continue
-            if (q.until and e.ts >= q.until) or (q.project and e.project != q.project):
-                continue
-            if q.actor and e.actor != q.actor:
-                continue
-            if q.action and not (
-                e.action.startswith(q.action) if q.action.endswith(".") else e.action == q.action
-            ):
-                continue
-            out.append(e)
-            if len(out) >= max(1, min(q.limit, 10000)):
+        want = max(1, min(q.limit, 10000))
+        first = _seq(q.after_seq + 1).encode()
+        if q.project or q.actor or (q.action and not q.action.endswith(".")):
+            field, value = next((f, v) for f, v in (("p", q.project), ("a", q.actor),
+                                                    ("x", q.action)) if v)  # fmt: skip
+            prefix = _audit_ix(field, value)
+            start = prefix + first
+        elif q.since or q.until:
+            prefix = _audit_ix("t")
+            start = prefix + _ts(q.since)
+        else:  # no filter (or only an action prefix): the log itself, from after_seq on
+            prefix = _k("audit", "")
+            start = prefix + first
+        out: list[AuditEvent] = []
+        raw = await self.store.get(_k("meta", "audit_ix_from"))
+        indexed_from = int(raw.value) if raw else 1 << 62  # earlier entries have no index keys
+        if prefix != _k("audit", "") and q.after_seq + 1 < indexed_from:
+            out = await self._scan_unindexed(q, want, indexed_from)
+            if raw is None:  # nothing is marked as indexed: the scan saw the whole log
+                return out
+        size = 16  # pages grow while a filter the index does not cover drops entries
+        while len(out) < want:
+            page = await self.store.range(prefix, start=start, limit=min(size, want - len(out)))
+            size *= 2
+            if not page.kvs:
                 break
+            start = page.kvs[-1].key + b"\x00"
+            if prefix == _k("audit", ""):
+                entries = [AuditEvent(**_load(kv.value)) for kv in page.kvs]
+            else:
+                seqs = [kv.key.rsplit(b"/", 1)[1].decode() for kv in page.kvs]
+                got = await self.store.get_many([_k("audit", n) for n in seqs])
+                entries = [AuditEvent(**_load(kv.value)) for kv in got if kv is not None]
+            out += [e for e in entries if _matches(e, q)]
+            if not page.more or (prefix == _audit_ix("t") and q.until and
+                                 entries and entries[-1].ts >= q.until):  # fmt: skip
+                break
+        if prefix == _audit_ix("t"):
+            out.sort(key=lambda e: e.seq)
+        return out[:want]
+
+    async def _scan_unindexed(self, q: AuditQuery, want: int, end: int) -> list[AuditEvent]:
+        """Entries before ``end`` (written before the indexes existed) that match ``q``."""
+        out: list[AuditEvent] = []
+        start = _k("audit", _seq(q.after_seq + 1))
+        while len(out) < want:
+            page = await self.store.range(_k("audit", ""), start=start, limit=256)
+            for kv in page.kvs:
+                e = AuditEvent(**_load(kv.value))
+                if e.seq >= end:
+                    return out
+                if _matches(e, q) and len(out) < want:
+                    out.append(e)
+            if not page.more:
+                break
+            start = page.kvs[-1].key + b"\x00"
         return out
 
     async def verify_audit(self) -> tuple[int, int | None, str]:
@@ -489,8 +548,7 @@ class KvIam:
 
     async def _admit_batch(self, batch: Sequence[Admission]) -> list[bool | Exception]:
         async def fn(stm: Stm) -> list[bool | Exception]:
-            wanted = set().union(*(_admission_keys(a) for a in batch))
-            await asyncio.gather(*(stm.get(k) for k in sorted(wanted)))
+            await stm.prefetch(sorted(set().union(*(_admission_keys(a) for a in batch))))
             now = self._clock()
             results: list[bool | Exception] = []
             for a in batch:
@@ -588,6 +646,29 @@ class KvIam:
         got = await self.store.range(_k("alloc", edge_id, "") if edge_id else _k("alloc", ""))
         allocs = [_alloc(kv.key.rsplit(b"/", 1)[1].decode(), _load(kv.value)) for kv in got.kvs]
         return sorted(allocs, key=lambda a: a.created_at)
+
+
+def _audit_ix(field: str, value: str = "") -> bytes:
+    """The prefix of one audit index: by time (``t``), or of one value of a field."""
+    if field == "t":
+        return _k("audit_ix", "t", "")
+    digest = hashlib.blake2b(value.encode(), digest_size=10).hexdigest()
+    return _k("audit_ix", field, digest, "")
+
+
+def _ts(ts: float) -> bytes:
+    """A time as a key part that sorts like the number."""
+    return f"{max(ts, 0.0):020.6f}".encode()
+
+
+def _matches(e: AuditEvent, q: AuditQuery) -> bool:
+    if e.seq <= q.after_seq or (q.since and e.ts < q.since) or (q.until and e.ts >= q.until):
+        return False
+    if (q.project and e.project != q.project) or (q.actor and e.actor != q.actor):
+        return False
+    return not q.action or (
+        e.action.startswith(q.action) if q.action.endswith(".") else e.action == q.action
+    )
 
 
 def _admission_keys(a: Admission) -> set[bytes]:

@@ -10,6 +10,7 @@ sandboxes (checked here against the name in its certificate).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -18,9 +19,9 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dsec.core.audit import AuditEvent
-from dsec.core.errors import PermissionDenied, QuotaExceeded, Unauthenticated
-from dsec.iam.audit_rpcs import AuditRpcs, actor_of
-from dsec.iam.batching import Batcher
+from dsec.core.batching import Batcher
+from dsec.core.errors import DsecError, Internal, PermissionDenied, QuotaExceeded, Unauthenticated
+from dsec.iam.audit_rpcs import AuditRpcs, actor_of, event_from
 from dsec.iam.join_rpcs import JoinTokenRpcs
 from dsec.iam.records import Admission, KeyRecord, Project
 from dsec.iam.signing import key_id as signing_key_id
@@ -132,6 +133,29 @@ class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
             raise
         self._metrics.inc("admissions", result="admitted" if new else "repeated")
         return pb.Empty()
+
+    async def AdmitMany(self, request: pb.AdmitBatch, context: _Ctx) -> pb.AdmitBatchReply:
+        """Admissions and audit entries an apiserver coalesced: they join this iam's own
+        queues (one transaction each per burst). An entry that cannot be appended fails
+        the call, as AppendAudit would."""
+        peer = peer_identity(context).spiffe_id
+        admitted = asyncio.gather(
+            *(self.admit(Admission(r.project, r.sandbox_id, r.cpu, r.memory_mb, r.edge_id))
+              for r in request.admissions),
+            return_exceptions=True,
+        )  # fmt: skip
+        appended = asyncio.gather(*(self.batched_audit(event_from(e, peer)) for e in request.audit))
+        results, _ = await asyncio.gather(admitted, appended)
+        reply = pb.AdmitBatchReply()
+        for r in results:
+            if isinstance(r, BaseException):
+                err = r if isinstance(r, DsecError) else Internal(f"admission failed: {r}")
+                self._metrics.inc("admissions", result=err.code)
+                reply.verdicts.add(error_code=err.code, error_message=err.message)
+            else:
+                self._metrics.inc("admissions", result="admitted" if r else "repeated")
+                reply.verdicts.add()
+        return reply
 
     async def Release(self, request: pb.ReleaseRequest, context: _Ctx) -> pb.Empty:
         peer = peer_identity(context)

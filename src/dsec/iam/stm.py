@@ -1,17 +1,19 @@
 """Optimistic read-modify-write transactions over a :class:`~dsec.store.api.StateStore`.
 
-A :class:`Stm` records the ``mod_revision`` of every key (and prefix) it reads and buffers
-every write; :meth:`Stm.commit` applies the writes in one store transaction guarded by
-"nothing I read has changed since", so a commit is serializable with every other writer of
-those keys, whatever process or machine it runs on. A commit that loses a race returns
-False and the caller runs its whole function again on fresh reads (:func:`atomically`).
+A :class:`Stm` records the ``mod_revision`` of every key (and prefix) it reads, keeps what
+it read (a key is fetched once per attempt; :meth:`Stm.prefetch` fetches many in one round
+trip) and buffers every write; :meth:`Stm.commit` applies the writes in one store
+transaction guarded by "nothing I read has changed since", so a commit is serializable
+with every other writer of those keys, whatever process or machine it runs on. A commit
+that loses a race returns False and the caller runs its whole function again on fresh
+reads (:func:`atomically`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from dsec.core.errors import StoreUnavailable
@@ -26,15 +28,28 @@ class Stm:
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self._reads: dict[bytes, int] = {}  # key -> mod_revision seen (0: absent)
+        self._values: dict[bytes, bytes | None] = {}  # key -> value seen
         self._ranges: dict[bytes, int] = {}  # prefix -> store revision it was read at
         self._writes: dict[bytes, bytes | None] = {}  # None: delete
 
     async def get(self, key: bytes) -> bytes | None:
         if key in self._writes:
             return self._writes[key]
+        if key in self._values:
+            return self._values[key]
         kv = await self.store.get(key)
-        self._reads.setdefault(key, kv.mod_revision if kv else 0)
+        self._seen(key, kv)
         return kv.value if kv else None
+
+    async def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Read ``keys`` not read yet, together (later :meth:`get` calls answer from here)."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self._values and k not in self._writes]
+        for key, kv in zip(todo, await self.store.get_many(todo), strict=True):
+            self._seen(key, kv)
+
+    def _seen(self, key: bytes, kv: KeyValue | None) -> None:
+        self._reads.setdefault(key, kv.mod_revision if kv else 0)
+        self._values.setdefault(key, kv.value if kv else None)
 
     async def range(self, prefix: bytes) -> list[KeyValue]:
         """Every key under ``prefix`` as committed (buffered writes are not merged in)."""

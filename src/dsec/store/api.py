@@ -154,7 +154,15 @@ class StateStore(Protocol):
 
     async def get(self, key: bytes) -> KeyValue | None: ...
 
-    async def range(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult: ...
+    async def get_many(self, keys: Sequence[bytes]) -> list[KeyValue | None]:
+        """Several keys, in order (etcd: one round trip, all read at one revision)."""
+        ...
+
+    async def range(
+        self, prefix: bytes, *, revision: int = 0, limit: int = 0, start: bytes = b""
+    ) -> RangeResult:
+        """Keys under ``prefix`` in order (from ``start`` on, when given: to page through)."""
+        ...
 
     async def txn(
         self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()
@@ -221,7 +229,14 @@ def check_txn(
 
 
 class StoreHelpers:
-    """``put`` and ``delete`` as one-op transactions, for every backend."""
+    """``put`` and ``delete`` as one-op transactions, and ``get_many`` as one ``get`` per
+    key, for every backend (etcd overrides ``get_many``)."""
+
+    async def get(self, key: bytes) -> KeyValue | None:
+        raise NotImplementedError
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[KeyValue | None]:
+        return [await self.get(k) for k in keys]
 
     async def txn(
         self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()

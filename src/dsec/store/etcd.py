@@ -32,6 +32,7 @@ from dsec.core.errors import (
 from ._gen import etcd_v3_subset_pb2 as pb
 from ._gen import etcd_v3_subset_pb2_grpc as pbg
 from .api import (
+    MAX_TXN_OPS,
     Compare,
     Event,
     EventType,
@@ -177,12 +178,32 @@ class EtcdStore(StoreHelpers):
         got = await self.range_exact(key)
         return got.kvs[0] if got.kvs else None
 
+    async def get_many(self, keys: Sequence[bytes]) -> list[KeyValue | None]:
+        """One read-only Txn per MAX_TXN_OPS keys (etcd serves it without a Raft round)."""
+        out: list[KeyValue | None] = []
+        for i in range(0, len(keys), MAX_TXN_OPS):
+            chunk = keys[i : i + MAX_TXN_OPS]
+            req = pb.TxnRequest(
+                success=[pb.RequestOp(request_range=pb.RangeRequest(key=k)) for k in chunk]
+            )
+
+            async def call(m: _Member, req: pb.TxnRequest = req) -> pb.TxnResponse:
+                return await m.kv.Txn(req, timeout=self._timeout)
+
+            resp = await self._call(call, idempotent=True)
+            for r in resp.responses:
+                kvs = r.response_range.kvs
+                out.append(_kv(kvs[0]) if kvs else None)
+        return out
+
     async def range_exact(self, key: bytes) -> RangeResult:
         return await self._range(key, b"", 0, 0)
 
-    async def range(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult:
+    async def range(
+        self, prefix: bytes, *, revision: int = 0, limit: int = 0, start: bytes = b""
+    ) -> RangeResult:
         key, end = _span(prefix, True)
-        return await self._range(key, end, revision, limit)
+        return await self._range(max(key, start), end, revision, limit)
 
     async def _range(self, key: bytes, end: bytes, revision: int, limit: int) -> RangeResult:
         req = pb.RangeRequest(key=key, range_end=end, revision=revision, limit=limit)

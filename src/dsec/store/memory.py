@@ -75,13 +75,15 @@ class MemoryStore(StoreHelpers):
                 state.pop(ev.kv.key, None)
         return state
 
-    async def range(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult:
+    async def range(
+        self, prefix: bytes, *, revision: int = 0, limit: int = 0, start: bytes = b""
+    ) -> RangeResult:
         self._check_open()
         if revision and revision != self._rev:
             state = self._at(revision)
-            kvs = [state[k] for k in sorted(state) if k.startswith(prefix)]
+            kvs = [state[k] for k in sorted(state) if k.startswith(prefix) and k >= start]
         else:
-            i = bisect.bisect_left(self._keys, prefix)
+            i = bisect.bisect_left(self._keys, max(prefix, start))
             kvs = []
             while i < len(self._keys) and self._keys[i].startswith(prefix):
                 kvs.append(self._kv[self._keys[i]])

@@ -175,13 +175,15 @@ class SqliteStore(StoreHelpers):
         row = self._db.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchone()
         return _kv(row) if row else None
 
-    def _range(self, prefix: bytes, revision: int, limit: int) -> RangeResult:
+    def _range(self, prefix: bytes, revision: int, limit: int, start: bytes) -> RangeResult:
         assert self._db is not None
         db = self._db
         db.execute("BEGIN")
         try:
             now = self._meta("rev")
             where, args = _where_range("key", prefix, True)
+            if start > prefix:
+                where, args = f"{where} AND key >= ?", [*args, start]
             if revision and revision != now:
                 if revision < (compact := self._meta("compact_rev")):
                     raise Compacted(f"revision {revision} is compacted", compact)
@@ -349,8 +351,10 @@ class SqliteStore(StoreHelpers):
     async def get(self, key: bytes) -> KeyValue | None:
         return await self._run(self._get, key)
 
-    async def range(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult:
-        return await self._run(self._range, prefix, revision, limit)
+    async def range(
+        self, prefix: bytes, *, revision: int = 0, limit: int = 0, start: bytes = b""
+    ) -> RangeResult:
+        return await self._run(self._range, prefix, revision, limit, start)
 
     async def txn(
         self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()

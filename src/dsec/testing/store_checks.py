@@ -90,6 +90,36 @@ async def check_range(s: StateStore, p: bytes) -> None:
     assert [kv.value for kv in now.kvs] == [b"new", b"c", b"c\xff"]
     assert now.revision == old + 2
     await _raises(InvalidArgument, s.range(p + b"r/", revision=now.revision + 1000))
+    page = await s.range(p + b"r/", start=p + b"r/c", limit=1)  # paging: from a key on
+    assert [kv.value for kv in page.kvs] == [b"c"]
+    assert page.more
+    rest = await s.range(p + b"r/", start=page.kvs[-1].key + b"\x00")
+    assert [kv.value for kv in rest.kvs] == [b"c\xff"]
+    assert [kv.key for kv in (await s.range(p + b"r/", start=p)).kvs] == [kv.key for kv in now.kvs]
+    assert (await s.range(p + b"r/", start=p + b"s")).kvs == ()
+    old_page = await s.range(p + b"r/", revision=old, start=p + b"r/b")
+    assert [kv.value for kv in old_page.kvs] == [b"b", b"c", b"c\xff"]
+
+
+async def check_get_many(s: StateStore, p: bytes) -> None:
+    await s.put(p + b"m/a", b"1")
+    await s.put(p + b"m/b", b"2")
+    await s.put(p + b"m/b", b"3")
+    keys = [p + b"m/b", p + b"m/none", p + b"m/a", p + b"m/b"]
+    got = await s.get_many(keys)
+    assert [kv.value if kv else None for kv in got] == [b"3", None, b"1", b"3"]
+    b = got[0]
+    assert b is not None
+    assert b.version == 2
+    assert b.mod_revision > b.create_revision
+    many = [p + b"m/n%03d" % i for i in range(300)]  # more than one etcd transaction holds
+    await s.put(many[-1], b"last")
+    got = await s.get_many(many)
+    assert len(got) == 300
+    assert got[0] is None
+    assert got[-1] is not None
+    assert got[-1].value == b"last"
+    assert await s.get_many([]) == []
 
 
 async def check_txn(s: StateStore, p: bytes) -> None:
@@ -324,6 +354,7 @@ async def check_nested_quotas(s: StateStore, p: bytes) -> None:
 CHECKS: dict[str, Check] = {
     "revisions": check_revisions,
     "range": check_range,
+    "get_many": check_get_many,
     "txn": check_txn,
     "create_if_absent": check_create_if_absent,
     "leases": check_leases,

@@ -1291,6 +1291,78 @@ class AdmitRequest(_message.Message):
 Global___AdmitRequest: _TypeAlias = AdmitRequest  # noqa: Y015
 
 @_typing.final
+class AdmitBatch(_message.Message):
+    """Several admissions and audit entries in one call (an apiserver coalesces concurrent
+    creates): the iam decides the admissions in order, appends the entries, and answers one
+    verdict per admission.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADMISSIONS_FIELD_NUMBER: _builtins.int
+    AUDIT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def admissions(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdmitRequest]: ...
+    @_builtins.property
+    def audit(self) -> _containers.RepeatedCompositeFieldContainer[Global___AuditEntry]: ...
+    def __init__(
+        self,
+        *,
+        admissions: _abc.Iterable[Global___AdmitRequest] | None = ...,
+        audit: _abc.Iterable[Global___AuditEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admissions", b"admissions", "audit", b"audit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitBatch: _TypeAlias = AdmitBatch  # noqa: Y015
+
+@_typing.final
+class AdmitVerdict(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    error_code: _builtins.str
+    """"": admitted (or already admitted); else a DsecError code"""
+    error_message: _builtins.str
+    def __init__(
+        self,
+        *,
+        error_code: _builtins.str = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitVerdict: _TypeAlias = AdmitVerdict  # noqa: Y015
+
+@_typing.final
+class AdmitBatchReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERDICTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def verdicts(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdmitVerdict]: ...
+    def __init__(
+        self,
+        *,
+        verdicts: _abc.Iterable[Global___AdmitVerdict] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["verdicts", b"verdicts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitBatchReply: _TypeAlias = AdmitBatchReply  # noqa: Y015
+
+@_typing.final
 class ReleaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -1017,6 +1017,11 @@ class IamStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditEntry.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                 _registered_method=True)
+        self.AdmitMany = channel.unary_unary(
+                '/dsec.v1.Iam/AdmitMany',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatch.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatchReply.FromString,
+                _registered_method=True)
         self.QueryAudit = channel.unary_unary(
                 '/dsec.v1.Iam/QueryAudit',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditQuery.SerializeToString,
@@ -1131,6 +1136,12 @@ class IamServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AppendAudit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdmitMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1259,6 +1270,11 @@ def add_IamServicer_to_server(servicer, server):
                     servicer.AppendAudit,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditEntry.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'AdmitMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmitMany,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatch.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatchReply.SerializeToString,
             ),
             'QueryAudit': grpc.unary_unary_rpc_method_handler(
                     servicer.QueryAudit,
@@ -1564,6 +1580,33 @@ class Iam:
             '/dsec.v1.Iam/AppendAudit',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditEntry.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/AdmitMany',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatch.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

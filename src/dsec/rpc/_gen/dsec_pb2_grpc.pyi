@@ -264,6 +264,7 @@ class IamStub:
     Reconcile: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]
     GetUsage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]
     AppendAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]
+    AdmitMany: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AdmitBatch, _dsec_pb2.AdmitBatchReply]
     QueryAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditQuery, _dsec_pb2.AuditList]
     VerifyAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.AuditVerdict]
     IssueToken: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.IssueTokenRequest, _dsec_pb2.TokenReply]
@@ -293,6 +294,7 @@ class IamAsyncStub(IamStub):
     Reconcile: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     GetUsage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]  # type: ignore[assignment]
     AppendAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]  # type: ignore[assignment]
+    AdmitMany: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AdmitBatch, _dsec_pb2.AdmitBatchReply]  # type: ignore[assignment]
     QueryAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditQuery, _dsec_pb2.AuditList]  # type: ignore[assignment]
     VerifyAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.AuditVerdict]  # type: ignore[assignment]
     IssueToken: _aio.UnaryUnaryMultiCallable[_dsec_pb2.IssueTokenRequest, _dsec_pb2.TokenReply]  # type: ignore[assignment]
@@ -373,6 +375,13 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.AuditEntry,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def AdmitMany(
+        self,
+        request: _dsec_pb2.AdmitBatch,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.AdmitBatchReply, _abc.Awaitable[_dsec_pb2.AdmitBatchReply]]: ...
 
     @_abc_1.abstractmethod
     def QueryAudit(

@@ -1,6 +1,7 @@
 """Group concurrent requests into one transaction: while one batch is being written, new
 requests queue; when it is done they all go in the next one. A burst of N admissions or
-audit entries then costs a handful of disk syncs (or Raft rounds) instead of N."""
+audit entries then costs a handful of disk syncs (or Raft rounds) instead of N; an
+apiserver uses the same queue to send a burst of admissions to the iam in one call."""
 
 from __future__ import annotations
 
@@ -13,10 +14,17 @@ _R = TypeVar("_R")
 
 
 class Batcher(Generic[_T, _R]):
-    """``run`` decides a batch in order; one result (or exception) per item."""
+    """``run`` decides a batch (at most ``max_batch`` items) in order; one result (or
+    exception) per item."""
 
-    def __init__(self, run: Callable[[Sequence[_T]], Awaitable[Sequence[_R | Exception]]]) -> None:
+    def __init__(
+        self,
+        run: Callable[[Sequence[_T]], Awaitable[Sequence[_R | Exception]]],
+        *,
+        max_batch: int = 0,
+    ) -> None:
         self._run = run
+        self._max = max_batch or 1 << 30
         self._queue: list[tuple[_T, asyncio.Future[_R]]] = []
         self._drainer: asyncio.Task[None] | None = None
 
@@ -30,7 +38,7 @@ class Batcher(Generic[_T, _R]):
     async def _drain(self) -> None:
         try:
             while self._queue:
-                batch, self._queue = self._queue, []
+                batch, self._queue = self._queue[: self._max], self._queue[self._max :]
                 try:
                     results: Sequence[_R | Exception] = await self._run([i for i, _ in batch])
                 except Exception as exc:  # the commit failed: none of the batch happened
