@@ -124,6 +124,13 @@ class TrajectoryMismatch(InvalidState):
     code = "trajectory_mismatch"
 
 
+class TrajectoryBound(InvalidState):
+    """A call was sent as for a sandbox bound to no trajectory, and the sandbox is bound
+    (the apiserver looks the binding up again and records the call)."""
+
+    code = "trajectory_bound"
+
+
 class NotRestorable(InvalidState):
     """A trajectory's sandbox is gone and its state cannot be rebuilt safely."""
 

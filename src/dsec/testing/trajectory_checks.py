@@ -12,6 +12,7 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+from dsec.core import projects
 from dsec.core.errors import AlreadyExists, InvalidArgument, QuotaExceeded
 from dsec.trajectory.blobs import INLINE_MAX
 from dsec.trajectory.log import PREFIX, Step, TrajectoryLog
@@ -135,6 +136,33 @@ async def check_quota(tlog: TrajectoryLog, project: str) -> None:
 
 
 @check
+async def check_quota_follows_the_project_tree(tlog: TrajectoryLog, project: str) -> None:
+    """A quota bounds the log of the project and of every project beneath it."""
+    child, sibling = f"{project}/a", f"{project}/b"
+    await tlog.set_quota(project, 1000)
+    await tlog.set_quota(child, 10**9)  # a child's own higher quota does not lift the parent's
+    a, _ = await tlog.open(child, "a", spec={})
+    await tlog.append(a.id, step("a", "y" * 2000))  # crosses the parent's quota
+    used = (await tlog.get(a.id)).bytes
+    assert await tlog.usage(child) == await tlog.usage(project) == used > 1000
+    b, _ = await tlog.open(sibling, "b", spec={})
+    for attempt in (tlog.append(b.id, step("b")), tlog.check_quota(sibling)):
+        message = ""
+        try:
+            await attempt
+        except QuotaExceeded as exc:
+            message = str(exc)
+        assert repr(project) in message, message
+        assert repr(sibling) in message, message
+    assert (await tlog.get(b.id)).steps == 0
+    await tlog.remove(a.id)
+    assert await tlog.usage(project) == await tlog.usage(child) == 0
+    await tlog.append(b.id, step("b"))  # room again
+    assert await tlog.usage(project) == await tlog.usage(sibling) > 0
+    await tlog.remove(b.id)
+
+
+@check
 async def check_truncate(tlog: TrajectoryLog, project: str) -> None:
     t, _ = await tlog.open(project, "cut", spec={})
     for i in range(5):
@@ -212,8 +240,8 @@ async def check_retention(tlog: TrajectoryLog, project: str) -> None:
 
 @check
 async def check_two_apiservers(tlog: TrajectoryLog, project: str) -> None:
-    """Two log objects on one store (two apiservers): usage and the binding's copy of the
-    record stay exact although each caches what it last saw."""
+    """Two log objects on one store (two apiservers): usage and the bound record stay exact
+    although each caches what it last saw."""
     other = TrajectoryLog(tlog.store, tlog.blobs)
     a, _ = await tlog.open(project, "a", spec={})
     b, _ = await other.open(project, "b", spec={})
@@ -236,7 +264,9 @@ async def check_two_apiservers(tlog: TrajectoryLog, project: str) -> None:
     await tlog.set_quota(project, total)  # (another apiserver sees it within QUOTA_CACHE_S)
     message = ""
     try:
-        await tlog.append(a.id, step("over"), known=(found[1], None))
+        await tlog.append(
+            a.id, step("over"), known=(found[1], [None] * len(projects.ancestors(project)))
+        )
     except QuotaExceeded as exc:
         message = str(exc)
     assert "quota" in message, "a stale usage entry is re-read, and the quota holds"

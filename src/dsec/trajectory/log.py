@@ -6,19 +6,19 @@ Layout (all keys under ``/dsec/trajectory/``)::
                        bytes, replay cursor and mode, policy, checkpoints, last divergence
     s/<id>/<n:010d>    step n (JSON): canonical request, result, payload; or, when the
                        encoded step is over 64 KiB, a stub naming its blob (``blobs.py``)
-    b/<sandbox id>     the record of the trajectory the sandbox is bound to: a copy of
-                       t/<id>, written in the same transactions, so the hot path (a call
-                       of a bound sandbox) finds its trajectory with one read
-    u/<project>        bytes of log the project holds (for its quota)
-    q/<project>        the project's quota on log bytes (absent: the server default)
+    b/<sandbox id>     ``{"id": <id>}``: the trajectory the sandbox is bound to, written
+                       when it is bound (valid only while t/<id> names the sandbox too)
+    u/<project>        bytes of log the project and every project beneath it hold
+    q/<project>        the quota on u/<project> (absent: the server default)
 
-A step is appended in one transaction with the record (step count, bytes) and the
-project's usage, each guarded by its ``mod_revision``: two writers never number two steps
-alike and usage is never lost. Each log object remembers the usage entry it last wrote or
-read; a stale one only makes the guarded transaction fail once and read again. The blob
-(if any) is written and fsynced first, so a step in the store always has its payload.
-``<id>`` is derived from (project, name), so the same name in two projects is two
-trajectories.
+A step is appended in one transaction with the record (step count, bytes) and the usage
+of the project and of each of its ancestors (``org``, ``org/team``, ``org/team/exp``: a
+quota bounds the whole subtree, as sandbox quotas do), each guarded by its
+``mod_revision``: two writers never number two steps alike and usage is never lost. Each
+log object remembers the usage entries it last wrote or read; a stale one only makes the
+guarded transaction fail once and read again. The blob (if any) is written and fsynced
+first, so a step in the store always has its payload. ``<id>`` is derived from (project,
+name), so the same name in two projects is two trajectories.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from dsec.core import projects
 from dsec.core.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -61,6 +62,7 @@ __all__ = [
 
 PREFIX = b"/dsec/trajectory/"
 QUOTA_CACHE_S = 5.0
+Usage = list[KeyValue | None]  # usage entries of a project and its ancestors, top first
 _DELETE_BATCH = 100
 
 
@@ -88,13 +90,13 @@ def _quota_key(project: str) -> bytes:
     return PREFIX + b"q/" + project.encode()
 
 
-def _record_puts(t: Trajectory) -> list[TxnOp]:
-    """The record, and its copy under the sandbox binding (see the module docstring)."""
-    raw = json.dumps(t.to_json()).encode()
-    puts: list[TxnOp] = [Put(_meta_key(t.id), raw)]
-    if t.sandbox_id:
-        puts.append(Put(_bind_key(t.sandbox_id), raw))
-    return puts
+def _record_put(t: Trajectory) -> Put:
+    return Put(_meta_key(t.id), json.dumps(t.to_json()).encode())
+
+
+def _levels(project: str) -> list[str]:
+    """The projects whose usage a step of ``project`` counts in: itself and its ancestors."""
+    return projects.ancestors(project) if project else [project]
 
 
 def _guard(key: bytes, kv: KeyValue | None) -> Compare:
@@ -122,6 +124,7 @@ class TrajectoryLog:
         self.clock = clock
         self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
         self._usage: dict[str, KeyValue | None] = {}  # project -> usage entry last seen
+        # (The usage of a project counts its subtree: see the module docstring.)
 
     # -- records --------------------------------------------------------------------------
 
@@ -162,7 +165,7 @@ class TrajectoryLog:
             else:
                 t, kv = await self._read(tid)
             new = replace(fn(t), updated_at=self.clock())
-            res = await self.store.txn([_guard(kv.key, kv)], [*_record_puts(new), *extra])
+            res = await self.store.txn([_guard(kv.key, kv)], [_record_put(new), *extra])
             if res.succeeded:
                 return new
 
@@ -223,7 +226,7 @@ class TrajectoryLog:
         if bound is not None and json.loads(bound.value)["id"] != tid:
             raise AlreadyExists(f"sandbox {sandbox_id} is bound to another trajectory")
         t = await self.get(tid)
-        extra: tuple[TxnOp, ...] = ()
+        extra: tuple[TxnOp, ...] = (Put(_bind_key(sandbox_id), json.dumps({"id": tid}).encode()),)
         if t.sandbox_id and t.sandbox_id != sandbox_id:
             extra += (Delete(_bind_key(t.sandbox_id)),)
         return await self.update(tid, lambda t: replace(t, sandbox_id=sandbox_id), extra)
@@ -232,15 +235,26 @@ class TrajectoryLog:
         found = await self.lookup(sandbox_id)
         return found[0] if found else None
 
-    async def lookup(self, sandbox_id: str) -> tuple[Trajectory, KeyValue] | None:
+    async def lookup(self, sandbox_id: str, tid: str = "") -> tuple[Trajectory, KeyValue] | None:
         """The trajectory ``sandbox_id`` is bound to, and its record as read (for
-        ``known=`` in :meth:`update` and :meth:`append`)."""
+        ``known=`` in :meth:`update` and :meth:`append`). ``tid``: the trajectory it was
+        bound to when last looked up (then one read, if that still holds)."""
+        if tid:
+            found = await self._bound_record(tid, sandbox_id)
+            if found is not None:
+                return found
         kv = await self.store.get(_bind_key(sandbox_id))
         if kv is None:
             return None
+        bound = str(json.loads(kv.value)["id"])
+        return None if bound == tid else await self._bound_record(bound, sandbox_id)
+
+    async def _bound_record(self, tid: str, sandbox_id: str) -> tuple[Trajectory, KeyValue] | None:
+        kv = await self.store.get(_meta_key(tid))
+        if kv is None:
+            return None
         t = Trajectory.from_json(json.loads(kv.value))
-        # Written in the same transaction as t/<id>: the same mod_revision guards both.
-        return t, replace(kv, key=_meta_key(t.id))
+        return (t, kv) if t.sandbox_id == sandbox_id else None
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -262,8 +276,9 @@ class TrajectoryLog:
                 yield s
 
     async def quota(self, project: str, *, max_age_s: float = 0) -> int:
-        """The project's limit; ``max_age_s`` > 0 accepts a value read that recently (the
-        hot path: a quota set on another apiserver applies here within that time)."""
+        """The limit on ``project``'s subtree; ``max_age_s`` > 0 accepts a value read that
+        recently (the hot path: a quota set on another apiserver applies here within that
+        time)."""
         cached = self._quotas.get(project)
         if cached and max_age_s and self.clock() - cached[0] < max_age_s:
             return cached[1]
@@ -278,47 +293,74 @@ class TrajectoryLog:
         await self.store.put(_quota_key(project), str(limit_bytes).encode())
         self._quotas.pop(project, None)
 
-    async def _check_quota(self, project: str, used: int) -> None:
-        limit = await self.quota(project, max_age_s=QUOTA_CACHE_S)
-        if limit and used >= limit:
-            raise QuotaExceeded(
-                f"the trajectory log of project {project!r} holds {used} bytes, at or over its "
-                f"quota of {limit} bytes; remove old trajectories (dsec trajectory rm) or "
-                "raise the quota"
-            )
+    async def _check_quota(self, project: str, usage: Usage) -> None:
+        for level, kv in zip(_levels(project), usage, strict=True):
+            used = _int(kv)
+            limit = await self.quota(level, max_age_s=QUOTA_CACHE_S)
+            if limit and used >= limit:
+                within = "" if level == project else f" (which holds project {project!r})"
+                raise QuotaExceeded(
+                    f"the trajectory log of project {level!r}{within} holds {used} bytes, at or "
+                    f"over its quota of {limit} bytes; remove old trajectories (dsec trajectory "
+                    "rm) or raise the quota"
+                )
 
-    async def check_quota(self, project: str) -> KeyValue | None:
-        """Refuse (QuotaExceeded) when the project's log is at or over its quota; the step
-        that crosses it is still recorded, the calls after it are refused before they run.
-        Returns the usage as read (for ``known=`` in :meth:`append`)."""
-        if project in self._usage:
-            kv = self._usage[project]
-        else:
-            kv = self._usage[project] = await self.store.get(_usage_key(project))
-        await self._check_quota(project, _int(kv))
-        return kv
+    async def _read_usage(self, project: str, *, cached: bool) -> Usage:
+        out = []
+        for level in _levels(project):
+            if not cached or level not in self._usage:
+                self._usage[level] = await self.store.get(_usage_key(level))
+            out.append(self._usage[level])
+        return out
+
+    async def check_quota(self, project: str) -> Usage:
+        """Refuse (QuotaExceeded) when the log of the project or of one of its ancestors is
+        at or over its quota; the step that crosses it is still recorded, the calls after it
+        are refused before they run. Returns the usage entries as read (for ``known=`` in
+        :meth:`append`)."""
+        usage = await self._read_usage(project, cached=True)
+        await self._check_quota(project, usage)
+        return usage
 
     async def usage(self, project: str) -> int:
+        """Bytes of log ``project`` and the projects beneath it hold."""
         return _int(await self.store.get(_usage_key(project)))
+
+    def _usage_ops(
+        self, project: str, usage: Usage, delta: int
+    ) -> tuple[builtins.list[Compare], builtins.list[TxnOp], builtins.list[tuple[bytes, bytes]]]:
+        guards: builtins.list[Compare] = []
+        puts: builtins.list[TxnOp] = []
+        wrote = []
+        for level, kv in zip(_levels(project), usage, strict=True):
+            key = _usage_key(level)
+            value = str(max(0, _int(kv) + delta)).encode()
+            guards.append(_guard(key, kv))
+            puts.append(Put(key, value))
+            wrote.append((key, value))
+        return guards, puts, wrote
+
+    def _saw_usage(self, wrote: builtins.list[tuple[bytes, bytes]], revision: int) -> None:
+        for key, value in wrote:
+            level = key[len(PREFIX) + 2 :].decode()
+            self._usage[level] = KeyValue(key, value, revision, revision, 1)
 
     async def append(
         self,
         tid: str,
         make: Callable[[int], Step],
         *,
-        known: tuple[KeyValue, KeyValue | None] | None = None,
+        known: tuple[KeyValue, Usage] | None = None,
     ) -> Step:
         """Record ``make(n)`` as the next step n; the log advances past it (record mode).
-        ``known``: the record and the project's usage as last read, tried first."""
+        ``known``: the record and the usage entries as last read, tried first."""
         while True:
             if known is not None:
                 meta, usage = known
                 t = Trajectory.from_json(json.loads(meta.value))
             else:
                 t, meta = await self._read(tid)
-            ukey = _usage_key(t.project)
-            if known is None:
-                usage = await self.store.get(ukey)
+                usage = await self._read_usage(t.project, cached=False)
             known = None
             step = make(t.steps)
             raw = step.encode()
@@ -327,7 +369,7 @@ class TrajectoryLog:
             if size > INLINE_MAX:
                 digest = await self.blobs.put(raw)
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
-            await self._check_quota(t.project, _int(usage))
+            await self._check_quota(t.project, usage)
             new = replace(
                 t,
                 steps=t.steps + 1,
@@ -336,18 +378,14 @@ class TrajectoryLog:
                 mode="record",
                 updated_at=self.clock(),
             )
-            used = str(_int(usage) + size).encode()
+            guards, puts, wrote = self._usage_ops(t.project, usage, size)
             res = await self.store.txn(
-                [_guard(meta.key, meta), _guard(ukey, usage)],
-                [Put(_step_key(tid, step.n), stored), *_record_puts(new), Put(ukey, used)],
+                [_guard(meta.key, meta), *guards],
+                [Put(_step_key(tid, step.n), stored), _record_put(new), *puts],
             )
             if res.succeeded:
-                self._saw_usage(ukey, t.project, used, res.revision)
+                self._saw_usage(wrote, res.revision)
                 return step
-            self._usage.pop(t.project, None)
-
-    def _saw_usage(self, ukey: bytes, project: str, value: bytes, revision: int) -> None:
-        self._usage[project] = KeyValue(ukey, value, revision, revision, 1)
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:
         res = await self.store.range(_steps_prefix(tid))
@@ -366,16 +404,12 @@ class TrajectoryLog:
         while True:
             t, meta = await self._read(tid)
             keys, freed = await self._sizes(tid, start)
-            ukey = _usage_key(t.project)
-            usage = await self.store.get(ukey)
+            usage = await self._read_usage(t.project, cached=False)
             new = replace(fn(t), steps=min(t.steps, start), bytes=max(0, t.bytes - freed))
-            used = str(max(0, _int(usage) - freed)).encode()
-            res = await self.store.txn(
-                [_guard(meta.key, meta), _guard(ukey, usage)],
-                [*_record_puts(new), Put(ukey, used)],
-            )
+            guards, puts, wrote = self._usage_ops(t.project, usage, -freed)
+            res = await self.store.txn([_guard(meta.key, meta), *guards], [_record_put(new), *puts])
             if res.succeeded:
-                self._saw_usage(ukey, t.project, used, res.revision)
+                self._saw_usage(wrote, res.revision)
                 break
         for i in range(0, len(keys), _DELETE_BATCH):
             await self.store.txn([], [Delete(k) for k in keys[i : i + _DELETE_BATCH]])
@@ -383,23 +417,17 @@ class TrajectoryLog:
 
     async def remove(self, tid: str) -> Trajectory:
         """Delete a trajectory, its steps and its binding (blobs go with the next sweep)."""
-        t, meta = await self._read(tid)
         while True:
-            ukey = _usage_key(t.project)
-            usage = await self.store.get(ukey)
-            used = str(max(0, _int(usage) - t.bytes)).encode()
-            ops: list[TxnOp] = [
-                Delete(meta.key),
-                Delete(_steps_prefix(tid), prefix=True),
-                Put(ukey, used),
-            ]
+            t, meta = await self._read(tid)
+            usage = await self._read_usage(t.project, cached=False)
+            guards, puts, wrote = self._usage_ops(t.project, usage, -t.bytes)
+            ops: list[TxnOp] = [Delete(meta.key), Delete(_steps_prefix(tid), prefix=True), *puts]
             if t.sandbox_id:
                 ops.append(Delete(_bind_key(t.sandbox_id)))
-            res = await self.store.txn([_guard(meta.key, meta), _guard(ukey, usage)], ops)
+            res = await self.store.txn([_guard(meta.key, meta), *guards], ops)
             if res.succeeded:
-                self._saw_usage(ukey, t.project, used, res.revision)
+                self._saw_usage(wrote, res.revision)
                 return t
-            t, meta = await self._read(tid)
 
     async def referenced_blobs(self) -> set[str]:
         res = await self.store.range(PREFIX + b"s/")
