@@ -41,7 +41,7 @@ from dsec.core.errors import (
 from dsec.obs import log
 from dsec.store.api import KeyValue
 from dsec.trajectory.canon import canonical, field_at, first_difference
-from dsec.trajectory.log import Step, Trajectory, TrajectoryLog, Usage
+from dsec.trajectory.log import Step, Trajectory, TrajectoryLog
 
 _log = logging.getLogger("dsec.apiserver.trajectory")
 
@@ -63,15 +63,11 @@ def _set_headers(request: web.Request, t: Trajectory, mode: str, step: int) -> N
 
 @dataclass
 class Bound:
-    """A sandbox's trajectory and the store entries as read for this call (so the
-    append's transaction usually needs no second read)."""
+    """A sandbox's trajectory and its record as read for this call (so the append's
+    transaction usually needs no second read)."""
 
     t: Trajectory
     meta: KeyValue
-    usage: Usage | None = None
-
-    def known(self) -> tuple[KeyValue, Usage] | None:
-        return None if self.usage is None else (self.meta, self.usage)
 
 
 async def bound(c: Ctx, sandbox_id: str) -> Bound | None:
@@ -200,7 +196,7 @@ async def record(
 
     t = b.t
     start = time.perf_counter()
-    step = await c.trajectories.append(t.id, make, known=b.known())
+    step = await c.trajectories.append(t.id, make, known=b.meta)
     c.metrics.observe("trajectory_append", time.perf_counter() - start)
     _set_headers(request, t, "diverged" if mode == "mismatch" else "recorded", step.n)
     c.metrics.inc("trajectory_steps_recorded")
@@ -315,12 +311,12 @@ async def transfer(
 
 async def _for_recording(tlog: TrajectoryLog, b: Bound) -> Bound:
     """Check the quota before the call runs; re-read the record if replay just moved it."""
-    usage = await tlog.check_quota(b.t.project)
+    await tlog.check_quota(b.t.project)
     if b.t.mode == "replay":  # replay ended at this call: the record changed under us
         found = await tlog.lookup(b.t.sandbox_id, b.t.id)
         if found is not None:
-            return Bound(found[0], found[1], usage)
-    return Bound(b.t, b.meta, usage)
+            return Bound(*found)
+    return b
 
 
 async def _run_and_record(

@@ -104,6 +104,10 @@ class SqliteStore(StoreHelpers):
         self._retain = retain_revisions
         self._compact_every_s = compact_every_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store")
+        # Single-key reads: a connection and thread of their own, so they never wait for a
+        # commit's fsync (WAL: a read sees every transaction committed before it began).
+        self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store-read")
+        self._reader: sqlite3.Connection | None = None
         self._db: sqlite3.Connection | None = None
         self._hub = WatchHub()
         self._loop = asyncio.get_running_loop()
@@ -142,11 +146,18 @@ class SqliteStore(StoreHelpers):
         db.executescript(SCHEMA)
         self._db = db
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    def _read_one(self, key: bytes) -> KeyValue | None:
+        if self._reader is None:
+            self._reader = sqlite3.connect(self._path, isolation_level=None, timeout=5.0)
+        row = self._reader.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchone()
+        return _kv(row) if row else None
+
+    async def _run(self, fn: Callable[..., T], *args: Any, reader: bool = False) -> T:
         if self._closed:
             raise StoreUnavailable("the store is closed")
         try:
-            return await self._loop.run_in_executor(self._pool, fn, *args)
+            pool = self._read_pool if reader else self._pool
+            return await self._loop.run_in_executor(pool, fn, *args)
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
 
@@ -390,7 +401,7 @@ class SqliteStore(StoreHelpers):
     # the async interface
 
     async def get(self, key: bytes) -> KeyValue | None:
-        return await self._run(self._get, key)
+        return await self._run(self._read_one, key, reader=True)
 
     async def range(self, prefix: bytes, *, revision: int = 0, limit: int = 0) -> RangeResult:
         return await self._run(self._range, prefix, revision, limit)
@@ -453,5 +464,9 @@ class SqliteStore(StoreHelpers):
         db, self._db = self._db, None
         if db is not None:
             await self._loop.run_in_executor(self._pool, db.close)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            await self._loop.run_in_executor(self._read_pool, reader.close)
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)

@@ -8,17 +8,19 @@ Layout (all keys under ``/dsec/trajectory/``)::
                        encoded step is over 64 KiB, a stub naming its blob (``blobs.py``)
     b/<sandbox id>     ``{"id": <id>}``: the trajectory the sandbox is bound to, written
                        when it is bound (valid only while t/<id> names the sandbox too)
-    u/<project>        bytes of log the project and every project beneath it hold
-    q/<project>        the quota on u/<project> (absent: the server default)
+    q/<project>        the quota on the log bytes of the project and every project
+                       beneath it (absent: the server default), as sandbox quotas bound
+                       a subtree
 
-A step is appended in one transaction with the record (step count, bytes) and the usage
-of the project and of each of its ancestors (``org``, ``org/team``, ``org/team/exp``: a
-quota bounds the whole subtree, as sandbox quotas do), each guarded by its
-``mod_revision``: two writers never number two steps alike and usage is never lost. Each
-log object remembers the usage entries it last wrote or read; a stale one only makes the
-guarded transaction fail once and read again. The blob (if any) is written and fsynced
-first, so a step in the store always has its payload. ``<id>`` is derived from (project,
-name), so the same name in two projects is two trajectories.
+A step is appended in one transaction with its record (step count, bytes), guarded by the
+record's ``mod_revision``: two writers never number two steps alike, and steps of other
+trajectories never contend with it. A project's usage is not a counter every step
+rewrites (one hot key per project, every concurrent append of the project conflicting on
+it): it is the sum of the ``bytes`` of its subtree's records, summed by a range read at
+most every ``QUOTA_CACHE_S`` per log object, plus what this object appended since. So a
+quota holds within that time across apiservers, exactly within one. The blob (if any) is
+written and fsynced first, so a step in the store always has its payload. ``<id>`` is
+derived from (project, name), so the same name in two projects is two trajectories.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ __all__ = [
 
 PREFIX = b"/dsec/trajectory/"
 QUOTA_CACHE_S = 5.0
-Usage = list[KeyValue | None]  # usage entries of a project and its ancestors, top first
 _DELETE_BATCH = 100
 
 
@@ -82,10 +83,6 @@ def _bind_key(sandbox_id: str) -> bytes:
     return PREFIX + b"b/" + sandbox_id.encode()
 
 
-def _usage_key(project: str) -> bytes:
-    return PREFIX + b"u/" + project.encode()
-
-
 def _quota_key(project: str) -> bytes:
     return PREFIX + b"q/" + project.encode()
 
@@ -95,7 +92,7 @@ def _record_put(t: Trajectory) -> Put:
 
 
 def _levels(project: str) -> list[str]:
-    """The projects whose usage a step of ``project`` counts in: itself and its ancestors."""
+    """The projects whose quota a step of ``project`` counts against: it and its ancestors."""
     return projects.ancestors(project) if project else [project]
 
 
@@ -123,8 +120,8 @@ class TrajectoryLog:
         self.default_quota_bytes = default_quota_bytes
         self.clock = clock
         self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
-        self._usage: dict[str, KeyValue | None] = {}  # project -> usage entry last seen
-        # (The usage of a project counts its subtree: see the module docstring.)
+        self._bytes: dict[str, int] = {}  # project (exact) -> log bytes, summed at _summed
+        self._summed = -float("inf")
 
     # -- records --------------------------------------------------------------------------
 
@@ -293,11 +290,31 @@ class TrajectoryLog:
         await self.store.put(_quota_key(project), str(limit_bytes).encode())
         self._quotas.pop(project, None)
 
-    async def _check_quota(self, project: str, usage: Usage) -> None:
-        for level, kv in zip(_levels(project), usage, strict=True):
-            used = _int(kv)
+    async def _project_bytes(self, max_age_s: float) -> dict[str, int]:
+        if self.clock() - self._summed >= max_age_s:
+            summed = self.clock()
+            res = await self.store.range(PREFIX + b"t/")
+            sums: dict[str, int] = {}
+            for kv in res.kvs:
+                d = json.loads(kv.value)
+                sums[d["project"]] = sums.get(d["project"], 0) + int(d.get("bytes", 0))
+            self._bytes, self._summed = sums, summed
+        return self._bytes
+
+    def _count(self, project: str, delta: int) -> None:
+        self._bytes[project] = max(0, self._bytes.get(project, 0) + delta)
+
+    async def check_quota(self, project: str) -> None:
+        """Refuse (QuotaExceeded) when the log of the project, or of one of its ancestors,
+        is at or over its quota; the step that crosses it is still recorded, the calls after
+        it are refused before they run."""
+        sums = await self._project_bytes(QUOTA_CACHE_S)
+        for level in _levels(project):
             limit = await self.quota(level, max_age_s=QUOTA_CACHE_S)
-            if limit and used >= limit:
+            if not limit:
+                continue
+            used = sum(n for p, n in sums.items() if projects.contains(level, p))
+            if used >= limit:
                 within = "" if level == project else f" (which holds project {project!r})"
                 raise QuotaExceeded(
                     f"the trajectory log of project {level!r}{within} holds {used} bytes, at or "
@@ -305,62 +322,25 @@ class TrajectoryLog:
                     "rm) or raise the quota"
                 )
 
-    async def _read_usage(self, project: str, *, cached: bool) -> Usage:
-        out = []
-        for level in _levels(project):
-            if not cached or level not in self._usage:
-                self._usage[level] = await self.store.get(_usage_key(level))
-            out.append(self._usage[level])
-        return out
-
-    async def check_quota(self, project: str) -> Usage:
-        """Refuse (QuotaExceeded) when the log of the project or of one of its ancestors is
-        at or over its quota; the step that crosses it is still recorded, the calls after it
-        are refused before they run. Returns the usage entries as read (for ``known=`` in
-        :meth:`append`)."""
-        usage = await self._read_usage(project, cached=True)
-        await self._check_quota(project, usage)
-        return usage
-
     async def usage(self, project: str) -> int:
         """Bytes of log ``project`` and the projects beneath it hold."""
-        return _int(await self.store.get(_usage_key(project)))
-
-    def _usage_ops(
-        self, project: str, usage: Usage, delta: int
-    ) -> tuple[builtins.list[Compare], builtins.list[TxnOp], builtins.list[tuple[bytes, bytes]]]:
-        guards: builtins.list[Compare] = []
-        puts: builtins.list[TxnOp] = []
-        wrote = []
-        for level, kv in zip(_levels(project), usage, strict=True):
-            key = _usage_key(level)
-            value = str(max(0, _int(kv) + delta)).encode()
-            guards.append(_guard(key, kv))
-            puts.append(Put(key, value))
-            wrote.append((key, value))
-        return guards, puts, wrote
-
-    def _saw_usage(self, wrote: builtins.list[tuple[bytes, bytes]], revision: int) -> None:
-        for key, value in wrote:
-            level = key[len(PREFIX) + 2 :].decode()
-            self._usage[level] = KeyValue(key, value, revision, revision, 1)
+        sums = await self._project_bytes(0)
+        return sum(n for p, n in sums.items() if projects.contains(project, p))
 
     async def append(
         self,
         tid: str,
         make: Callable[[int], Step],
         *,
-        known: tuple[KeyValue, Usage] | None = None,
+        known: KeyValue | None = None,
     ) -> Step:
         """Record ``make(n)`` as the next step n; the log advances past it (record mode).
-        ``known``: the record and the usage entries as last read, tried first."""
+        ``known``: the record as last read, tried first."""
         while True:
             if known is not None:
-                meta, usage = known
-                t = Trajectory.from_json(json.loads(meta.value))
+                t, meta = Trajectory.from_json(json.loads(known.value)), known
             else:
                 t, meta = await self._read(tid)
-                usage = await self._read_usage(t.project, cached=False)
             known = None
             step = make(t.steps)
             raw = step.encode()
@@ -369,7 +349,7 @@ class TrajectoryLog:
             if size > INLINE_MAX:
                 digest = await self.blobs.put(raw)
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
-            await self._check_quota(t.project, usage)
+            await self.check_quota(t.project)
             new = replace(
                 t,
                 steps=t.steps + 1,
@@ -378,13 +358,11 @@ class TrajectoryLog:
                 mode="record",
                 updated_at=self.clock(),
             )
-            guards, puts, wrote = self._usage_ops(t.project, usage, size)
             res = await self.store.txn(
-                [_guard(meta.key, meta), *guards],
-                [Put(_step_key(tid, step.n), stored), _record_put(new), *puts],
+                [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), _record_put(new)]
             )
             if res.succeeded:
-                self._saw_usage(wrote, res.revision)
+                self._count(t.project, size)
                 return step
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:
@@ -404,12 +382,10 @@ class TrajectoryLog:
         while True:
             t, meta = await self._read(tid)
             keys, freed = await self._sizes(tid, start)
-            usage = await self._read_usage(t.project, cached=False)
             new = replace(fn(t), steps=min(t.steps, start), bytes=max(0, t.bytes - freed))
-            guards, puts, wrote = self._usage_ops(t.project, usage, -freed)
-            res = await self.store.txn([_guard(meta.key, meta), *guards], [_record_put(new), *puts])
+            res = await self.store.txn([_guard(meta.key, meta)], [_record_put(new)])
             if res.succeeded:
-                self._saw_usage(wrote, res.revision)
+                self._count(t.project, new.bytes - t.bytes)
                 break
         for i in range(0, len(keys), _DELETE_BATCH):
             await self.store.txn([], [Delete(k) for k in keys[i : i + _DELETE_BATCH]])
@@ -419,14 +395,12 @@ class TrajectoryLog:
         """Delete a trajectory, its steps and its binding (blobs go with the next sweep)."""
         while True:
             t, meta = await self._read(tid)
-            usage = await self._read_usage(t.project, cached=False)
-            guards, puts, wrote = self._usage_ops(t.project, usage, -t.bytes)
-            ops: list[TxnOp] = [Delete(meta.key), Delete(_steps_prefix(tid), prefix=True), *puts]
+            ops: list[TxnOp] = [Delete(meta.key), Delete(_steps_prefix(tid), prefix=True)]
             if t.sandbox_id:
                 ops.append(Delete(_bind_key(t.sandbox_id)))
-            res = await self.store.txn([_guard(meta.key, meta), *guards], ops)
+            res = await self.store.txn([_guard(meta.key, meta)], ops)
             if res.succeeded:
-                self._saw_usage(wrote, res.revision)
+                self._count(t.project, -t.bytes)
                 return t
 
     async def referenced_blobs(self) -> set[str]:
