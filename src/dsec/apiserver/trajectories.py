@@ -25,8 +25,8 @@ from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.upstream import rpc
 from dsec.core import projects
 from dsec.core.errors import (
+    DsecError,
     InvalidArgument,
-    InvalidState,
     NotFound,
     NotRestorable,
     PermissionDenied,
@@ -159,7 +159,7 @@ async def _unmark(request: web.Request, sid: str) -> None:
     ctx(request).bindings.forget(sid)
     try:
         await _mark(request, sid, "")
-    except (NotFound, Unavailable, InvalidState):
+    except DsecError:
         pass
 
 
