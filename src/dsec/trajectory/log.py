@@ -17,14 +17,16 @@ record's ``mod_revision``: two writers never number two steps alike, and steps o
 trajectories never contend with it. A project's usage is not a counter every step
 rewrites (one hot key per project, every concurrent append of the project conflicting on
 it): it is the sum of the ``bytes`` of its subtree's records, summed by a range read at
-most every ``QUOTA_CACHE_S`` per log object, plus what this object appended since. So a
-quota holds within that time across apiservers, exactly within one. The blob (if any) is
+most every ``QUOTA_CACHE_S`` per log object (in the background), plus what this object
+appended since. So a quota holds within about that time across apiservers, exactly within
+one. The blob (if any) is
 written and fsynced first, so a step in the store always has its payload. ``<id>`` is
 derived from (project, name), so the same name in two projects is two trajectories.
 """
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import json
 import time
@@ -35,6 +37,7 @@ from typing import Any
 from dsec.core import projects
 from dsec.core.errors import (
     AlreadyExists,
+    DsecError,
     InvalidArgument,
     NotFound,
     QuotaExceeded,
@@ -104,6 +107,14 @@ def _int(kv: KeyValue | None) -> int:
     return int(kv.value) if kv else 0
 
 
+def _bytes_by_project(kvs: tuple[KeyValue, ...]) -> dict[str, int]:
+    sums: dict[str, int] = {}
+    for kv in kvs:
+        d = json.loads(kv.value)
+        sums[d["project"]] = sums.get(d["project"], 0) + int(d.get("bytes", 0))
+    return sums
+
+
 class TrajectoryLog:
     """Trajectories on ``store``; step payloads over 64 KiB go to ``blobs``."""
 
@@ -122,6 +133,7 @@ class TrajectoryLog:
         self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
         self._bytes: dict[str, int] = {}  # project (exact) -> log bytes, summed at _summed
         self._summed = -float("inf")
+        self._summing: asyncio.Task[None] | None = None
 
     # -- records --------------------------------------------------------------------------
 
@@ -291,15 +303,27 @@ class TrajectoryLog:
         self._quotas.pop(project, None)
 
     async def _project_bytes(self, max_age_s: float) -> dict[str, int]:
-        if self.clock() - self._summed >= max_age_s:
-            summed = self.clock()
-            res = await self.store.range(PREFIX + b"t/")
-            sums: dict[str, int] = {}
-            for kv in res.kvs:
-                d = json.loads(kv.value)
-                sums[d["project"]] = sums.get(d["project"], 0) + int(d.get("bytes", 0))
-            self._bytes, self._summed = sums, summed
+        """Log bytes per project (exact, not subtree). Older than ``max_age_s``: summed
+        again, in the background unless there is no sum yet or ``max_age_s`` is 0 (the
+        hot path never waits for a range over every record)."""
+        if not max_age_s or self._summed == -float("inf"):
+            await self._sum()
+        elif self.clock() - self._summed >= max_age_s and (
+            self._summing is None or self._summing.done()
+        ):
+            self._summing = asyncio.ensure_future(self._sum(quiet=True))
         return self._bytes
+
+    async def _sum(self, *, quiet: bool = False) -> None:
+        summed = self.clock()
+        try:
+            res = await self.store.range(PREFIX + b"t/")
+        except DsecError:
+            if quiet:
+                return  # (the store is down or closing: the next call tries again)
+            raise
+        self._bytes = await asyncio.to_thread(_bytes_by_project, res.kvs)
+        self._summed = summed
 
     def _count(self, project: str, delta: int) -> None:
         self._bytes[project] = max(0, self._bytes.get(project, 0) + delta)
