@@ -19,9 +19,9 @@ rewrites (one hot key per project, every concurrent append of the project confli
 it): it is the sum of the ``bytes`` of its subtree's records, summed by a range read at
 most every ``QUOTA_CACHE_S`` per log object (in the background), plus what this object
 appended since. So a quota holds within about that time across apiservers, exactly within
-one. The blob (if any) is
-written and fsynced first, so a step in the store always has its payload. ``<id>`` is
-derived from (project, name), so the same name in two projects is two trajectories.
+one. The blob (if any) is written and fsynced first, so a step in the store always has its
+payload. ``<id>`` is derived from (project, name), so the same name in two projects is two
+trajectories.
 """
 
 from __future__ import annotations
