@@ -19,6 +19,7 @@ the fault, carries a stable wire ``code`` and the HTTP status the public API ans
     │   │   └── LeaseNotFound       404 lease_not_found
     │   ├── InvalidState            409 invalid_state
     │   │   ├── TrajectoryMismatch  409 trajectory_mismatch
+    │   │   ├── TrajectoryBound     409 trajectory_bound
     │   │   └── NotRestorable       409 trajectory_not_restorable
     │   ├── AlreadyExists           409 already_exists
     │   ├── Compacted               410 compacted
