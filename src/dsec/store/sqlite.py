@@ -149,8 +149,10 @@ class SqliteStore(StoreHelpers):
     def _read_one(self, key: bytes) -> KeyValue | None:
         if self._reader is None:
             self._reader = sqlite3.connect(self._path, isolation_level=None, timeout=5.0)
-        row = self._reader.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchone()
-        return _kv(row) if row else None
+        # fetchall: run the statement to its end, so no read transaction stays open (it
+        # would keep WAL checkpoints from restarting the log).
+        rows = self._reader.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchall()
+        return _kv(rows[0]) if rows else None
 
     async def _run(self, fn: Callable[..., T], *args: Any, reader: bool = False) -> T:
         if self._closed:
