@@ -4,14 +4,17 @@ step in the WAL before it is answered; fsynced at WAL checkpoints).
 
 * recording overhead: ``exec("true")`` round trip in a sandbox bound to a trajectory (each
   call appended to the log before it is answered) against the same in an unbound sandbox,
-  alternating call by call so load drift hits both alike;
+  alternating call by call so load drift hits both alike; then the same with ``--parallel``
+  sandboxes on each side calling at once (RL rollouts: their appends share commits);
+* where the time of a recorded call goes: the log alone (no platform), per step: the read
+  of the bound record and the append transaction, one writer and ``--parallel`` writers;
 * replay speed: re-opening a recorded 200-step trajectory and issuing the same 200 calls,
   which are answered from the log (steps/s);
 * resume vs re-run: a preempted task's restart that replays 200 recorded steps (create with
   the trajectory + 200 replayed calls) against running the 200 steps again in a new
   sandbox (create + 200 real calls).
 
-    .venv/bin/python -m bench.trajectory [--steps 200] [--calls 400]
+    .venv/bin/python -m bench.trajectory [--steps 200] [--calls 400] [--parallel 8]
 
 Prints JSON and writes ``bench/results/trajectory.json``.
 """
@@ -19,16 +22,24 @@ Prints JSON and writes ``bench/results/trajectory.json``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import shutil
+import statistics
+import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bench.foundation import settle, summary
 from dsec.sdk import Client, Sandbox
+from dsec.store.sqlite import SqliteStore
 from dsec.testing.platform import running_platform
+from dsec.trajectory.blobs import FileBlobStore
+from dsec.trajectory.log import Step, TrajectoryLog
 
 BLOCK = 1  # alternate call by call, so load drift hits both sides alike
 
@@ -61,6 +72,88 @@ def overhead(client: Client, calls: int) -> dict[str, Any]:
     finally:
         plain.kill()
         bound.kill()
+
+
+def overhead_parallel(client: Client, rounds: int, n: int) -> dict[str, Any]:
+    """``n`` unbound and ``n`` bound sandboxes; each round all unbound ones call at once,
+    then all bound ones."""
+    plain = [Sandbox.create(memory_mb=128, timeout=900, client=client) for _ in range(n)]
+    bound = [
+        Sandbox.create(
+            memory_mb=128, timeout=900, trajectory=f"bench/{uuid.uuid4().hex}", client=client
+        )
+        for _ in range(n)
+    ]
+
+    def timed(s: Sandbox) -> float:
+        t0 = time.perf_counter()
+        s.exec("true")
+        return time.perf_counter() - t0
+
+    try:
+        samples: dict[str, list[float]] = {"unbound": [], "recorded": []}
+        with ThreadPoolExecutor(n) as pool:
+            for s in plain + bound:
+                s.exec("true")
+            for _ in range(rounds):
+                for name, group in (("unbound", plain), ("recorded", bound)):
+                    samples[name] += list(pool.map(timed, group))
+        out: dict[str, Any] = {"sandboxes_per_side": n}
+        out.update({k: summary(v) for k, v in samples.items()})
+        base, rec = out["unbound"]["p50_ms"], out["recorded"]["p50_ms"]
+        out["overhead_p50_ms"] = round(rec - base, 2)
+        out["overhead_p50_pct"] = round(100 * (rec - base) / base, 1)
+        return out
+    finally:
+        for s in plain + bound:
+            s.kill()
+
+
+async def _log_costs(sync: str, steps: int, writers: int) -> dict[str, float]:
+    top = Path(tempfile.mkdtemp(prefix="dsec-bench-log-"))
+    store = await SqliteStore.open(top / "log.db", synchronous=sync, retain_revisions=10_000)
+    tlog = TrajectoryLog(store, FileBlobStore(top / "blobs"), default_quota_bytes=1 << 40)
+    result = {"result": {"exit_code": 0}, "stdout": "", "stderr": "", "events": []}
+    reads: list[float] = []
+    appends: list[float] = []
+
+    async def writer(i: int) -> None:
+        t, _ = await tlog.open("bench/log", f"w{i}", spec={})
+        await tlog.bind(t.id, f"sbx-{i}")
+        for n in range(steps):
+            t0 = time.perf_counter()
+            found = await tlog.lookup(f"sbx-{i}", t.id)
+            assert found is not None
+            await tlog.check_quota("bench/log")
+            t1 = time.perf_counter()
+            await tlog.append(
+                t.id,
+                lambda k: Step(k, "exec", {"op": "exec", "cmd": "true"}, 200, result, time.time()),
+                known=found[1],
+            )
+            if n >= steps // 4:  # past the warm-up
+                reads.append(t1 - t0)
+                appends.append(time.perf_counter() - t1)
+            await asyncio.sleep(0.005)  # the call itself
+
+    try:
+        await asyncio.gather(*(writer(i) for i in range(writers)))
+    finally:
+        await store.aclose()
+        shutil.rmtree(top, ignore_errors=True)
+    return {
+        "read_p50_ms": round(statistics.median(reads) * 1000, 2),
+        "append_p50_ms": round(statistics.median(appends) * 1000, 2),
+        "append_p90_ms": round(sorted(appends)[int(0.9 * (len(appends) - 1))] * 1000, 2),
+    }
+
+
+def log_costs(sync: str, steps: int, parallel: int) -> dict[str, Any]:
+    """The log alone (SQLite on the same disk as the platform's home), per recorded step."""
+    return {
+        "one_writer": asyncio.run(_log_costs(sync, steps, 1)),
+        f"{parallel}_writers": asyncio.run(_log_costs(sync, steps // parallel * 2, parallel)),
+    }
 
 
 def resume(client: Client, steps: int) -> dict[str, Any]:
@@ -110,7 +203,11 @@ def run(sync: str, args: argparse.Namespace) -> dict[str, Any]:
         try:
             return {
                 "recording_overhead": overhead(client, args.calls),
+                "recording_overhead_parallel": overhead_parallel(
+                    client, args.calls // args.parallel, args.parallel
+                ),
                 f"resume_{args.steps}": resume(client, args.steps),
+                "log_alone": log_costs(sync, args.calls, args.parallel),
             }
         finally:
             client.close()
@@ -120,8 +217,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--calls", type=int, default=400, help="exec calls per side (overhead)")
+    ap.add_argument("--parallel", type=int, default=8, help="sandboxes per side calling at once")
     args = ap.parse_args()
-    results = {f"sync_{mode.lower()}": run(mode, args) for mode in ("FULL", "NORMAL")}
+    results: dict[str, Any] = {"load_average_at_start": os.getloadavg()}
+    results |= {f"sync_{mode.lower()}": run(mode, args) for mode in ("FULL", "NORMAL")}
+    results["load_average_at_end"] = os.getloadavg()
     text = json.dumps(results, indent=2)
     print(text)
     out = Path(__file__).parent / "results" / "trajectory.json"

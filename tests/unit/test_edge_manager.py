@@ -201,3 +201,22 @@ async def test_restart_readopts_running_and_finishes_half_done_work(env: Env) ->
     assert env.manager.get(half, ADMIN).state is State.FAILED
     assert set(env.ended) == {lost, half}
     assert {r.id for r in env.manager.live_records()} == {alive}
+
+
+@pytest.mark.asyncio
+async def test_trajectory_mark_refuses_unbound_calls_and_survives_a_restart(env: Env) -> None:
+    sid = await env.create()
+    env.manager.check_unbound(sid, ALICE)  # not marked: an "unbound" call may run
+    with pytest.raises(errors.SandboxNotFound):  # another project's sandbox
+        env.manager.mark_trajectory(sid, "t1", BOB)
+    env.manager.mark_trajectory(sid, "t1", ALICE)
+    with pytest.raises(errors.TrajectoryBound):
+        env.manager.check_unbound(sid, ALICE)
+    env.manager.close()
+    env.manager = env.make()
+    await env.manager.adopt()
+    with pytest.raises(errors.TrajectoryBound):
+        env.manager.check_unbound(sid, ALICE)  # the mark is in the sandbox's record
+    env.manager.mark_trajectory(sid, "", ALICE)
+    env.manager.check_unbound(sid, ALICE)
+    assert "dsec.trajectory" not in env.manager.get(sid, ALICE).spec.metadata

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from dsec.apiserver.auth import Authenticator, Principal
+from dsec.apiserver.trajectory_bindings import Bindings
 from dsec.apiserver.upstream import Upstream
 from dsec.core.errors import InvalidArgument, PayloadTooLarge
 from dsec.obs import Metrics
@@ -22,6 +23,7 @@ class Ctx:
     metrics: Metrics
     components: dict[str, str]  # component name -> address, for /v1/status
     trajectories: TrajectoryLog | None = None  # the trajectory log (None: not recording)
+    bindings: Bindings = field(default_factory=Bindings)  # sandbox -> trajectory, cached
 
 
 CTX: web.AppKey[Ctx] = web.AppKey("ctx", Ctx)

@@ -43,7 +43,9 @@ async def call(
     stdin: bytes | None = None,
     *,
     deadline_s: float = 3600,
+    unbound: bool = False,
 ) -> Reply:
+    """``unbound``: refuse (TrajectoryBound) if the sandbox is bound to a trajectory."""
     stub = await c.upstream.edge_for(sandbox_id)
     reply = await rpc(
         "edge",
@@ -53,6 +55,7 @@ async def call(
                 request=json.dumps(request).encode(),
                 stdin=stdin or b"",
                 has_stdin=stdin is not None,
+                unbound=unbound,
             ),
             metadata=p.metadata(),
             timeout=deadline_s,

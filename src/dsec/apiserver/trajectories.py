@@ -25,6 +25,7 @@ from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.upstream import rpc
 from dsec.core import projects
 from dsec.core.errors import (
+    DsecError,
     InvalidArgument,
     NotFound,
     NotRestorable,
@@ -132,10 +133,45 @@ async def create(request: web.Request, project: str, body: dict[str, Any]) -> we
         how = "restored"
     else:
         info = await sandboxes.create_sandbox(request, project, spec)
-    t = await tlog.bind(t.id, info.id)
+    t = await _bind(request, tlog, t, info.id)
     out = sandboxes.info_json(info)
     out["trajectory"] = {**summary(t), "opened": how}
     return ok(out, status=201 if how != "reattached" else 200)
+
+
+async def _mark(request: web.Request, sid: str, tid: str) -> None:
+    """Tell the sandbox's edge it is bound to ``tid`` ("": no longer): see
+    ``trajectory_bindings.py``."""
+    c, p = ctx(request), principal(request)
+    stub = await c.upstream.edge_for(sid)
+    await rpc(
+        "edge",
+        stub.MarkTrajectory(
+            pb.MarkTrajectoryRequest(sandbox_id=sid, trajectory_id=tid),
+            metadata=p.metadata(),
+            timeout=10,
+        ),
+    )
+
+
+async def _unmark(request: web.Request, sid: str) -> None:
+    """Best effort: a sandbox left marked only costs its calls a second look-up."""
+    ctx(request).bindings.forget(sid)
+    try:
+        await _mark(request, sid, "")
+    except DsecError:
+        pass
+
+
+async def _bind(request: web.Request, tlog: TrajectoryLog, t: Trajectory, sid: str) -> Trajectory:
+    """Bind ``sid`` to ``t`` in the log, then mark it bound at its edge before answering."""
+    previous = t.sandbox_id
+    t = await tlog.bind(t.id, sid)
+    await _mark(request, sid, t.id)
+    ctx(request).bindings.saw(sid, t.id)
+    if previous and previous != sid:
+        await _unmark(request, previous)
+    return t
 
 
 def _check_access(p: Principal, t: Trajectory) -> None:
@@ -170,7 +206,7 @@ async def bind(request: web.Request) -> web.Response:
     t, _ = await tlog.open(
         info.project, name, spec=spec, on_mismatch=on_mismatch, checkpoint_every=every
     )
-    t = await tlog.bind(t.id, sid)
+    t = await _bind(request, tlog, t, sid)
     return ok(summary(t))
 
 
@@ -241,6 +277,8 @@ async def remove(request: web.Request) -> web.Response:
     request[audit.TARGET] = f"{t.project}:{t.name}"
     request["audit_project"] = t.project
     await _log(request).remove(t.id)
+    if t.sandbox_id:
+        await _unmark(request, t.sandbox_id)
     await traj_io.drop_images(ctx(request), principal(request), t.checkpoints)
     return ok(summary(t))
 

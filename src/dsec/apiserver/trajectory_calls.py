@@ -1,7 +1,8 @@
 """Runtime calls of a sandbox bound to a trajectory: replayed from the log or recorded.
 
 Every unary runtime call, file read and file write of the runtime routes passes through
-here. For an unbound sandbox it is one store read and the plain relay. For a bound one:
+here. For an unbound sandbox it is the plain relay (no store read once this apiserver has
+seen the sandbox: ``trajectory_bindings.py``). For a bound one:
 
 - replay mode: the call's canonical form (``dsec.trajectory.canon``) is compared with the
   step at the cursor; equal -> the recorded result is answered and no sandbox is touched;
@@ -33,6 +34,7 @@ from dsec.apiserver.trajectory_sandbox import checkpoint
 from dsec.core.errors import (
     DsecError,
     InvalidState,
+    TrajectoryBound,
     TrajectoryMismatch,
     error_from_wire,
 )
@@ -61,26 +63,26 @@ def _set_headers(request: web.Request, t: Trajectory, mode: str, step: int) -> N
 
 @dataclass
 class Bound:
-    """A sandbox's trajectory and the store entries as read for this call (so the
-    append's transaction usually needs no second read)."""
+    """A sandbox's trajectory and its record as read for this call (so the append's
+    transaction usually needs no second read)."""
 
     t: Trajectory
     meta: KeyValue
-    usage: KeyValue | None = None
-
-    def known(self) -> tuple[KeyValue, KeyValue | None] | None:
-        return (self.meta, self.usage)
 
 
 async def bound(c: Ctx, sandbox_id: str) -> Bound | None:
-    found = await c.trajectories.lookup(sandbox_id) if c.trajectories else None
+    """The sandbox's trajectory, read from the store (see ``trajectory_bindings.py``)."""
+    if c.trajectories is None:
+        return None
+    found = await c.trajectories.lookup(sandbox_id, c.bindings.tid(sandbox_id))
+    c.bindings.saw(sandbox_id, found[0].id if found else "")
     return Bound(*found) if found else None
 
 
 async def mark_unrecorded(request: web.Request, c: Ctx, sandbox_id: str) -> None:
     """Streams over the runtime WebSocket are not recorded: say so to a bound sandbox's
     client (``X-Dsec-Trajectory-Mode: unrecorded`` on the upgrade answer) and count it."""
-    b = await bound(c, sandbox_id)
+    b = None if c.bindings.unbound(sandbox_id) else await bound(c, sandbox_id)
     if b is not None:
         c.metrics.inc("trajectory_unrecorded_calls")
         request[HEADERS] = {"X-Dsec-Trajectory": b.t.name, "X-Dsec-Trajectory-Mode": "unrecorded"}
@@ -194,7 +196,7 @@ async def record(
 
     t = b.t
     start = time.perf_counter()
-    step = await c.trajectories.append(t.id, make, known=b.known())
+    step = await c.trajectories.append(t.id, make, known=b.meta)
     c.metrics.observe("trajectory_append", time.perf_counter() - start)
     _set_headers(request, t, "diverged" if mode == "mismatch" else "recorded", step.n)
     c.metrics.inc("trajectory_steps_recorded")
@@ -241,8 +243,18 @@ async def call(
     deadline_s: float = 3600,
 ) -> relay.Reply:
     """:func:`relay.call`, replayed or recorded when the sandbox is bound to a trajectory."""
+    if c.trajectories is None:
+        return await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
+    if c.bindings.unbound(sandbox_id):
+        try:
+            return await relay.call(
+                c, p, sandbox_id, req, stdin, deadline_s=deadline_s, unbound=True
+            )
+        except TrajectoryBound:  # bound since this apiserver looked: look again
+            c.bindings.refused(sandbox_id)
+            c.metrics.inc("trajectory_binding_cache_refused")
     b = await bound(c, sandbox_id)
-    if b is None or c.trajectories is None:
+    if b is None:
         return await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
     canon = canonical(req, stdin)
     step = await replay(request, c.trajectories, b, canon)
@@ -299,12 +311,12 @@ async def transfer(
 
 async def _for_recording(tlog: TrajectoryLog, b: Bound) -> Bound:
     """Check the quota before the call runs; re-read the record if replay just moved it."""
-    usage = await tlog.check_quota(b.t.project)
+    await tlog.check_quota(b.t.project)
     if b.t.mode == "replay":  # replay ended at this call: the record changed under us
-        found = await tlog.lookup(b.t.sandbox_id)
+        found = await tlog.lookup(b.t.sandbox_id, b.t.id)
         if found is not None:
-            return Bound(found[0], found[1], usage)
-    return Bound(b.t, b.meta, usage)
+            return Bound(*found)
+    return b
 
 
 async def _run_and_record(

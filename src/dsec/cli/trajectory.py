@@ -118,7 +118,8 @@ def rm(names: tuple[str, ...], project: str | None) -> None:
 @click.option("--set", "limit", type=int, default=None, help="New limit in bytes (admin; 0: none).")
 @json_option
 def quota(project: str | None, limit: int | None, as_json: bool) -> None:
-    """Show (or set) a project's quota on trajectory log bytes."""
+    """Show (or set) the quota on the trajectory log bytes of a project and the projects
+    beneath it."""
     client = state().client()
     if limit is not None:
         if not project:

@@ -19,6 +19,7 @@ the fault, carries a stable wire ``code`` and the HTTP status the public API ans
     │   │   └── LeaseNotFound       404 lease_not_found
     │   ├── InvalidState            409 invalid_state
     │   │   ├── TrajectoryMismatch  409 trajectory_mismatch
+    │   │   ├── TrajectoryBound     409 trajectory_bound
     │   │   └── NotRestorable       409 trajectory_not_restorable
     │   ├── AlreadyExists           409 already_exists
     │   ├── Compacted               410 compacted
@@ -122,6 +123,13 @@ class TrajectoryMismatch(InvalidState):
     """A replayed call differs from the recorded step and the policy is ``fail``."""
 
     code = "trajectory_mismatch"
+
+
+class TrajectoryBound(InvalidState):
+    """A call was sent as for a sandbox bound to no trajectory, and the sandbox is bound
+    (the apiserver looks the binding up again and records the call)."""
+
+    code = "trajectory_bound"
 
 
 class NotRestorable(InvalidState):

@@ -34,6 +34,7 @@ from dsec.core.errors import (
     PermissionDenied,
     SandboxFailed,
     SandboxNotFound,
+    TrajectoryBound,
 )
 from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
 from dsec.core.lifecycle import Event, State
@@ -48,6 +49,7 @@ _log = logging.getLogger("dsec.edge")
 
 AGENT_READY_TIMEOUT_S = 15.0
 TERMINAL_RETENTION_S = 3600.0
+TRAJECTORY_MARK = "dsec.trajectory"  # spec metadata: the trajectory the sandbox is bound to
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +317,25 @@ class SandboxManager:
         rec = replace(rec, expires_at=self._clock() + timeout_s)
         self._save(rec)
         return rec
+
+    def mark_trajectory(self, sandbox_id: str, trajectory_id: str, caller: Caller) -> SandboxRecord:
+        """Mark a live sandbox as bound to a trajectory ("": unmark it). Its calls sent as
+        for an unbound sandbox are then refused (``check_unbound``), so an apiserver that
+        cached "not bound" cannot run one unrecorded."""
+        rec = self.get(sandbox_id, caller)
+        if not rec.live:
+            raise InvalidState(f"sandbox {sandbox_id} is {rec.state.value}")
+        meta = {k: v for k, v in rec.spec.metadata.items() if k != TRAJECTORY_MARK}
+        if trajectory_id:
+            meta[TRAJECTORY_MARK] = trajectory_id
+        rec = replace(rec, spec=replace(rec.spec, metadata=meta))
+        self._save(rec)
+        return rec
+
+    def check_unbound(self, sandbox_id: str, caller: Caller) -> None:
+        rec = self.get(sandbox_id, caller)
+        if rec.spec.metadata.get(TRAJECTORY_MARK):
+            raise TrajectoryBound(f"sandbox {sandbox_id} is bound to a trajectory")
 
     async def set_network(
         self, sandbox_id: str, policy: NetworkPolicy, caller: Caller

@@ -243,10 +243,18 @@ class EdgeService(pb_grpc.EdgeServicer):
         status: pb.EdgeStatus = self._status()
         return status
 
+    async def MarkTrajectory(
+        self, request: pb.MarkTrajectoryRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        rec = self._m.mark_trajectory(request.sandbox_id, request.trajectory_id, caller_of(context))
+        return info_to_pb(rec, self._m.edge_id)
+
     async def Call(
         self, request: pb.RuntimeCall, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RuntimeReply:
         caller = caller_of(context)
+        if request.unbound:
+            self._m.check_unbound(request.sandbox_id, caller)
         sock = self._m.agent_socket(request.sandbox_id, caller)
         req = _parse_request(request.request)
         remaining = context.time_remaining()

@@ -6,6 +6,11 @@ The ``changes`` table is the history behind ``range(revision=...)`` and ``watch`
 drops what no revision at or after the compaction point can see. Watchers in this process are
 fed after each commit; a lease reaper task deletes the keys of expired leases.
 
+Transactions are committed in groups: those that arrive while a commit is in progress
+(its fsync, with ``synchronous=FULL``) are applied together, each in a savepoint of its
+own and at a revision of its own, and made durable by one commit: concurrent writers share
+the fsync instead of queueing one each.
+
 One process should own the file. A second opener (another process, or a second store in
 this one) still gets serial, correct transactions, but its live watches see only its own
 writes; they see everyone's when they start or resume from a revision.
@@ -14,6 +19,7 @@ writes; they see everyone's when they start or resume from a revision.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import secrets
 import sqlite3
@@ -50,6 +56,7 @@ from .api import (
 from .hub import WatchHub, group
 
 T = TypeVar("T")
+_Queued = tuple[Sequence[Compare], Sequence[TxnOp], Sequence[TxnOp], "asyncio.Future[TxnResult]"]
 REAP_INTERVAL_S = 0.1
 
 SCHEMA = """
@@ -97,12 +104,17 @@ class SqliteStore(StoreHelpers):
         self._retain = retain_revisions
         self._compact_every_s = compact_every_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store")
+        # Single-key reads: a connection and thread of their own, so they never wait for a
+        # commit's fsync (WAL: a read sees every transaction committed before it began).
+        self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store-read")
+        self._reader: sqlite3.Connection | None = None
         self._db: sqlite3.Connection | None = None
         self._hub = WatchHub()
         self._loop = asyncio.get_running_loop()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
         self._pending: list[WatchBatch] = []  # committed batches to publish (store thread)
+        self._queued: collections.deque[_Queued] = collections.deque()  # txns to commit
 
     @classmethod
     async def open(
@@ -134,17 +146,22 @@ class SqliteStore(StoreHelpers):
         db.executescript(SCHEMA)
         self._db = db
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    def _read_one(self, key: bytes) -> KeyValue | None:
+        if self._reader is None:
+            self._reader = sqlite3.connect(self._path, isolation_level=None, timeout=5.0)
+        # fetchall: run the statement to its end, so no read transaction stays open (it
+        # would keep WAL checkpoints from restarting the log).
+        rows = self._reader.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchall()
+        return _kv(rows[0]) if rows else None
+
+    async def _run(self, fn: Callable[..., T], *args: Any, reader: bool = False) -> T:
         if self._closed:
             raise StoreUnavailable("the store is closed")
         try:
-            return await self._loop.run_in_executor(self._pool, fn, *args)
-        except DsecError:
-            raise
-        except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(f"sqlite store {self._path}: {exc}") from exc
+            pool = self._read_pool if reader else self._pool
+            return await self._loop.run_in_executor(pool, fn, *args)
         except sqlite3.Error as exc:
-            raise Internal(f"sqlite store {self._path}: {exc}") from exc
+            raise self._translate(exc) from exc
 
     # all of the below runs on the store thread
 
@@ -259,15 +276,54 @@ class SqliteStore(StoreHelpers):
         self._pending.append(WatchBatch(rev, tuple(e for _, e in changed)))
         return rev, deleted
 
-    def _txn(
-        self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp]
-    ) -> TxnResult:
-        def body(db: sqlite3.Connection) -> TxnResult:
-            ok = all(c.holds(self._covered(db, c)) for c in compare)
-            rev, deleted = self._apply(db, success if ok else failure)
-            return TxnResult(ok, rev, tuple(deleted))
+    def _txn_group(self) -> None:
+        """Commit every queued transaction in one write (see the module docstring)."""
+        items: list[_Queued] = []
+        while self._queued:
+            items.append(self._queued.popleft())
+        if not items:
+            return  # an earlier call committed them
+        out: list[TxnResult | BaseException] = []
 
-        return self._write(body)
+        def body(db: sqlite3.Connection) -> None:
+            for compare, success, failure, _ in items:
+                published = len(self._pending)
+                db.execute("SAVEPOINT txn")
+                try:
+                    ok = all(c.holds(self._covered(db, c)) for c in compare)
+                    rev, deleted = self._apply(db, success if ok else failure)
+                    out.append(TxnResult(ok, rev, tuple(deleted)))
+                except (DsecError, sqlite3.Error) as exc:
+                    db.execute("ROLLBACK TO txn")
+                    del self._pending[published:]
+                    out.append(exc)
+                db.execute("RELEASE txn")
+
+        try:
+            self._write(body)
+        except BaseException as exc:
+            out = [exc] * len(items)
+        self._loop.call_soon_threadsafe(self._settle, [q[3] for q in items], out)
+
+    def _settle(
+        self, futs: list[asyncio.Future[TxnResult]], out: list[TxnResult | BaseException]
+    ) -> None:
+        for fut, res in zip(futs, out, strict=True):
+            if fut.done():
+                continue
+            if isinstance(res, TxnResult):
+                fut.set_result(res)
+            else:
+                fut.set_exception(self._translate(res))
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, DsecError):
+            return exc
+        if isinstance(exc, sqlite3.OperationalError):
+            return StoreUnavailable(f"sqlite store {self._path}: {exc}")
+        if isinstance(exc, sqlite3.Error):
+            return Internal(f"sqlite store {self._path}: {exc}")
+        return exc
 
     def _grant(self, ttl: int) -> int:
         lease = secrets.randbits(62) + 1
@@ -349,7 +405,7 @@ class SqliteStore(StoreHelpers):
     # the async interface
 
     async def get(self, key: bytes) -> KeyValue | None:
-        return await self._run(self._get, key)
+        return await self._run(self._read_one, key, reader=True)
 
     async def range(
         self, prefix: bytes, *, revision: int = 0, limit: int = 0, start: bytes = b""
@@ -360,7 +416,10 @@ class SqliteStore(StoreHelpers):
         self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()
     ) -> TxnResult:
         check_txn(compare, success, failure)
-        return await self._run(self._txn, compare, success, failure)
+        fut: asyncio.Future[TxnResult] = self._loop.create_future()
+        self._queued.append((compare, success, failure, fut))
+        await self._run(self._txn_group)
+        return await fut
 
     async def lease_grant(self, ttl_s: int) -> int:
         if ttl_s <= 0:
@@ -411,5 +470,9 @@ class SqliteStore(StoreHelpers):
         db, self._db = self._db, None
         if db is not None:
             await self._loop.run_in_executor(self._pool, db.close)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            await self._loop.run_in_executor(self._read_pool, reader.close)
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)

@@ -6,23 +6,27 @@ Layout (all keys under ``/dsec/trajectory/``)::
                        bytes, replay cursor and mode, policy, checkpoints, last divergence
     s/<id>/<n:010d>    step n (JSON): canonical request, result, payload; or, when the
                        encoded step is over 64 KiB, a stub naming its blob (``blobs.py``)
-    b/<sandbox id>     the record of the trajectory the sandbox is bound to: a copy of
-                       t/<id>, written in the same transactions, so the hot path (a call
-                       of a bound sandbox) finds its trajectory with one read
-    u/<project>        bytes of log the project holds (for its quota)
-    q/<project>        the project's quota on log bytes (absent: the server default)
+    b/<sandbox id>     ``{"id": <id>}``: the trajectory the sandbox is bound to, written
+                       when it is bound (valid only while t/<id> names the sandbox too)
+    q/<project>        the quota on the log bytes of the project and every project
+                       beneath it (absent: the server default), as sandbox quotas bound
+                       a subtree
 
-A step is appended in one transaction with the record (step count, bytes) and the
-project's usage, each guarded by its ``mod_revision``: two writers never number two steps
-alike and usage is never lost. Each log object remembers the usage entry it last wrote or
-read; a stale one only makes the guarded transaction fail once and read again. The blob
-(if any) is written and fsynced first, so a step in the store always has its payload.
-``<id>`` is derived from (project, name), so the same name in two projects is two
+A step is appended in one transaction with its record (step count, bytes), guarded by the
+record's ``mod_revision``: two writers never number two steps alike, and steps of other
+trajectories never contend with it. A project's usage is not a counter every step
+rewrites (one hot key per project, every concurrent append of the project conflicting on
+it): it is the sum of the ``bytes`` of its subtree's records, summed by a range read at
+most every ``QUOTA_CACHE_S`` per log object (in the background), plus what this object
+appended since. So a quota holds within about that time across apiservers, exactly within
+one. The blob (if any) is written and fsynced first, so a step in the store always has its
+payload. ``<id>`` is derived from (project, name), so the same name in two projects is two
 trajectories.
 """
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import json
 import time
@@ -30,8 +34,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
+from dsec.core import projects
 from dsec.core.errors import (
     AlreadyExists,
+    DsecError,
     InvalidArgument,
     NotFound,
     QuotaExceeded,
@@ -80,21 +86,17 @@ def _bind_key(sandbox_id: str) -> bytes:
     return PREFIX + b"b/" + sandbox_id.encode()
 
 
-def _usage_key(project: str) -> bytes:
-    return PREFIX + b"u/" + project.encode()
-
-
 def _quota_key(project: str) -> bytes:
     return PREFIX + b"q/" + project.encode()
 
 
-def _record_puts(t: Trajectory) -> list[TxnOp]:
-    """The record, and its copy under the sandbox binding (see the module docstring)."""
-    raw = json.dumps(t.to_json()).encode()
-    puts: list[TxnOp] = [Put(_meta_key(t.id), raw)]
-    if t.sandbox_id:
-        puts.append(Put(_bind_key(t.sandbox_id), raw))
-    return puts
+def _record_put(t: Trajectory) -> Put:
+    return Put(_meta_key(t.id), json.dumps(t.to_json()).encode())
+
+
+def _levels(project: str) -> list[str]:
+    """The projects whose quota a step of ``project`` counts against: it and its ancestors."""
+    return projects.ancestors(project) if project else [project]
 
 
 def _guard(key: bytes, kv: KeyValue | None) -> Compare:
@@ -103,6 +105,14 @@ def _guard(key: bytes, kv: KeyValue | None) -> Compare:
 
 def _int(kv: KeyValue | None) -> int:
     return int(kv.value) if kv else 0
+
+
+def _bytes_by_project(kvs: tuple[KeyValue, ...]) -> dict[str, int]:
+    sums: dict[str, int] = {}
+    for kv in kvs:
+        d = json.loads(kv.value)
+        sums[d["project"]] = sums.get(d["project"], 0) + int(d.get("bytes", 0))
+    return sums
 
 
 class TrajectoryLog:
@@ -121,7 +131,9 @@ class TrajectoryLog:
         self.default_quota_bytes = default_quota_bytes
         self.clock = clock
         self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
-        self._usage: dict[str, KeyValue | None] = {}  # project -> usage entry last seen
+        self._bytes: dict[str, int] = {}  # project (exact) -> log bytes, summed at _summed
+        self._summed = -float("inf")
+        self._summing: asyncio.Task[None] | None = None
 
     # -- records --------------------------------------------------------------------------
 
@@ -162,7 +174,7 @@ class TrajectoryLog:
             else:
                 t, kv = await self._read(tid)
             new = replace(fn(t), updated_at=self.clock())
-            res = await self.store.txn([_guard(kv.key, kv)], [*_record_puts(new), *extra])
+            res = await self.store.txn([_guard(kv.key, kv)], [_record_put(new), *extra])
             if res.succeeded:
                 return new
 
@@ -223,7 +235,7 @@ class TrajectoryLog:
         if bound is not None and json.loads(bound.value)["id"] != tid:
             raise AlreadyExists(f"sandbox {sandbox_id} is bound to another trajectory")
         t = await self.get(tid)
-        extra: tuple[TxnOp, ...] = ()
+        extra: tuple[TxnOp, ...] = (Put(_bind_key(sandbox_id), json.dumps({"id": tid}).encode()),)
         if t.sandbox_id and t.sandbox_id != sandbox_id:
             extra += (Delete(_bind_key(t.sandbox_id)),)
         return await self.update(tid, lambda t: replace(t, sandbox_id=sandbox_id), extra)
@@ -232,15 +244,26 @@ class TrajectoryLog:
         found = await self.lookup(sandbox_id)
         return found[0] if found else None
 
-    async def lookup(self, sandbox_id: str) -> tuple[Trajectory, KeyValue] | None:
+    async def lookup(self, sandbox_id: str, tid: str = "") -> tuple[Trajectory, KeyValue] | None:
         """The trajectory ``sandbox_id`` is bound to, and its record as read (for
-        ``known=`` in :meth:`update` and :meth:`append`)."""
+        ``known=`` in :meth:`update` and :meth:`append`). ``tid``: the trajectory it was
+        bound to when last looked up (then one read, if that still holds)."""
+        if tid:
+            found = await self._bound_record(tid, sandbox_id)
+            if found is not None:
+                return found
         kv = await self.store.get(_bind_key(sandbox_id))
         if kv is None:
             return None
+        bound = str(json.loads(kv.value)["id"])
+        return None if bound == tid else await self._bound_record(bound, sandbox_id)
+
+    async def _bound_record(self, tid: str, sandbox_id: str) -> tuple[Trajectory, KeyValue] | None:
+        kv = await self.store.get(_meta_key(tid))
+        if kv is None:
+            return None
         t = Trajectory.from_json(json.loads(kv.value))
-        # Written in the same transaction as t/<id>: the same mod_revision guards both.
-        return t, replace(kv, key=_meta_key(t.id))
+        return (t, kv) if t.sandbox_id == sandbox_id else None
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -262,8 +285,9 @@ class TrajectoryLog:
                 yield s
 
     async def quota(self, project: str, *, max_age_s: float = 0) -> int:
-        """The project's limit; ``max_age_s`` > 0 accepts a value read that recently (the
-        hot path: a quota set on another apiserver applies here within that time)."""
+        """The limit on ``project``'s subtree; ``max_age_s`` > 0 accepts a value read that
+        recently (the hot path: a quota set on another apiserver applies here within that
+        time)."""
         cached = self._quotas.get(project)
         if cached and max_age_s and self.clock() - cached[0] < max_age_s:
             return cached[1]
@@ -278,47 +302,69 @@ class TrajectoryLog:
         await self.store.put(_quota_key(project), str(limit_bytes).encode())
         self._quotas.pop(project, None)
 
-    async def _check_quota(self, project: str, used: int) -> None:
-        limit = await self.quota(project, max_age_s=QUOTA_CACHE_S)
-        if limit and used >= limit:
-            raise QuotaExceeded(
-                f"the trajectory log of project {project!r} holds {used} bytes, at or over its "
-                f"quota of {limit} bytes; remove old trajectories (dsec trajectory rm) or "
-                "raise the quota"
-            )
+    async def _project_bytes(self, max_age_s: float) -> dict[str, int]:
+        """Log bytes per project (exact, not subtree). Older than ``max_age_s``: summed
+        again, in the background unless there is no sum yet or ``max_age_s`` is 0 (the
+        hot path never waits for a range over every record)."""
+        if not max_age_s or self._summed == -float("inf"):
+            await self._sum()
+        elif self.clock() - self._summed >= max_age_s and (
+            self._summing is None or self._summing.done()
+        ):
+            self._summing = asyncio.ensure_future(self._sum(quiet=True))
+        return self._bytes
 
-    async def check_quota(self, project: str) -> KeyValue | None:
-        """Refuse (QuotaExceeded) when the project's log is at or over its quota; the step
-        that crosses it is still recorded, the calls after it are refused before they run.
-        Returns the usage as read (for ``known=`` in :meth:`append`)."""
-        if project in self._usage:
-            kv = self._usage[project]
-        else:
-            kv = self._usage[project] = await self.store.get(_usage_key(project))
-        await self._check_quota(project, _int(kv))
-        return kv
+    async def _sum(self, *, quiet: bool = False) -> None:
+        summed = self.clock()
+        try:
+            res = await self.store.range(PREFIX + b"t/")
+        except DsecError:
+            if quiet:
+                return  # (the store is down or closing: the next call tries again)
+            raise
+        self._bytes = await asyncio.to_thread(_bytes_by_project, res.kvs)
+        self._summed = summed
+
+    def _count(self, project: str, delta: int) -> None:
+        self._bytes[project] = max(0, self._bytes.get(project, 0) + delta)
+
+    async def check_quota(self, project: str) -> None:
+        """Refuse (QuotaExceeded) when the log of the project, or of one of its ancestors,
+        is at or over its quota; the step that crosses it is still recorded, the calls after
+        it are refused before they run."""
+        sums = await self._project_bytes(QUOTA_CACHE_S)
+        for level in _levels(project):
+            limit = await self.quota(level, max_age_s=QUOTA_CACHE_S)
+            if not limit:
+                continue
+            used = sum(n for p, n in sums.items() if projects.contains(level, p))
+            if used >= limit:
+                within = "" if level == project else f" (which holds project {project!r})"
+                raise QuotaExceeded(
+                    f"the trajectory log of project {level!r}{within} holds {used} bytes, at or "
+                    f"over its quota of {limit} bytes; remove old trajectories (dsec trajectory "
+                    "rm) or raise the quota"
+                )
 
     async def usage(self, project: str) -> int:
-        return _int(await self.store.get(_usage_key(project)))
+        """Bytes of log ``project`` and the projects beneath it hold."""
+        sums = await self._project_bytes(0)
+        return sum(n for p, n in sums.items() if projects.contains(project, p))
 
     async def append(
         self,
         tid: str,
         make: Callable[[int], Step],
         *,
-        known: tuple[KeyValue, KeyValue | None] | None = None,
+        known: KeyValue | None = None,
     ) -> Step:
         """Record ``make(n)`` as the next step n; the log advances past it (record mode).
-        ``known``: the record and the project's usage as last read, tried first."""
+        ``known``: the record as last read, tried first."""
         while True:
             if known is not None:
-                meta, usage = known
-                t = Trajectory.from_json(json.loads(meta.value))
+                t, meta = Trajectory.from_json(json.loads(known.value)), known
             else:
                 t, meta = await self._read(tid)
-            ukey = _usage_key(t.project)
-            if known is None:
-                usage = await self.store.get(ukey)
             known = None
             step = make(t.steps)
             raw = step.encode()
@@ -327,7 +373,7 @@ class TrajectoryLog:
             if size > INLINE_MAX:
                 digest = await self.blobs.put(raw)
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
-            await self._check_quota(t.project, _int(usage))
+            await self.check_quota(t.project)
             new = replace(
                 t,
                 steps=t.steps + 1,
@@ -336,18 +382,12 @@ class TrajectoryLog:
                 mode="record",
                 updated_at=self.clock(),
             )
-            used = str(_int(usage) + size).encode()
             res = await self.store.txn(
-                [_guard(meta.key, meta), _guard(ukey, usage)],
-                [Put(_step_key(tid, step.n), stored), *_record_puts(new), Put(ukey, used)],
+                [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), _record_put(new)]
             )
             if res.succeeded:
-                self._saw_usage(ukey, t.project, used, res.revision)
+                self._count(t.project, size)
                 return step
-            self._usage.pop(t.project, None)
-
-    def _saw_usage(self, ukey: bytes, project: str, value: bytes, revision: int) -> None:
-        self._usage[project] = KeyValue(ukey, value, revision, revision, 1)
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:
         res = await self.store.range(_steps_prefix(tid))
@@ -366,16 +406,10 @@ class TrajectoryLog:
         while True:
             t, meta = await self._read(tid)
             keys, freed = await self._sizes(tid, start)
-            ukey = _usage_key(t.project)
-            usage = await self.store.get(ukey)
             new = replace(fn(t), steps=min(t.steps, start), bytes=max(0, t.bytes - freed))
-            used = str(max(0, _int(usage) - freed)).encode()
-            res = await self.store.txn(
-                [_guard(meta.key, meta), _guard(ukey, usage)],
-                [*_record_puts(new), Put(ukey, used)],
-            )
+            res = await self.store.txn([_guard(meta.key, meta)], [_record_put(new)])
             if res.succeeded:
-                self._saw_usage(ukey, t.project, used, res.revision)
+                self._count(t.project, new.bytes - t.bytes)
                 break
         for i in range(0, len(keys), _DELETE_BATCH):
             await self.store.txn([], [Delete(k) for k in keys[i : i + _DELETE_BATCH]])
@@ -383,23 +417,15 @@ class TrajectoryLog:
 
     async def remove(self, tid: str) -> Trajectory:
         """Delete a trajectory, its steps and its binding (blobs go with the next sweep)."""
-        t, meta = await self._read(tid)
         while True:
-            ukey = _usage_key(t.project)
-            usage = await self.store.get(ukey)
-            used = str(max(0, _int(usage) - t.bytes)).encode()
-            ops: list[TxnOp] = [
-                Delete(meta.key),
-                Delete(_steps_prefix(tid), prefix=True),
-                Put(ukey, used),
-            ]
+            t, meta = await self._read(tid)
+            ops: list[TxnOp] = [Delete(meta.key), Delete(_steps_prefix(tid), prefix=True)]
             if t.sandbox_id:
                 ops.append(Delete(_bind_key(t.sandbox_id)))
-            res = await self.store.txn([_guard(meta.key, meta), _guard(ukey, usage)], ops)
+            res = await self.store.txn([_guard(meta.key, meta)], ops)
             if res.succeeded:
-                self._saw_usage(ukey, t.project, used, res.revision)
+                self._count(t.project, -t.bytes)
                 return t
-            t, meta = await self._read(tid)
 
     async def referenced_blobs(self) -> set[str]:
         res = await self.store.range(PREFIX + b"s/")

@@ -374,10 +374,15 @@ class RuntimeCall(_message.Message):
     REQUEST_FIELD_NUMBER: _builtins.int
     STDIN_FIELD_NUMBER: _builtins.int
     HAS_STDIN_FIELD_NUMBER: _builtins.int
+    UNBOUND_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     request: _builtins.bytes
     stdin: _builtins.bytes
     has_stdin: _builtins.bool
+    unbound: _builtins.bool
+    """The apiserver took the sandbox to be bound to no trajectory from its cache: refuse
+    (trajectory_bound) if it is, so the call is not run unrecorded.
+    """
     def __init__(
         self,
         *,
@@ -385,10 +390,11 @@ class RuntimeCall(_message.Message):
         request: _builtins.bytes = ...,
         stdin: _builtins.bytes = ...,
         has_stdin: _builtins.bool = ...,
+        unbound: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_stdin", b"has_stdin", "request", b"request", "sandbox_id", b"sandbox_id", "stdin", b"stdin"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_stdin", b"has_stdin", "request", b"request", "sandbox_id", b"sandbox_id", "stdin", b"stdin", "unbound", b"unbound"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -431,9 +437,31 @@ class RuntimeReply(_message.Message):
 Global___RuntimeReply: _TypeAlias = RuntimeReply  # noqa: Y015
 
 @_typing.final
-class RuntimeFrame(_message.Message):
+class MarkTrajectoryRequest(_message.Message):
     """One runtime protocol frame; the client's first frame names the sandbox."""
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    TRAJECTORY_ID_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    trajectory_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        trajectory_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "trajectory_id", b"trajectory_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MarkTrajectoryRequest: _TypeAlias = MarkTrajectoryRequest  # noqa: Y015
+
+@_typing.final
+class RuntimeFrame(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SANDBOX_ID_FIELD_NUMBER: _builtins.int

@@ -79,6 +79,11 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeCall.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeReply.FromString,
                 _registered_method=True)
+        self.MarkTrajectory = channel.unary_unary(
+                '/dsec.v1.Edge/MarkTrajectory',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.MarkTrajectoryRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
+                _registered_method=True)
         self.Stream = channel.stream_stream(
                 '/dsec.v1.Edge/Stream',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeFrame.SerializeToString,
@@ -195,6 +200,13 @@ class EdgeServicer:
 
     def Call(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MarkTrajectory(self, request, context):
+        """Mark the sandbox as bound to a trajectory ("" unmarks it); see RuntimeCall.unbound.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -323,6 +335,11 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.Call,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeCall.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeReply.SerializeToString,
+            ),
+            'MarkTrajectory': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkTrajectory,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.MarkTrajectoryRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.SerializeToString,
             ),
             'Stream': grpc.stream_stream_rpc_method_handler(
                     servicer.Stream,
@@ -628,6 +645,33 @@ class Edge:
             '/dsec.v1.Edge/Call',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeCall.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.RuntimeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MarkTrajectory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/MarkTrajectory',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.MarkTrajectoryRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,8 @@ class EdgeStub:
     ResumeSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SandboxRef, _dsec_pb2.SandboxInfo]
     SetNetwork: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SetNetworkRequest, _dsec_pb2.SandboxInfo]
     Call: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.RuntimeCall, _dsec_pb2.RuntimeReply]
+    MarkTrajectory: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.MarkTrajectoryRequest, _dsec_pb2.SandboxInfo]
+    """Mark the sandbox as bound to a trajectory ("" unmarks it); see RuntimeCall.unbound."""
     Stream: _grpc.StreamStreamMultiCallable[_dsec_pb2.RuntimeFrame, _dsec_pb2.RuntimeFrame]
     Status: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.EdgeStatus]
     PullImage: _grpc.UnaryStreamMultiCallable[_dsec_pb2.PullImageRequest, _dsec_pb2.PullImageEvent]
@@ -76,6 +78,8 @@ class EdgeAsyncStub(EdgeStub):
     ResumeSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SandboxRef, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
     SetNetwork: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SetNetworkRequest, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
     Call: _aio.UnaryUnaryMultiCallable[_dsec_pb2.RuntimeCall, _dsec_pb2.RuntimeReply]  # type: ignore[assignment]
+    MarkTrajectory: _aio.UnaryUnaryMultiCallable[_dsec_pb2.MarkTrajectoryRequest, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
+    """Mark the sandbox as bound to a trajectory ("" unmarks it); see RuntimeCall.unbound."""
     Stream: _aio.StreamStreamMultiCallable[_dsec_pb2.RuntimeFrame, _dsec_pb2.RuntimeFrame]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.EdgeStatus]  # type: ignore[assignment]
     PullImage: _aio.UnaryStreamMultiCallable[_dsec_pb2.PullImageRequest, _dsec_pb2.PullImageEvent]  # type: ignore[assignment]
@@ -158,6 +162,14 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.RuntimeCall,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.RuntimeReply, _abc.Awaitable[_dsec_pb2.RuntimeReply]]: ...
+
+    @_abc_1.abstractmethod
+    def MarkTrajectory(
+        self,
+        request: _dsec_pb2.MarkTrajectoryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SandboxInfo, _abc.Awaitable[_dsec_pb2.SandboxInfo]]:
+        """Mark the sandbox as bound to a trajectory ("" unmarks it); see RuntimeCall.unbound."""
 
     @_abc_1.abstractmethod
     def Stream(
