@@ -30,7 +30,6 @@ from typing import Any
 from aiohttp import web
 
 from dsec.agent import vmport
-from dsec.edge.backends.microvm.firecracker import AGENT_VSOCK_PORT
 from tests.fakes.swagger import Spec
 
 PRE_BOOT = ("/machine-config", "/boot-source", "/drives/", "/network-interfaces/", "/vsock",
@@ -146,7 +145,7 @@ class FakeFirecracker:
             writer.close()
             return
         writer.write(b"OK 1073741824\n")
-        if int(line[8:]) == AGENT_VSOCK_PORT:
+        if int(line[8:]) == vmport.VSOCK_PORT:
             await self.guest_mux(reader, writer)
         else:
             while data := await reader.read(4096):

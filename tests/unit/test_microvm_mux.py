@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsec.agent import vmport
-from dsec.edge.backends.microvm.mux import HostMux, Stream
+from dsec.edge.backends.microvm.mux import HostMux, SerialLink, Stream
 
 
 @pytest.fixture
@@ -232,3 +232,43 @@ async def test_one_slow_stream_does_not_stall_the_others(sock_dir: Path, slow: s
             stuck_w.close()
         await mux.close()
         srv.close()
+
+
+@pytest.mark.asyncio
+async def test_the_guest_serves_links_from_a_listener_one_after_another(sock_dir: Path) -> None:
+    """Under Firecracker the guest listens (vsock) and the host connects, again after an
+    edge restart or a restore; here the listener is a unix socket."""
+    srv = _echo_server(sock_dir / "aether.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_dir / "guest.sock"))
+    listener.listen(1)
+    guest = threading.Thread(
+        target=vmport.serve_listener,
+        args=(listener, str(sock_dir / "aether.sock")),
+        daemon=True,
+    )
+    guest.start()
+    try:
+        for attempt in (b"first", b"second"):  # the second mux is a restarted edge
+            link = SerialLink(sock_dir / "guest.sock")
+            mux = HostMux(sock_dir / "agent.sock", link)
+            await mux.start()
+            try:
+                await mux.wait_ready(5)
+                assert await _roundtrip(mux.listen_path, attempt) == attempt.upper()
+            finally:
+                await mux.close()
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        srv.close()
+    guest.join(5)
+    assert not guest.is_alive()  # returns once its listener is closed
+
+
+def test_vsock_is_recognised_by_its_virtio_driver(tmp_path: Path) -> None:
+    assert not vmport.vsock_present(str(tmp_path / "none"))
+    (tmp_path / "bind").touch()
+    assert not vmport.vsock_present(str(tmp_path))
+    (tmp_path / "virtio3").symlink_to(tmp_path)
+    assert vmport.vsock_present(str(tmp_path))

@@ -49,6 +49,8 @@ CHUNK = 64 * 1024
 WINDOW = 256 * 1024  # unacknowledged DATA bytes per channel and direction
 COUNT = struct.Struct(">I")
 PORT_NAME = "dsec.agent"
+VSOCK_PORT = 1027  # under Firecracker the host connects here (hybrid vsock)
+VSOCK_DRIVER = "/sys/bus/virtio/drivers/vmw_vsock_virtio_transport"
 AETHER_SOCKET = "/.dsec/run/aether.sock"
 
 
@@ -296,10 +298,42 @@ def _write(path: str, text: str) -> None:
         pass
 
 
+def vsock_present(driver_dir: str = VSOCK_DRIVER) -> bool:
+    """The guest has a virtio vsock device (Firecracker gives one; QEMU here does not)."""
+    try:
+        return any(e.startswith("virtio") for e in os.listdir(driver_dir))
+    except OSError:
+        return False
+
+
+def serve_listener(srv: _socket.socket, target: str = AETHER_SOCKET) -> None:
+    """One link at a time from a listening socket (vsock: the host connects, and connects
+    again after an edge restart or a snapshot restore reset the connection). Returns when
+    the listener is closed."""
+    while True:
+        try:
+            fd, _ = srv._accept()  # type: ignore[attr-defined]  # _socket: no socket module
+        except OSError:
+            return
+        mux = GuestMux(fd, target)
+        try:
+            mux.run(retry_eof=False)
+        except (OSError, MuxError) as exc:
+            os.write(2, f"vmport: {exc}\n".encode())
+        finally:
+            mux.drop_all()
+            os.close(fd)
+
+
 def main() -> None:
     while True:
         port = find_port()
         if port is None:
+            if vsock_present():
+                srv = _socket.socket(_socket.AF_VSOCK, _socket.SOCK_STREAM)
+                srv.bind((0xFFFFFFFF, VSOCK_PORT))  # VMADDR_CID_ANY
+                srv.listen(1)
+                serve_listener(srv)
             time.sleep(0.1)
             continue
         try:
