@@ -173,6 +173,7 @@ async def test_create_pause_resume_fork_kill_on_firecracker(env: Env) -> None:
         body = {(r["method"], r["path"]): r["body"] for r in env.seen() if "method" in r}
         boot = body[("PUT", "/boot-source")]
         assert boot["boot_args"].startswith("console=ttyS0 reboot=k panic=1 pci=off")
+        assert boot["boot_args"].endswith(" dsec.disks=" + ",".join(drives))  # vda, vdb...
         assert boot["initrd_path"].endswith(".cpio")
         scratch = body[("PUT", "/drives/scratch")]
         assert scratch["path_on_host"] == str(paths.state_dir / "scratch.raw")

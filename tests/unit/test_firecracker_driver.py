@@ -253,7 +253,8 @@ async def test_boot_pause_resume_snapshot_restore_kill(
     body = {(r["method"], r["path"]): r["body"] for r in seen}
     assert body[("PUT", "/machine-config")] == {"vcpu_count": 2, "mem_size_mib": 256}
     assert body[("PUT", "/boot-source")] == {
-        "kernel_image_path": str(config.kernel), "boot_args": config.cmdline,
+        "kernel_image_path": str(config.kernel),
+        "boot_args": config.cmdline + " dsec.disks=rootfs-layer-0,scratch",
     }  # fmt: skip
     assert body[("PUT", "/drives/scratch")] == {
         "drive_id": "scratch", "path_on_host": str(config.drives[1].path),

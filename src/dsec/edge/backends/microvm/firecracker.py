@@ -306,7 +306,7 @@ class FirecrackerVmm:
         )
         boot: dict[str, str] = {
             "kernel_image_path": self._expose(config.kernel),
-            "boot_args": config.cmdline,
+            "boot_args": boot_args(config),
         }
         if config.extra.get("initrd"):
             boot["initrd_path"] = self._expose(Path(config.extra["initrd"]))
@@ -609,6 +609,17 @@ def _collect_snapshot(written: Path, snap: Snapshot) -> None:
     for f in (snap.mem_file, snap.state):
         if not f.is_file():
             raise SandboxFailed(f"firecracker reported a snapshot but wrote no {f}")
+
+
+def boot_args(config: VmConfig) -> str:
+    """The command line plus ``dsec.disks=``, the drive ids in the order Firecracker
+    attaches them (vda, vdb, ...): its disk serials come from the host file's device and
+    inode, so the guest's init cannot find its disks by serial as under QEMU."""
+    if not config.drives:
+        return config.cmdline
+    if len(config.drives) > 26:
+        raise InvalidArgument(f"{len(config.drives)} drives: the guest can name 26 (vda..vdz)")
+    return f"{config.cmdline} dsec.disks={','.join(d.drive_id for d in config.drives)}".strip()
 
 
 def vm_id_of(config: VmConfig) -> str:
