@@ -225,6 +225,22 @@ async def test_create_pause_resume_fork_kill_on_firecracker(env: Env) -> None:
         hellos = [r["hello"] for r in env.seen() if "hello" in r]
         assert {h.get("hostname") for h in hellos} >= {c for c, _ in children}
         assert await _echo(paths.agent_socket, b"parent") == b"parent"
+
+        # the edge restarts: a new backend adopts the running Firecracker (its API socket,
+        # the vsock) and calls go through again
+        for cid, cp in children:
+            await be.destroy(cid, cp)
+        children = []
+        vmm_pid = be._vms[sid].vmm.pid
+        await be._detach(be._vms.pop(sid))
+        be = MicrovmBackend(
+            env.paths, "e0f1", image_store=be.images, cgroup_parent=be.cgroup_parent,
+            mem_dir=env.mem, kernel_image=be.kernel_image, vmm="firecracker",
+        )  # fmt: skip
+        be._vmm_choice = ("firecracker", "the spec-checking fake")
+        assert (await be.state(sid)) == (RuntimeState.RUNNING, started.pid)
+        assert be._vms[sid].vmm.pid == vmm_pid
+        assert await _echo(paths.agent_socket, b"adopted") == b"adopted"
         assert [e for r in env.seen() for e in r.get("errors", [])] == []
     finally:
         for cid, cp in children:
