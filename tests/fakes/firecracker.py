@@ -6,8 +6,10 @@ Run as ``python -m tests.fakes.firecracker --api-sock PATH --id ID`` with
 ``FAKE_FC_SPEC`` (the spec), ``FAKE_FC_RECORD`` (a JSON-lines file every request is
 appended to) and optionally ``FAKE_FC_MODE``: ``hang`` (never opens the API),
 ``crash`` (exits at once), ``die-on-start`` (exits during InstanceStart, like a guest
-that fails at once). The vsock socket answers ``CONNECT <port>`` with ``OK`` and then
-echoes, like a guest-side echo server.
+that fails at once), ``refuse:<METHOD> <path>`` (answers that request with a fault).
+The vsock socket answers ``CONNECT <port>`` with ``OK``; on the agent port it then plays
+the guest's channel multiplexer (HELLO -> READY, the identity recorded; every channel
+echoes), on any other port it echoes bytes.
 
 ``python -m tests.fakes.firecracker --jailer <jailer args> -- <firecracker args>`` plays
 the jailer: it makes the chroot directory, then runs the fake Firecracker with paths
@@ -27,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from dsec.agent import vmport
 from tests.fakes.swagger import Spec
 
 PRE_BOOT = ("/machine-config", "/boot-source", "/drives/", "/network-interfaces/", "/vsock",
@@ -61,6 +64,8 @@ class FakeFirecracker:
         self._note(request.method, request.path, body, errors)
         if errors:
             return fault("; ".join(errors))
+        if self.mode == f"refuse:{request.method} {request.path}":
+            return fault(f"{request.method} {request.path} refused as asked")
         try:
             return await self.apply(request.method, request.path, body)
         except FakeError as exc:
@@ -82,6 +87,13 @@ class FakeFirecracker:
             if not started:
                 raise FakeError("the microVM is not started")
             self.state = "Paused" if body["state"] == "Paused" else "Running"
+        elif method == "PATCH" and path.startswith("/drives/"):
+            if not started:
+                raise FakeError("drive updates are post-boot only")
+            if f"/drives/{body['drive_id']}" not in self.config:
+                raise FakeError(f"no drive {body['drive_id']}")
+            if not host(body.get("path_on_host", "/")).is_file():
+                raise FakeError(f"no file {body.get('path_on_host')}")
         elif (method, path) == ("PATCH", "/balloon"):
             if "/balloon" not in self.config:
                 raise FakeError("no balloon device")
@@ -123,19 +135,40 @@ class FakeFirecracker:
 
     async def bind_vsock(self, uds: str | None) -> None:
         if uds:
-            self.vsock = await asyncio.start_unix_server(vsock_client, host(uds))
+            self.vsock = await asyncio.start_unix_server(self.vsock_client, host(uds))
 
-
-async def vsock_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    line = await reader.readline()
-    if not line.startswith(b"CONNECT ") or not line[8:].strip().isdigit():
+    async def vsock_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        line = await reader.readline()
+        if not line.startswith(b"CONNECT ") or not line[8:].strip().isdigit():
+            writer.close()
+            return
+        writer.write(b"OK 1073741824\n")
+        if int(line[8:]) == vmport.VSOCK_PORT:
+            await self.guest_mux(reader, writer)
+        else:
+            while data := await reader.read(4096):
+                writer.write(data)
+                await writer.drain()
         writer.close()
-        return
-    writer.write(b"OK 1073741824\n")
-    while data := await reader.read(4096):
-        writer.write(data)
-        await writer.drain()
-    writer.close()
+
+    async def guest_mux(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The guest's end of the agent channel, each channel an echo."""
+        buf = bytearray()
+        while data := await reader.read(4096):
+            buf += data
+            for kind, chan, payload in vmport.parse(buf):
+                if kind == vmport.HELLO:
+                    with self.record.open("a") as f:
+                        f.write(json.dumps({"hello": json.loads(payload or b"{}"),
+                                            "pid": os.getpid()}) + "\n")  # fmt: skip
+                    writer.write(vmport.frame(vmport.READY, 0))
+                elif kind == vmport.DATA:
+                    writer.write(vmport.frame(vmport.DATA, chan, payload))
+                elif kind == vmport.CLOSE:
+                    writer.write(vmport.frame(vmport.CLOSE, chan))
+            await writer.drain()
 
 
 class FakeError(Exception):

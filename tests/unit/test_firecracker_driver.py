@@ -246,12 +246,15 @@ async def test_boot_pause_resume_snapshot_restore_kill(
         *BOOT,
         ("PATCH", "/vm"), ("GET", "/"), ("PATCH", "/vm"), ("PATCH", "/balloon"),
         ("PATCH", "/vm"), ("PUT", "/snapshot/create"),
-        ("PUT", "/snapshot/load"), ("GET", "/"), ("GET", "/"),
+        # unjailed, the restored VM is pointed at its own drive files before it runs
+        ("PUT", "/snapshot/load"), ("PATCH", "/drives/rootfs-layer-0"),
+        ("PATCH", "/drives/scratch"), ("PATCH", "/vm"), ("GET", "/"), ("GET", "/"),
     ]  # fmt: skip
     body = {(r["method"], r["path"]): r["body"] for r in seen}
     assert body[("PUT", "/machine-config")] == {"vcpu_count": 2, "mem_size_mib": 256}
     assert body[("PUT", "/boot-source")] == {
-        "kernel_image_path": str(config.kernel), "boot_args": config.cmdline,
+        "kernel_image_path": str(config.kernel),
+        "boot_args": config.cmdline + " dsec.disks=rootfs-layer-0,scratch",
     }  # fmt: skip
     assert body[("PUT", "/drives/scratch")] == {
         "drive_id": "scratch", "path_on_host": str(config.drives[1].path),
@@ -261,7 +264,7 @@ async def test_boot_pause_resume_snapshot_restore_kill(
     assert body[("PUT", "/vsock")] == {"guest_cid": 3, "uds_path": str(config.agent_socket)}
     assert body[("PUT", "/actions")] == {"action_type": "InstanceStart"}
     vm_states = [r["body"]["state"] for r in seen if r["path"] == "/vm"]
-    assert vm_states == ["Paused", "Resumed", "Paused"]
+    assert vm_states == ["Paused", "Resumed", "Paused", "Resumed"]
     assert body[("PUT", "/snapshot/create")] == {
         "snapshot_type": "Full",
         "snapshot_path": str(snap.state),
@@ -270,7 +273,7 @@ async def test_boot_pause_resume_snapshot_restore_kill(
     assert body[("PUT", "/snapshot/load")] == {
         "snapshot_path": str(snap.state),
         "mem_backend": {"backend_type": "File", "backend_path": str(snap.mem_file)},
-        "resume_vm": True,
+        "resume_vm": False,
         "network_overrides": [{"iface_id": "eth0", "host_dev_name": "tap-vm1"}],
         "vsock_override": {"uds_path": str(child_config.agent_socket)},
     }

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsec.agent import vmport
-from dsec.edge.backends.microvm.mux import HostMux, Stream
+from dsec.edge.backends.microvm.mux import HostMux, SerialLink, Stream
 
 
 @pytest.fixture
@@ -148,3 +148,127 @@ async def test_link_reconnects_after_loss(sock_dir: Path) -> None:
 async def _until(cond: Callable[[], bool]) -> None:
     while not cond():
         await asyncio.sleep(0.01)
+
+
+def _sink_and_flood_server(path: Path) -> socket.socket:
+    """A guest-side 'aether': a connection that starts with ``SINK`` is never read again,
+    one that starts with ``FLOOD`` gets endless bytes, any other is echoed upper-cased."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(64)
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            first = conn.recv(5)
+            if first.startswith(b"SINK"):
+                stop.wait()
+                return
+            if first.startswith(b"FLOOD"):
+                chunk = b"x" * 65536
+                with contextlib.suppress(OSError):
+                    while not stop.is_set():
+                        conn.sendall(chunk)
+                return
+            data = first
+            while data:
+                conn.sendall(data.upper())
+                data = conn.recv(65536)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                stop.set()
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return srv
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("slow", ["guest reader", "host reader"])
+async def test_one_slow_stream_does_not_stall_the_others(sock_dir: Path, slow: str) -> None:
+    """Per-channel flow control: a channel whose receiver stops reading (aether not taking
+    a big upload, or an edge caller not reading a big download) fills only its own
+    window; calls on other channels go on."""
+    srv = _sink_and_flood_server(sock_dir / "aether.sock")
+    mux = HostMux(sock_dir / "agent.sock", PairLink(sock_dir / "aether.sock"))
+    await mux.start()
+    stuck_w: asyncio.StreamWriter | None = None
+    pusher: asyncio.Task[None] | None = None
+    try:
+        await mux.wait_ready(5)
+        _stuck_r, stuck_w = await asyncio.open_unix_connection(str(mux.listen_path))
+        if slow == "guest reader":  # 32 MiB towards a guest socket nobody reads
+
+            async def push() -> None:
+                assert stuck_w is not None
+                stuck_w.write(b"SINK ")
+                for _ in range(512):
+                    stuck_w.write(b"y" * 65536)
+                    await stuck_w.drain()
+
+            pusher = asyncio.create_task(push())
+        else:  # the guest floods a caller that never reads
+            stuck_w.write(b"FLOOD")
+            await stuck_w.drain()
+        await asyncio.sleep(1.0)  # every buffer on the stuck path fills up
+        payloads = [os.urandom(20_000).hex().encode() for _ in range(4)]
+        got = await asyncio.wait_for(
+            asyncio.gather(*(_roundtrip(mux.listen_path, p) for p in payloads)), 10
+        )
+        assert got == [p.upper() for p in payloads]
+        if pusher is not None:
+            assert not pusher.done()  # the stuck upload really is held back, not dropped
+    finally:
+        if pusher is not None:
+            pusher.cancel()
+            with contextlib.suppress(BaseException):
+                await pusher
+        if stuck_w is not None:
+            stuck_w.close()
+        await mux.close()
+        srv.close()
+
+
+@pytest.mark.asyncio
+async def test_the_guest_serves_links_from_a_listener_one_after_another(sock_dir: Path) -> None:
+    """Under Firecracker the guest listens (vsock) and the host connects, again after an
+    edge restart or a restore; here the listener is a unix socket."""
+    srv = _echo_server(sock_dir / "aether.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_dir / "guest.sock"))
+    listener.listen(1)
+    guest = threading.Thread(
+        target=vmport.serve_listener,
+        args=(listener, str(sock_dir / "aether.sock")),
+        daemon=True,
+    )
+    guest.start()
+    try:
+        for attempt in (b"first", b"second"):  # the second mux is a restarted edge
+            link = SerialLink(sock_dir / "guest.sock")
+            mux = HostMux(sock_dir / "agent.sock", link)
+            await mux.start()
+            try:
+                await mux.wait_ready(5)
+                assert await _roundtrip(mux.listen_path, attempt) == attempt.upper()
+            finally:
+                await mux.close()
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        srv.close()
+    guest.join(5)
+    assert not guest.is_alive()  # returns once its listener is closed
+
+
+def test_vsock_is_recognised_by_its_virtio_driver(tmp_path: Path) -> None:
+    assert not vmport.vsock_present(str(tmp_path / "none"))
+    (tmp_path / "bind").touch()
+    assert not vmport.vsock_present(str(tmp_path))
+    (tmp_path / "virtio3").symlink_to(tmp_path)
+    assert vmport.vsock_present(str(tmp_path))

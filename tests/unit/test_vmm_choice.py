@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from dsec.core.errors import BackendUnavailable, InvalidArgument
-from dsec.edge.app import parse_args
+from dsec.edge import backend_report
+from dsec.edge.app import candidate_backends, parse_args
+from dsec.edge.backends.api import Availability
+from dsec.edge.backends.microvm.backend import MicrovmBackend
 from dsec.edge.backends.microvm.choice import choose_vmm
+from dsec.paths import Paths
 
 BOTH = {"firecracker": "/usr/local/bin/firecracker", "qemu-system-x86_64": "/usr/bin/qemu"}
 
@@ -64,3 +70,30 @@ def test_edge_flag() -> None:
     assert parse_args(["--vmm", "firecracker"]).vmm == "firecracker"
     with pytest.raises(SystemExit):
         parse_args(["--vmm", "xen"])
+
+
+def test_the_edge_flag_reaches_the_microvm_backend_and_dsec_backends_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = Paths(home=tmp_path / "home", data=tmp_path / "data", run=tmp_path / "run")
+    backends = {b.name: b for b in candidate_backends(paths, "e1", None, "firecracker")}
+    microvm, vm = backends["microvm"], backends["vm"]
+    assert isinstance(microvm, MicrovmBackend)
+    assert isinstance(vm, MicrovmBackend)
+    assert microvm.vmm_preference == "firecracker"
+    assert vm.vmm_preference == "qemu"  # a q35 PC runs on QEMU whatever --vmm says
+
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    reports = {r.name: r for r in backend_report.report([microvm])}
+    assert reports["microvm"].availability == Availability(
+        False, "no VMM: firecracker binary not found on PATH"
+    )
+    assert "no VMM: firecracker binary not found" in reports["microvm"].capabilities.notes
+
+    microvm._vmm_choice = ("firecracker", "/usr/bin/firecracker with KVM (probe guest ran)")
+    reports = {r.name: r for r in backend_report.report([microvm])}
+    notes = reports["microvm"].capabilities.notes
+    assert notes.startswith("Firecracker (VMM firecracker: /usr/bin/firecracker with KVM")

@@ -15,6 +15,14 @@ the guest drops every channel it still had and applies the JSON identity it carr
 a restored guest's clock stood still). The guest answers
 ``READY``.
 
+Flow control, per channel: a host that offers it puts ``"window": n`` in HELLO; a guest
+that takes it answers READY with ``{"window": n}``. Then each side has at most ``n``
+bytes of DATA unacknowledged per channel, and a receiver answers ``CREDIT`` (payload: a
+u32 byte count) for what it has handed to its local socket. A receiver queues DATA per
+channel and never blocks the link on one channel, so one stream nobody reads (a big
+upload aether does not take yet, a download the caller does not read) holds up only
+itself. Without the offer (an older peer) DATA is written through as it arrives.
+
 This module also runs in the guest (``main``): one process, a reader thread per channel,
 standard library only. virtio-serial reads return EOF while no host end is connected
 (before the edge connects, after it restarts, across a snapshot restore), so the guest
@@ -23,6 +31,7 @@ keeps retrying.
 
 from __future__ import annotations
 
+import _queue
 import _socket
 import _thread
 import os
@@ -34,10 +43,14 @@ if TYPE_CHECKING:
     from typing import Any
 
 HEADER = struct.Struct(">BII")
-OPEN, DATA, CLOSE, HELLO, READY = 1, 2, 3, 4, 5
+OPEN, DATA, CLOSE, HELLO, READY, CREDIT = 1, 2, 3, 4, 5, 6
 MAX_PAYLOAD = 1 << 20
 CHUNK = 64 * 1024
+WINDOW = 256 * 1024  # unacknowledged DATA bytes per channel and direction
+COUNT = struct.Struct(">I")
 PORT_NAME = "dsec.agent"
+VSOCK_PORT = 1027  # under Firecracker the host connects here (hybrid vsock)
+VSOCK_DRIVER = "/sys/bus/virtio/drivers/vmw_vsock_virtio_transport"
 AETHER_SOCKET = "/.dsec/run/aether.sock"
 
 
@@ -54,7 +67,7 @@ def parse(buf: bytearray) -> list[tuple[int, int, bytes]]:
     out = []
     while len(buf) >= HEADER.size:
         kind, chan, n = HEADER.unpack_from(buf)
-        if n > MAX_PAYLOAD or kind not in (OPEN, DATA, CLOSE, HELLO, READY):
+        if n > MAX_PAYLOAD or kind not in (OPEN, DATA, CLOSE, HELLO, READY, CREDIT):
             raise MuxError(f"bad frame: type {kind}, length {n}")
         if len(buf) < HEADER.size + n:
             break
@@ -81,14 +94,37 @@ def find_port(name: str = PORT_NAME, sys_dir: str = "/sys/class/virtio-ports") -
     return None
 
 
+def window_of(payload: bytes) -> int:
+    """The flow-control window a HELLO or READY payload offers (0: none)."""
+    import json
+
+    try:
+        n = json.loads(payload).get("window") if payload else 0
+    except (ValueError, AttributeError):
+        return 0
+    return min(n, WINDOW) if isinstance(n, int) and n >= CHUNK else 0
+
+
+class _Chan:
+    """One channel in the guest: aether's socket, and with flow control the queue of
+    bytes for it (written by its own thread) and the credits the host granted."""
+
+    def __init__(self, sock: _socket.socket, window: int) -> None:
+        self.sock = sock
+        self.window = window
+        self.out: Any = _queue.SimpleQueue()  # bytes for aether; None: stop
+        self.grants: Any = _queue.SimpleQueue()  # CREDIT byte counts; -1: the channel ended
+
+
 class GuestMux:
     """The guest end: frames from ``fd`` open connections to ``target`` (aether)."""
 
     def __init__(self, fd: int, target: str = AETHER_SOCKET) -> None:
         self.fd = fd
         self.target = target
-        self.channels: dict[int, _socket.socket] = {}
+        self.channels: dict[int, _Chan] = {}
         self.lock = _thread.allocate_lock()  # one writer of frames at a time
+        self.window = 0  # per-channel flow control, as the host's HELLO offered
 
     def send(self, kind: int, chan: int, payload: bytes = b"") -> None:
         data = memoryview(frame(kind, chan, payload))
@@ -102,20 +138,24 @@ class GuestMux:
             self.close(chan)
 
     def close(self, chan: int) -> None:
-        sock = self.channels.pop(chan, None)
-        if sock is not None:
+        c = self.channels.pop(chan, None)
+        if c is not None:
             try:
-                sock.shutdown(_socket.SHUT_RDWR)
+                c.sock.shutdown(_socket.SHUT_RDWR)
             except OSError:
                 pass
-            sock.close()
+            c.sock.close()
+            c.grants.put(-1)
+            c.out.put(None)
 
     def handle(self, kind: int, chan: int, payload: bytes) -> None:
         if kind == HELLO:
             self.drop_all()
             if payload:
                 apply_identity(payload)
-            self.send(READY, 0)
+            self.window = window_of(payload)
+            ready = b'{"window": %d}' % self.window if self.window else b""
+            self.send(READY, 0, ready)
         elif kind == OPEN:
             self.close(chan)
             sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
@@ -125,35 +165,78 @@ class GuestMux:
                 sock.close()
                 self.send(CLOSE, chan)
                 return
-            self.channels[chan] = sock
-            _thread.start_new_thread(self.pump, (chan, sock))
+            new = _Chan(sock, self.window)
+            self.channels[chan] = new
+            _thread.start_new_thread(self.pump, (chan, new))
+            if new.window:
+                _thread.start_new_thread(self.deliver, (chan, new))
         elif kind == DATA:
-            conn = self.channels.get(chan)
-            if conn is not None:
-                try:
-                    conn.sendall(payload)
-                except OSError:
-                    self.close(chan)
-                    self.send(CLOSE, chan)
+            c = self.channels.get(chan)
+            if c is None:
+                return
+            if c.window:
+                c.out.put(payload)  # its own thread writes it: the link reads on
+                return
+            try:
+                c.sock.sendall(payload)
+            except OSError:
+                self.close(chan)
+                self.send(CLOSE, chan)
+        elif kind == CREDIT:
+            c = self.channels.get(chan)
+            if c is not None and len(payload) == COUNT.size:
+                c.grants.put(COUNT.unpack(payload)[0])
         elif kind == CLOSE:
+            c = self.channels.get(chan)
+            if c is not None and c.window:
+                c.out.put(None)  # after what is queued for aether
+            else:
+                self.close(chan)
+
+    def deliver(self, chan: int, c: _Chan) -> None:
+        """host -> aether for one flow-controlled channel; CREDIT for what was written."""
+        while True:
+            data = c.out.get()
+            if data is None or self.channels.get(chan) is not c:
+                break
+            try:
+                c.sock.sendall(data)
+            except OSError:
+                if self.channels.get(chan) is c:
+                    self.close(chan)
+                    self._send_quietly(CLOSE, chan)
+                return
+            if self.channels.get(chan) is c:
+                self._send_quietly(CREDIT, chan, COUNT.pack(len(data)))
+        if self.channels.get(chan) is c:  # the host closed the channel: all written
             self.close(chan)
 
-    def pump(self, chan: int, sock: _socket.socket) -> None:
-        """aether -> host for one channel, then CLOSE."""
+    def pump(self, chan: int, c: _Chan) -> None:
+        """aether -> host for one channel (within the host's credit), then CLOSE."""
+        credit = c.window
         try:
             while True:
-                data = sock.recv(CHUNK)
+                data = c.sock.recv(min(CHUNK, c.window) if c.window else CHUNK)
                 if not data:
                     break
+                while c.window and credit < len(data):
+                    grant = c.grants.get()
+                    if grant < 0:
+                        return
+                    credit += grant
+                credit -= len(data)
                 self.send(DATA, chan, data)
         except OSError:
             pass
-        if self.channels.get(chan) is sock:
+        if self.channels.get(chan) is c:
             self.close(chan)
-            try:
-                self.send(CLOSE, chan)
-            except OSError:
-                pass
+            self._send_quietly(CLOSE, chan)
+
+    def _send_quietly(self, kind: int, chan: int, payload: bytes = b"") -> None:
+        try:
+            self.send(kind, chan, payload)
+        except OSError:
+            pass
 
     def run(self, retry_eof: bool = True) -> None:
         """Read frames until the stream fails; EOF (no host end yet) is retried."""
@@ -215,10 +298,42 @@ def _write(path: str, text: str) -> None:
         pass
 
 
+def vsock_present(driver_dir: str = VSOCK_DRIVER) -> bool:
+    """The guest has a virtio vsock device (Firecracker gives one; QEMU here does not)."""
+    try:
+        return any(e.startswith("virtio") for e in os.listdir(driver_dir))
+    except OSError:
+        return False
+
+
+def serve_listener(srv: _socket.socket, target: str = AETHER_SOCKET) -> None:
+    """One link at a time from a listening socket (vsock: the host connects, and connects
+    again after an edge restart or a snapshot restore reset the connection). Returns when
+    the listener is closed."""
+    while True:
+        try:
+            fd, _ = srv._accept()  # type: ignore[attr-defined]  # _socket: no socket module
+        except OSError:
+            return
+        mux = GuestMux(fd, target)
+        try:
+            mux.run(retry_eof=False)
+        except (OSError, MuxError) as exc:
+            os.write(2, f"vmport: {exc}\n".encode())
+        finally:
+            mux.drop_all()
+            os.close(fd)
+
+
 def main() -> None:
     while True:
         port = find_port()
         if port is None:
+            if vsock_present():
+                srv = _socket.socket(_socket.AF_VSOCK, _socket.SOCK_STREAM)
+                srv.bind((0xFFFFFFFF, VSOCK_PORT))  # VMADDR_CID_ANY
+                srv.listen(1)
+                serve_listener(srv)
             time.sleep(0.1)
             continue
         try:

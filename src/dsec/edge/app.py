@@ -74,7 +74,7 @@ def node_capacity(args: argparse.Namespace) -> NodeCapacity:
 
 
 def candidate_backends(
-    paths: Paths, edge_id: str, network: EdgeNetwork | None = None
+    paths: Paths, edge_id: str, network: EdgeNetwork | None = None, vmm: str = "auto"
 ) -> list[Backend]:
     """Every backend built into this edge, whether or not it can run on this host."""
     from dsec.edge.backends.container.backend import ContainerBackend
@@ -86,7 +86,7 @@ def candidate_backends(
     store = ImageStore(paths.images)
     container = ContainerBackend(paths, edge_id, image_store=store, network=network)
     function = FunctionBackend(paths, edge_id, image_store=store)
-    microvm = MicrovmBackend(paths, edge_id, image_store=store)
+    microvm = MicrovmBackend(paths, edge_id, image_store=store, vmm=vmm)
     fullvm = VmBackend(paths, edge_id, image_store=store)
     return [container, function, microvm, fullvm]
 
@@ -155,7 +155,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cap = node_capacity(args)
     network = make_network(args, paths, edge_id)
     real = args.backend == "real"
-    candidates = candidate_backends(paths, edge_id, network) if real else _fake()
+    candidates = candidate_backends(paths, edge_id, network, args.vmm) if real else _fake()
     backends = make_backends(candidates)
     if network is not None:
         for backend in backends.values():

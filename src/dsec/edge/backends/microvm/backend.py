@@ -1,17 +1,22 @@
-"""The microVM backend: every sandbox is a QEMU ``microvm`` guest booted from the image layers.
+"""The microVM backend: every sandbox is a guest booted from the image layers.
 
-create():  image layers -> erofs images (shared) + bundle image + scratch qcow2 + config
-           disk -> cgroup (limits cap QEMU) -> QEMU -> agent mux on the agent socket ->
-           wait for the guest's multiplexer -> Started(keeper pid)
-pause():   snapshot (RAM stays in its file, device state to ``snapshots/current``) and
-           quit QEMU; resume(): restore it (the snapshot is refused if a digest differs)
+The VMM is QEMU ``microvm`` or Firecracker, driven only through
+:class:`dsec.edge.backends.microvm.vmm.Vmm`; the edge's ``--vmm`` picks it
+(:func:`choice.choose_vmm`) and each VM records its driver, so a re-adopted VM keeps it.
+
+create():  image layers -> erofs images (shared) + bundle image + writable disk (a qcow2
+           overlay for QEMU, a sparse raw copy for Firecracker) + config disk -> cgroup
+           (limits cap the VMM) -> VMM -> agent mux on the agent socket -> wait for the
+           guest's multiplexer -> Started(keeper pid)
+pause():   snapshot to ``snapshots/current`` (QEMU: RAM stays in its file) and quit the
+           VMM; resume(): restore it (the snapshot is refused if a digest differs)
 fork():    snapshot the parent into a template, then restore the parent and N children
            from it, RAM mapped privately, each with its own scratch overlay and identity
-destroy(): kill QEMU by its pid, the mux, cgroups, files. Idempotent.
+destroy(): kill the VMM by its pid, the mux, cgroups, files. Idempotent.
 
-The edge watches one pid per sandbox; QEMU's pid changes on every pause/resume, so the
+The edge watches one pid per sandbox; the VMM's pid changes on every pause/resume, so the
 sandbox's pid is a *keeper* (a sleeping process in the sandbox's session that lives from
-create to destroy). When QEMU dies on its own (guest panic, OOM kill) the keeper is killed
+create to destroy). When the VMM dies on its own (guest panic, OOM kill) the keeper is killed
 too, which the edge sees as the sandbox dying.
 """
 
@@ -50,9 +55,9 @@ from dsec.edge.backends.api import (
     Started,
 )
 from dsec.edge.backends.container import cgroups
-from dsec.edge.backends.microvm import disks, kernel, qemu, snapshots
-from dsec.edge.backends.microvm.mux import HostMux, SerialLink
-from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig
+from dsec.edge.backends.microvm import choice, disks, kernel, qemu, snapshots
+from dsec.edge.backends.microvm.mux import GuestLink, HostMux
+from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig, Vmm, watched
 from dsec.edge.images.store import Image, ImageStore
 from dsec.obs import log
 from dsec.paths import Paths
@@ -60,7 +65,7 @@ from dsec.paths import Paths
 _log = logging.getLogger(__name__)
 BOOT_TIMEOUT_S = 60.0
 RESTORE_TIMEOUT_S = 30.0
-VMM_OVERHEAD_MIB = 256  # QEMU, its TCG code buffer and page tables, on top of guest RAM
+VMM_OVERHEAD_MIB = 256  # the VMM (QEMU's TCG code buffer...) and page tables, over guest RAM
 MAX_FORK = 64
 
 
@@ -68,7 +73,7 @@ MAX_FORK = 64
 class _Vm:
     """What the backend keeps in memory for one live microVM."""
 
-    vmm: qemu.QemuVmm
+    vmm: Vmm
     mux: HostMux | None = None
     keeper: int = 0
     watch: asyncio.Task[None] | None = None
@@ -77,10 +82,11 @@ class _Vm:
 
 
 class MicrovmBackend:
-    """:class:`dsec.edge.backends.api.Backend` on QEMU microvm."""
+    """:class:`dsec.edge.backends.api.Backend` on QEMU microvm or Firecracker."""
 
     name = "microvm"
     boot_timeout_s: float | None = None  # a subclass's own (default: BOOT_TIMEOUT_S)
+    fixed_vmm: str | None = None  # a subclass that runs on one VMM only (q35: "qemu")
 
     def __init__(
         self,
@@ -92,6 +98,7 @@ class MicrovmBackend:
         sandboxes_dir: Path | None = None,
         mem_dir: Path | None = None,
         kernel_image: Path | None = None,
+        vmm: str = "auto",
     ) -> None:
         self.paths = paths
         self.edge_id = edge_id
@@ -104,23 +111,49 @@ class MicrovmBackend:
         self.kernel_image = kernel_image
         self._vms: dict[str, _Vm] = {}
         self._layout: cgroups.CgroupLayout | None = None
+        self.vmm_preference = self.fixed_vmm or vmm
+        self._vmm_choice: tuple[str, str] | None = None
+
+    def vmm_choice(self) -> tuple[str, str]:
+        """``(driver, why)`` for new VMs of this edge (decided once, see ``choose_vmm``).
+
+        Raises:
+            BackendUnavailable: the ``--vmm`` asked for cannot run here (the reason says why).
+        """
+        if self._vmm_choice is None:
+            self._vmm_choice = choice.choose_vmm(self.vmm_preference)
+        return self._vmm_choice
+
+    def _vmm_note(self) -> str:
+        name, why = self.vmm_choice()
+        if name == "qemu":
+            return f"QEMU microvm, accel {qemu.accelerator()} (VMM qemu: {why})"
+        return f"Firecracker (VMM firecracker: {why})"
 
     # --- host checks -------------------------------------------------------------------
 
     def availability(self) -> Availability:
         if os.geteuid() != 0:
             return Availability(False, "the microvm backend needs root")
-        why = qemu.available()
-        if why:
+        try:
+            name, _ = self.vmm_choice()
+        except DsecError as exc:
+            return Availability(False, f"no VMM: {exc.message}")
+        why = qemu.available()  # qemu-img makes the writable disks of QEMU guests
+        if why and name == "qemu":
             return Availability(False, why)
         if self.kernel() is None:
             return Availability(False, "no guest kernel: run `dsec setup`")
         if shutil.which("mkfs.erofs") is None:
             return Availability(False, "mkfs.erofs is missing (apt-get install erofs-utils)")
-        return Availability(True, f"QEMU microvm, accel {qemu.accelerator()}")
+        return Availability(True, self._vmm_note())
 
     def capabilities(self) -> Capabilities:
         """A guest kernel of its own: pause/resume by memory snapshot, fork, PTYs, state."""
+        try:
+            note = self._vmm_note()
+        except DsecError as exc:
+            note = f"no VMM: {exc.message}"
         return Capabilities(
             pause=True,
             fork=True,
@@ -130,7 +163,7 @@ class MicrovmBackend:
             persistent_filesystem=True,
             network_policy=False,
             max_vcpus=float(os.cpu_count() or 1),
-            notes=f"QEMU microvm, accel {qemu.accelerator()}; no sandbox networking yet",
+            notes=f"{note}; no sandbox networking yet",
         )
 
     def kernel(self) -> Path | None:
@@ -194,14 +227,15 @@ class MicrovmBackend:
                 env,
                 len(image.layer_dirs),
             )
-            config = self._config(sandbox_id, paths, _load_meta(paths.state_dir))
-            vm = _Vm(vmm=qemu.QemuVmm())
+            meta = _load_meta(paths.state_dir)
+            config = self._config(sandbox_id, paths, meta)
+            vm = _Vm(vmm=choice.new_vmm(_vmm_of(meta)))
             self._vms[sandbox_id] = vm
             await asyncio.to_thread(self._make_cgroup, sandbox_id, spec)
             vm.keeper = await asyncio.to_thread(_start_keeper, paths.state_dir)
             boot_s = self.boot_timeout_s or BOOT_TIMEOUT_S
             await vm.vmm.boot(config, boot_s)
-            await self._attach(sandbox_id, vm, paths, boot_s)
+            await self._attach(sandbox_id, vm, paths, vm.vmm.link(config), boot_s)
         except BaseException as exc:
             await asyncio.shield(self._rollback(sandbox_id, paths))
             if isinstance(exc, DsecError | asyncio.CancelledError):
@@ -209,7 +243,8 @@ class MicrovmBackend:
             if isinstance(exc, OSError | ValueError):
                 raise SandboxFailed(f"creating microVM {sandbox_id} failed: {exc}") from exc
             raise
-        log(_log, "microvm started", sandbox_id=sandbox_id, qemu=vm.vmm.pid, edge=self.edge_id)
+        log(_log, "microvm started", sandbox_id=sandbox_id, vmm=vm.vmm.name, pid=vm.vmm.pid,
+            edge=self.edge_id)  # fmt: skip
         return Started(pid=vm.keeper)
 
     def _image(self, spec: SandboxSpec) -> Image:
@@ -237,7 +272,8 @@ class MicrovmBackend:
     ) -> None:
         sd = paths.state_dir
         sd.mkdir(parents=True, exist_ok=True)
-        disks.make_overlay(Path(shared["scratch_base"]), sd / "scratch.qcow2")
+        vmm = self.vmm_choice()[0]
+        _writable_disk(Path(shared["scratch_base"]), sd / _scratch(vmm), "raw", vmm)
         env = {
             **env,
             "dsec.layers": str(layers),
@@ -254,6 +290,7 @@ class MicrovmBackend:
             "agent_socket": str(paths.agent_socket),
             "mem_gen": "",
             "shared_ram": True,
+            "vmm": vmm,
         }
         _save_meta(sd, meta)
 
@@ -264,18 +301,19 @@ class MicrovmBackend:
             Drive("config", sd / "config.img", read_only=True),
             Drive("bundle", Path(shared["bundle"]), read_only=True),
             *(Drive(f"l{i}", Path(shared[f"l{i}"]), read_only=True) for i in range(meta["layers"])),
-            Drive("scratch", sd / "scratch.qcow2", read_only=False),
+            Drive("scratch", sd / _scratch(_vmm_of(meta)), read_only=False),
         ]
         run = self.run_dir(sandbox_id)
+        driver = choice.new_vmm(_vmm_of(meta))
         return VmConfig(
             vcpus=meta["vcpus"],
             memory_mib=meta["memory_mib"],
             kernel=Path(meta["kernel"]),
-            cmdline="quiet",
+            cmdline=driver.cmdline("quiet"),
             run_dir=run,
             mem_file=self.mem_file(sandbox_id, meta.get("mem_gen", "")),
             drives=tuple(drives),
-            agent_socket=run / "serial.sock",
+            agent_socket=driver.channel_socket(run),
             extra={"initrd": shared["initrd"], "cgroups": ":".join(self._cgroup_dirs(sandbox_id))},
         )
 
@@ -308,21 +346,27 @@ class MicrovmBackend:
             else:
                 (cpu / "cpu.cfs_quota_us").write_text(str(quota))
 
-    async def _attach(self, sandbox_id: str, vm: _Vm, paths: SandboxPaths, timeout_s: float,
-                      identity: dict[str, Any] | None = None) -> None:  # fmt: skip
-        """Start the agent mux and wait for the guest's end; watch QEMU from now on."""
-        assert vm.vmm.run_dir is not None
-        vm.mux = HostMux(paths.agent_socket, SerialLink(vm.vmm.run_dir / "serial.sock"), identity)
+    async def _attach(
+        self,
+        sandbox_id: str,
+        vm: _Vm,
+        paths: SandboxPaths,
+        link: GuestLink,
+        timeout_s: float,
+        identity: dict[str, Any] | None = None,
+    ) -> None:
+        """Start the agent mux and wait for the guest's end; watch the VMM from now on."""
+        vm.mux = HostMux(paths.agent_socket, link, identity)
         await vm.mux.start()
-        await vm.vmm._with_watchdog(vm.mux.wait_ready(timeout_s + 1), timeout_s)
+        await watched(vm.vmm, vm.mux.wait_ready(timeout_s + 1), timeout_s)
         vm.expected_exit = False
         vm.watch = asyncio.create_task(self._watch_vmm(sandbox_id, vm))
 
     async def _watch_vmm(self, sandbox_id: str, vm: _Vm) -> None:
-        """When QEMU exits on its own, end the keeper: the edge sees the sandbox die."""
+        """When the VMM exits on its own, end the keeper: the edge sees the sandbox die."""
         await _wait_exit(vm.vmm.pid)
         if not vm.expected_exit:
-            panic = qemu.panicked(vm.vmm.run_dir) if vm.vmm.run_dir else None
+            panic = vm.vmm.panicked()
             log(_log, "microvm exited", logging.WARNING, sandbox_id=sandbox_id, panic=panic or "")
             await asyncio.to_thread(_kill_pid, vm.keeper)
 
@@ -363,7 +407,7 @@ class MicrovmBackend:
             return None
         if keeper <= 0:
             return None
-        vm = _Vm(vmm=qemu.QemuVmm(), keeper=keeper)
+        vm = _Vm(vmm=choice.new_vmm(_vmm_of(meta)), keeper=keeper)
         if meta.get("paused"):
             self._vms[sandbox_id] = vm
             return vm
@@ -374,7 +418,8 @@ class MicrovmBackend:
         self._vms[sandbox_id] = vm
         paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
         try:
-            await self._attach(sandbox_id, vm, paths, 10)
+            link = vm.vmm.link(self._config(sandbox_id, paths, meta))
+            await self._attach(sandbox_id, vm, paths, link, 10)
         except (DsecError, OSError, TimeoutError) as exc:
             log(_log, "microvm re-adoption failed", logging.WARNING, sandbox_id=sandbox_id,
                 error=str(exc))  # fmt: skip
@@ -398,7 +443,7 @@ class MicrovmBackend:
     # --- pause / resume (snapshot to disk, VMM freed) ----------------------------------
 
     async def pause(self, sandbox_id: str) -> None:
-        """Snapshot the guest and quit QEMU (idempotent)."""
+        """Snapshot the guest and quit its VMM (idempotent)."""
         vm = await self._need(sandbox_id)
         async with vm.lock:
             sd = self.sandboxes_dir / sandbox_id
@@ -430,7 +475,7 @@ class MicrovmBackend:
             dest = sd / "snapshots" / "current"
             paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
             config = self._config(sandbox_id, paths, meta)
-            snap = Snapshot(dir=dest, mem_file=config.mem_file, state=dest / "state")
+            snap = vm.vmm.saved_snapshot(dest, config.mem_file)
             await self._restore(sandbox_id, vm, paths, config, snap, private=False)
             meta["paused"] = False
             meta["shared_ram"] = vm.vmm.shared_ram
@@ -450,21 +495,18 @@ class MicrovmBackend:
         identity: dict[str, Any] | None = None,
         verified: bool = False,
     ) -> None:
-        """Start QEMU on the snapshot while its digests are checked; refuse a bad one.
+        """Start the VMM on the snapshot while its digests are checked; refuse a bad one.
 
         ``verified``: the caller made (and hashed) this snapshot itself just now.
         """
-        check = _noop if verified else functools.partial(snapshots.verify, snap)
-        verify = asyncio.create_task(asyncio.to_thread(check))
+        check = None if verified else functools.partial(snapshots.verify, snap)
         try:
-            await vm.vmm.start_incoming(config, snap, private=private, timeout_s=RESTORE_TIMEOUT_S)
-            await verify
-            await vm.vmm.finish_incoming(snap, timeout_s=RESTORE_TIMEOUT_S)
-            await self._attach(sandbox_id, vm, paths, RESTORE_TIMEOUT_S, identity)
+            await vm.vmm.restore(
+                config, snap, private=private, timeout_s=RESTORE_TIMEOUT_S, check=check
+            )
+            link = vm.vmm.link(config)
+            await self._attach(sandbox_id, vm, paths, link, RESTORE_TIMEOUT_S, identity)
         except BaseException:
-            verify.cancel()
-            with contextlib.suppress(BaseException):
-                await verify
             await self._detach(vm)
             await vm.vmm.kill()
             raise
@@ -501,12 +543,13 @@ class MicrovmBackend:
                 await vm.vmm.kill()
                 # The template: RAM file, device state, the disk as it was, config disk.
                 frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
-                await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir)
+                scratch = _scratch(_vmm_of(meta))
+                await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir, scratch)
                 tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
                 await asyncio.to_thread(snapshots.write_manifest, tsnap)
                 # The parent goes on from the template too (its own disk overlay on top).
                 await asyncio.to_thread(
-                    disks.make_overlay, tdir / "scratch.qcow2", sd / "scratch.qcow2", "qcow2"
+                    _writable_disk, tdir / scratch, sd / scratch, "qcow2", _vmm_of(meta)
                 )
             except BaseException:
                 await vm.vmm.kill()
@@ -548,7 +591,7 @@ class MicrovmBackend:
     async def _fork_child(
         self, parent: str, pmeta: dict[str, Any], tsnap: Snapshot, cid: str, cp: SandboxPaths
     ) -> Started:
-        vm = _Vm(vmm=qemu.QemuVmm())
+        vm = _Vm(vmm=choice.new_vmm(_vmm_of(pmeta)))
         self._vms[cid] = vm
         try:
             meta = {**pmeta, "agent_socket": str(cp.agent_socket), "mem_gen": "",
@@ -574,21 +617,23 @@ class MicrovmBackend:
     @staticmethod
     def _prepare_child(sd: Path, tsnap: Snapshot, meta: dict[str, Any]) -> None:
         sd.mkdir(parents=True, exist_ok=True)
-        disks.make_overlay(tsnap.dir / "scratch.qcow2", sd / "scratch.qcow2", "qcow2")
+        scratch = _scratch(_vmm_of(meta))
+        _writable_disk(tsnap.dir / scratch, sd / scratch, "qcow2", _vmm_of(meta))
         shutil.copyfile(tsnap.dir / "config.img", sd / "config.img")
         _save_meta(sd, meta)
 
     # --- destroy / usage ---------------------------------------------------------------
 
     async def destroy(self, sandbox_id: str, paths: SandboxPaths) -> None:
-        """Kill QEMU, the keeper and the mux; remove cgroups, files, sockets. Idempotent."""
+        """Kill the VMM, the keeper and the mux; remove cgroups, files, sockets. Idempotent."""
         if not SANDBOX_NAME_RE.match(sandbox_id):
             raise InvalidArgument(f"invalid sandbox id {sandbox_id!r}")
         vm = self._vms.pop(sandbox_id, None)
         if vm is None:
             with contextlib.suppress(OSError, ValueError, KeyError):
                 keeper = await asyncio.to_thread(_read_keeper, paths.state_dir)
-                vm = _Vm(vmm=qemu.QemuVmm(), keeper=keeper)
+                meta = await asyncio.to_thread(_load_meta, paths.state_dir)
+                vm = _Vm(vmm=choice.new_vmm(_vmm_of(meta)), keeper=keeper)
                 await vm.vmm.adopt(self.run_dir(sandbox_id), Path(), True)
         if vm is not None:
             await self._detach(vm)
@@ -644,8 +689,29 @@ class MicrovmBackend:
 # --- helpers ---------------------------------------------------------------------------
 
 
-def _noop() -> None:
-    pass
+def _vmm_of(meta: dict[str, Any]) -> str:
+    """The driver a VM was made with (VMs from before the choice existed ran on QEMU)."""
+    return str(meta.get("vmm", "qemu"))
+
+
+def _scratch(vmm: str) -> str:
+    """The name of a VM's writable disk: qcow2 for QEMU, raw for Firecracker."""
+    return "scratch.qcow2" if vmm == "qemu" else "scratch.raw"
+
+
+def _writable_disk(base: Path, dest: Path, base_format: str, vmm: str) -> None:
+    """``dest``, a writable disk whose content starts as ``base``'s: a qcow2 overlay for
+    QEMU; for Firecracker (raw files only) a copy, reflinked where the filesystem can,
+    sparse (holes stay holes) elsewhere."""
+    if vmm == "qemu":
+        disks.make_overlay(base, dest, base_format)
+        return
+    r = subprocess.run(
+        ["cp", "--reflink=auto", "--sparse=always", str(base), str(dest)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if r.returncode != 0:
+        raise SandboxFailed(f"cannot make the writable disk {dest.name}: {r.stderr.strip()}")
 
 
 def _check_id(sandbox_id: str) -> None:
@@ -689,12 +755,13 @@ def _load_meta(sd: Path) -> dict[str, Any]:
     return meta
 
 
-def _freeze(mem: Path, frozen_mem: Path, sd: Path, tdir: Path) -> None:
+def _freeze(mem: Path, frozen_mem: Path, sd: Path, tdir: Path, scratch: str) -> None:
     """Move the parent's RAM file and scratch disk into the (read-only from now) template."""
-    mem.rename(frozen_mem)
     # shutil.move: the sandboxes dir may be a bind mount (the container backend makes it
-    # one), and rename(2) across mounts fails even on one filesystem.
-    shutil.move(sd / "scratch.qcow2", tdir / "scratch.qcow2")
+    # one), and rename(2) across mounts fails even on one filesystem; Firecracker's RAM
+    # file is written beside its state, not on the RAM tmpfs.
+    shutil.move(mem, frozen_mem)
+    shutil.move(sd / scratch, tdir / scratch)
     shutil.copyfile(sd / "config.img", tdir / "config.img")
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from dsec.core.errors import BackendUnavailable, InvalidArgument
 from dsec.edge.backends.microvm import kvm
+from dsec.edge.backends.microvm.vmm import Vmm
 
 CHOICES = ("auto", "firecracker", "qemu")
 QEMU_BINARY = "qemu-system-x86_64"
@@ -47,3 +48,16 @@ def choose_vmm(
     if preference == "qemu":
         return "qemu", f"asked for; {qemu} with {accel}"
     return "qemu", f"{fc_why}; {qemu} with {accel}"
+
+
+def new_vmm(name: str) -> Vmm:
+    """A fresh driver named ``name`` (as ``choose_vmm`` answers, or a VM's saved choice)."""
+    if name == "qemu":
+        from dsec.edge.backends.microvm.qemu import QemuVmm
+
+        return QemuVmm()
+    if name == "firecracker":
+        from dsec.edge.backends.microvm.firecracker import FirecrackerVmm
+
+        return FirecrackerVmm()
+    raise InvalidArgument(f"unknown VMM {name!r}: expected qemu or firecracker")

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from dsec.agent import vmport
 from dsec.core.errors import (
     DeadlineExceeded,
     DsecError,
@@ -38,7 +39,8 @@ from dsec.core.errors import (
     InvalidState,
     SandboxFailed,
 )
-from dsec.edge.backends.microvm.fc_api import FirecrackerApi
+from dsec.edge.backends.microvm.fc_api import FirecrackerApi, FirecrackerApiError
+from dsec.edge.backends.microvm.mux import HybridVsockLink
 from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig
 from dsec.obs import log
 
@@ -48,6 +50,9 @@ API_VERSION = "1.17.0-dev"  # the spec (firecracker-api.yaml) the driver is chec
 GUEST_CID = 3  # the first cid a guest may have; each VM has its own vsock device
 JAIL_UID = JAIL_GID = 65534  # nobody/nogroup unless VmConfig.extra says otherwise
 API_SOCKET = "firecracker.sock"
+VSOCK_SOCKET = "vsock.sock"  # the host end of the guest's vsock device, in run_dir
+AGENT_VSOCK_PORT = vmport.VSOCK_PORT  # the guest's channel multiplexer listens here
+BASE_CMDLINE = "console=ttyS0 reboot=k panic=1 pci=off"
 MEM_NAME, STATE_NAME = "mem", "vmstate"
 
 
@@ -61,6 +66,8 @@ class FirecrackerVmm:
     jailer they are hard-linked into the chroot and the API gets chroot paths."""
 
     name = "firecracker"
+    disk_format = "raw"  # no qcow2: a writable disk is a plain (sparse or reflinked) file
+    shared_ram = False  # RAM is restored from a snapshot file mapped copy-on-write
 
     def __init__(
         self,
@@ -130,16 +137,66 @@ class FirecrackerVmm:
         return snap
 
     async def restore(
-        self, config: VmConfig, snap: Snapshot, *, private: bool, timeout_s: float
+        self,
+        config: VmConfig,
+        snap: Snapshot,
+        *,
+        private: bool,
+        timeout_s: float,
+        check: Callable[[], None] | None = None,
     ) -> None:
         """Start a fresh Firecracker from ``snap`` and resume it. RAM is always mapped
         copy-on-write from the file (Firecracker's File backend is MAP_PRIVATE), so
         ``private=False`` cannot share writes back; a Uffd server, when configured,
-        serves the pages instead."""
+        serves the pages instead. ``check`` runs while the process starts, before the
+        snapshot is loaded."""
         for f in (snap.mem_file, snap.state):
             if not f.is_file():
                 raise InvalidState(f"snapshot {snap.dir} is incomplete: {f.name} is missing")
-        await self._guarded(config, timeout_s, "restore", lambda: self._restore(config, snap))
+        await self._guarded(
+            config, timeout_s, "restore", lambda: self._restore(config, snap, check)
+        )
+
+    def saved_snapshot(self, dest: Path, mem_file: Path) -> Snapshot:
+        return Snapshot(dir=dest, mem_file=dest / MEM_NAME, state=dest / STATE_NAME)
+
+    # -- the agent channel: hybrid vsock (a unix socket Firecracker serves) -------------
+
+    def channel_socket(self, run_dir: Path) -> Path:
+        return run_dir / VSOCK_SOCKET
+
+    def link(self, config: VmConfig) -> HybridVsockLink:
+        """Under the jailer ``config.agent_socket`` is a symlink into the chroot."""
+        return HybridVsockLink(config.agent_socket, AGENT_VSOCK_PORT)
+
+    def cmdline(self, base: str) -> str:
+        return f"{BASE_CMDLINE} {base}".strip()
+
+    # -- what went wrong ----------------------------------------------------------------
+
+    def console(self) -> str:
+        """The guest's serial console goes to Firecracker's stdout, i.e. its log."""
+        if self._config is None:
+            return ""
+        try:
+            text = (self._config.run_dir / "firecracker.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-15:])
+
+    def panicked(self) -> str | None:
+        for line in self.console().splitlines():
+            if "Kernel panic" in line:
+                return line.strip()
+        return None
+
+    def failure(self, what: str) -> SandboxFailed:
+        panic = self.panicked()
+        if panic:
+            return SandboxFailed(f"the guest kernel panicked: {panic}\n{self.console()}")
+        code = self.returncode
+        status = f" (status {code})" if code is not None else ""
+        return SandboxFailed(f"{what}{status}; log:\n{self.console()}")
 
     async def kill(self) -> None:
         proc, self._proc = self._proc, None
@@ -236,7 +293,7 @@ class FirecrackerVmm:
                 raise DeadlineExceeded(
                     f"firecracker {what} did not finish within {timeout_s:g}s{tail}"
                 ) from None
-            if isinstance(exc, OSError | SandboxFailed):
+            if isinstance(exc, OSError) or type(exc) in (SandboxFailed, FirecrackerApiError):
                 msg = exc.message if isinstance(exc, SandboxFailed) else str(exc)
                 raise SandboxFailed(f"firecracker {what} failed: {msg}{tail}") from None
             raise
@@ -247,10 +304,13 @@ class FirecrackerVmm:
         await api.put(
             "/machine-config", {"vcpu_count": config.vcpus, "mem_size_mib": config.memory_mib}
         )
-        await api.put(
-            "/boot-source",
-            {"kernel_image_path": self._expose(config.kernel), "boot_args": config.cmdline},
-        )
+        boot: dict[str, str] = {
+            "kernel_image_path": self._expose(config.kernel),
+            "boot_args": boot_args(config),
+        }
+        if config.extra.get("initrd"):
+            boot["initrd_path"] = self._expose(Path(config.extra["initrd"]))
+        await api.put("/boot-source", boot)
         for d in config.drives:
             await api.put(
                 f"/drives/{d.drive_id}",
@@ -275,8 +335,25 @@ class FirecrackerVmm:
         await api.put("/actions", {"action_type": "InstanceStart"})
         await self._expect_state(api, "Running")
 
-    async def _restore(self, config: VmConfig, snap: Snapshot) -> None:
-        api = await self._spawn(config)
+    async def _restore(
+        self, config: VmConfig, snap: Snapshot, check: Callable[[], None] | None
+    ) -> None:
+        verify = asyncio.create_task(asyncio.to_thread(check or _noop))
+        try:
+            api = await self._spawn(config)
+            await verify
+        except BaseException:
+            verify.cancel()
+            with contextlib.suppress(BaseException):
+                await verify
+            raise
+        # A snapshot names the drive files of the VM it was taken of. Jailed, every VM
+        # sees its own files under the same chroot paths; unjailed, the restored VM is
+        # pointed at its own files (a fork child's disks) before it runs.
+        repoint = bool(config.drives) and not self.use_jailer
+        if self.use_jailer:
+            for d in config.drives:
+                self._expose(d.path)
         uffd = config.extra.get("uffd_socket")
         backend = (
             {"backend_type": "Uffd", "backend_path": self._guest_path(Path(uffd))}
@@ -286,7 +363,7 @@ class FirecrackerVmm:
         body: dict[str, Any] = {
             "snapshot_path": self._expose(snap.state),
             "mem_backend": backend,
-            "resume_vm": True,
+            "resume_vm": not repoint,
         }
         if config.net:
             body["network_overrides"] = [
@@ -295,6 +372,12 @@ class FirecrackerVmm:
         if config.agent_socket != Path():
             body["vsock_override"] = {"uds_path": self._vsock_path()}
         await api.put("/snapshot/load", body)
+        if repoint:
+            for d in config.drives:
+                await api.patch(
+                    f"/drives/{d.drive_id}", {"drive_id": d.drive_id, "path_on_host": str(d.path)}
+                )
+            await api.patch("/vm", {"state": "Resumed"})
         self._paused = False
         await self._expect_state(api, "Running")
 
@@ -332,8 +415,8 @@ class FirecrackerVmm:
             )
         finally:
             os.close(out)
-        if config.cgroup is not None:
-            (config.cgroup / "cgroup.procs").write_text(f"{self._proc.pid}\n")
+        for cg in _cgroups_of(config):  # the VM's limits cap Firecracker itself
+            (cg / "cgroup.procs").write_text(f"{self._proc.pid}\n")
         save_state(config, self._proc.pid, self.use_jailer)
         self._made.append(config.run_dir / STATE_FILE)
         await self._wait_socket(socket)
@@ -490,6 +573,16 @@ def load_state(run_dir: Path) -> tuple[int, tuple[VmConfig, bool]]:
     return int(data["pid"]), (config, bool(data["jailed"]))
 
 
+def _noop() -> None:
+    pass
+
+
+def _cgroups_of(config: VmConfig) -> list[Path]:
+    """``cgroup`` plus ``extra["cgroups"]`` (":"-separated, one per v1 hierarchy)."""
+    dirs = [Path(p) for p in config.extra.get("cgroups", "").split(":") if p]
+    return [config.cgroup, *dirs] if config.cgroup is not None else dirs
+
+
 def pid_alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:
@@ -516,6 +609,17 @@ def _collect_snapshot(written: Path, snap: Snapshot) -> None:
     for f in (snap.mem_file, snap.state):
         if not f.is_file():
             raise SandboxFailed(f"firecracker reported a snapshot but wrote no {f}")
+
+
+def boot_args(config: VmConfig) -> str:
+    """The command line plus ``dsec.disks=``, the drive ids in the order Firecracker
+    attaches them (vda, vdb, ...): its disk serials come from the host file's device and
+    inode, so the guest's init cannot find its disks by serial as under QEMU."""
+    if not config.drives:
+        return config.cmdline
+    if len(config.drives) > 26:
+        raise InvalidArgument(f"{len(config.drives)} drives: the guest can name 26 (vda..vdz)")
+    return f"{config.cmdline} dsec.disks={','.join(d.drive_id for d in config.drives)}".strip()
 
 
 def vm_id_of(config: VmConfig) -> str:

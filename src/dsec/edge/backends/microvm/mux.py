@@ -4,7 +4,9 @@ The edge (``agent_client``) opens one unix connection per runtime call on
 ``SandboxPaths.agent_socket``. :class:`HostMux` listens there and carries every connection
 as a channel over one :class:`GuestLink` stream (frames in :mod:`dsec.agent.vmport`).
 The link is reconnected whenever it drops: after an edge restart (re-adoption), after a
-snapshot restore, or while the guest has not opened its end yet. Two links exist:
+snapshot restore, or while the guest has not opened its end yet. Channels are flow
+controlled (``vmport.CREDIT``) when the guest takes the offer: a call nobody reads stalls
+only itself. Two links exist:
 
 * :class:`SerialLink`: QEMU's virtio-serial chardev, a unix socket QEMU listens on;
 * :class:`HybridVsockLink`: Firecracker's vsock, a unix socket where the host writes
@@ -18,11 +20,12 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from dsec.agent import vmport
-from dsec.agent.vmport import CLOSE, DATA, HELLO, OPEN, READY, frame
+from dsec.agent.vmport import CLOSE, CREDIT, DATA, HELLO, OPEN, READY, frame
 
 _log = logging.getLogger(__name__)
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -62,6 +65,19 @@ class HybridVsockLink:
         return reader, writer
 
 
+@dataclass(eq=False)
+class _Chan:
+    """One call: the caller's connection, and with flow control (``window`` > 0) what
+    the guest may still send us (``credit``) and the queue a task writes to the caller."""
+
+    writer: asyncio.StreamWriter
+    window: int
+    credit: int = 0
+    more: asyncio.Event = field(default_factory=asyncio.Event)  # credit came, or the end
+    out: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task[None] | None = None
+
+
 class HostMux:
     """Accept calls on ``listen_path`` and carry them over ``link`` as channels."""
 
@@ -76,8 +92,9 @@ class HostMux:
         self._writer: asyncio.StreamWriter | None = None
         self._up = asyncio.Event()
         self._ready = asyncio.Event()
-        self._channels: dict[int, asyncio.StreamWriter] = {}
+        self._channels: dict[int, _Chan] = {}
         self._next = 1
+        self._window = 0  # per-channel flow control, when the guest's READY took it
         self.links_opened = 0
 
     async def start(self) -> None:
@@ -119,7 +136,9 @@ class HostMux:
             self.links_opened += 1
             self._writer = writer
             # The guest's clock stood still while it was paused or snapshotted: set it too.
-            hello = json.dumps({**(self.identity or {}), "time": time.time()}).encode()
+            hello = json.dumps(
+                {**(self.identity or {}), "time": time.time(), "window": vmport.WINDOW}
+            ).encode()
             writer.write(frame(HELLO, 0, hello))
             self._up.set()
             try:
@@ -142,29 +161,59 @@ class HostMux:
             buf += data
             for kind, chan, payload in vmport.parse(buf):
                 if kind == READY:
+                    self._window = vmport.window_of(payload)
                     self._ready.set()
                     continue
-                w = self._channels.get(chan)
-                if w is None:
+                c = self._channels.get(chan)
+                if c is None:
                     continue
                 if kind == DATA:
-                    w.write(payload)
-                    with contextlib.suppress(OSError):
-                        await w.drain()
+                    if c.window:
+                        c.out.put_nowait(payload)  # its task writes it: the link reads on
+                    else:
+                        c.writer.write(payload)
+                        with contextlib.suppress(OSError):
+                            await c.writer.drain()
+                elif kind == CREDIT:
+                    if len(payload) == vmport.COUNT.size:
+                        c.credit += vmport.COUNT.unpack(payload)[0]
+                        c.more.set()
                 elif kind == CLOSE:
-                    self._channels.pop(chan, None)
-                    w.close()
+                    if c.window:
+                        c.out.put_nowait(None)  # after what is queued for the caller
+                    else:
+                        self._end(chan, c)
+
+    async def _deliver(self, chan: int, c: _Chan, link: asyncio.StreamWriter) -> None:
+        """guest -> caller for one flow-controlled channel; CREDIT for what was written."""
+        try:
+            while (data := await c.out.get()) is not None:
+                c.writer.write(data)
+                await c.writer.drain()
+                if self._channels.get(chan) is c and not link.is_closing():
+                    link.write(frame(CREDIT, chan, vmport.COUNT.pack(len(data))))
+        except OSError:
+            if self._channels.get(chan) is c and not link.is_closing():
+                link.write(frame(CLOSE, chan))
+        self._end(chan, c)
+
+    def _end(self, chan: int, c: _Chan) -> None:
+        if self._channels.get(chan) is c:
+            del self._channels[chan]
+        c.writer.close()
+        c.more.set()
 
     def _drop_all(self) -> None:
-        for w in self._channels.values():
-            w.close()
-        self._channels.clear()
+        for chan, c in list(self._channels.items()):
+            if c.task is not None:
+                c.task.cancel()
+            self._end(chan, c)
 
     # --- calls -------------------------------------------------------------------------
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await asyncio.wait_for(self._up.wait(), LINK_WAIT_S)
+        try:  # the guest's READY says whether channels are flow controlled
+            await asyncio.wait_for(self._ready.wait(), LINK_WAIT_S)
         except TimeoutError:
             writer.close()
             return
@@ -174,18 +223,30 @@ class HostMux:
             return
         chan = self._next
         self._next = self._next % 0xFFFFFFFF + 1
-        self._channels[chan] = writer
+        c = _Chan(writer, self._window, credit=self._window)
+        self._channels[chan] = c
+        if c.window:
+            c.task = asyncio.create_task(self._deliver(chan, c, link))
         link.write(frame(OPEN, chan))
+        size = min(vmport.CHUNK, c.window) if c.window else vmport.CHUNK
         try:
             while True:
-                data = await reader.read(vmport.CHUNK)
-                if not data or self._channels.get(chan) is not writer or link.is_closing():
+                data = await reader.read(size)
+                if not data or self._channels.get(chan) is not c or link.is_closing():
                     break
+                while c.window and c.credit < len(data) and self._channels.get(chan) is c:
+                    c.more.clear()
+                    await c.more.wait()  # the guest has not taken the window in yet
+                if self._channels.get(chan) is not c or link.is_closing():
+                    break
+                c.credit -= len(data)
                 link.write(frame(DATA, chan, data))
                 await link.drain()
         except OSError:
             pass
-        if self._channels.pop(chan, None) is not None:
+        if self._channels.get(chan) is c:
             if not link.is_closing():
                 link.write(frame(CLOSE, chan))
-            writer.close()
+            if c.task is not None:
+                c.task.cancel()
+            self._end(chan, c)

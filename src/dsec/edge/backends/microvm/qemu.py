@@ -24,14 +24,14 @@ import shlex
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from dsec.core.errors import DeadlineExceeded, SandboxFailed
+from dsec.core.errors import SandboxFailed
+from dsec.edge.backends.microvm.mux import SerialLink
 from dsec.edge.backends.microvm.qmp import Qmp
-from dsec.edge.backends.microvm.vmm import Snapshot, VmConfig
+from dsec.edge.backends.microvm.vmm import Snapshot, VmConfig, watched
 
 QEMU = "qemu-system-x86_64"
 PANIC_MARKERS = ("Kernel panic", "end Kernel panic")
@@ -99,7 +99,10 @@ def _start_time(pid: int) -> str | None:
 
 
 class QemuVmm:
+    """:class:`dsec.edge.backends.microvm.vmm.Vmm` on ``qemu-system-x86_64 -M microvm``."""
+
     name = "qemu"
+    disk_format = "qcow2"
 
     def __init__(self, *, accel: str | None = None) -> None:
         self.accel = accel or accelerator()
@@ -128,6 +131,17 @@ class QemuVmm:
         except (OSError, ValueError):
             return False
         return int(pid_s) == self._pid and _start_time(self._pid) == start
+
+    # --- the agent channel: a virtio-serial port QEMU serves on a unix socket -----------
+
+    def channel_socket(self, run_dir: Path) -> Path:
+        return run_dir / "serial.sock"
+
+    def link(self, config: VmConfig) -> SerialLink:
+        return SerialLink(config.agent_socket)
+
+    def cmdline(self, base: str) -> str:
+        return base  # argv() adds the console, panic and TSC arguments itself
 
     # --- command line ------------------------------------------------------------------
 
@@ -194,26 +208,13 @@ class QemuVmm:
 
     async def _with_watchdog(self, aw: Awaitable[T], timeout_s: float) -> T:
         """Await ``aw`` unless QEMU exits first or ``timeout_s`` passes (then raise)."""
-        task: asyncio.Future[T] = asyncio.ensure_future(aw)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not task.done():
-                if not self.alive():
-                    raise self.failure("QEMU exited")
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(
-                        f"microVM not up after {timeout_s:.0f} s; console:\n{self.console()}"
-                    )
-                await asyncio.wait({task}, timeout=0.02)
-            return task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+        return await watched(self, aw, timeout_s)
 
     def console(self) -> str:
         return console_tail(self.run_dir) if self.run_dir else ""
+
+    def panicked(self) -> str | None:
+        return panicked(self.run_dir) if self.run_dir else None
 
     def failure(self, what: str) -> SandboxFailed:
         assert self.run_dir is not None
@@ -286,11 +287,30 @@ class QemuVmm:
         (dest / "qemu.json").write_text(json.dumps({"ignore_shared": self.shared_ram}))
         return Snapshot(dir=dest, mem_file=self.mem_file, state=state)
 
+    def saved_snapshot(self, dest: Path, mem_file: Path) -> Snapshot:
+        return Snapshot(dir=dest, mem_file=mem_file, state=dest / "state")
+
     async def restore(
-        self, config: VmConfig, snap: Snapshot, *, private: bool, timeout_s: float
+        self,
+        config: VmConfig,
+        snap: Snapshot,
+        *,
+        private: bool,
+        timeout_s: float,
+        check: Callable[[], None] | None = None,
     ) -> None:
-        await self.start_incoming(config, snap, private=private, timeout_s=timeout_s)
-        await self.finish_incoming(snap, timeout_s=timeout_s)
+        """QEMU starts waiting for the state (``-incoming defer``) while ``check`` runs."""
+        verify = asyncio.create_task(asyncio.to_thread(check or _noop))
+        try:
+            await self.start_incoming(config, snap, private=private, timeout_s=timeout_s)
+            await verify
+            await self.finish_incoming(snap, timeout_s=timeout_s)
+        except BaseException:
+            verify.cancel()
+            with contextlib.suppress(BaseException):
+                await verify
+            await self.kill()
+            raise
 
     async def start_incoming(
         self, config: VmConfig, snap: Snapshot, *, private: bool, timeout_s: float
@@ -347,6 +367,10 @@ class QemuVmm:
         if self.run_dir is not None:
             for name in ("qmp.sock", "qemu.pid"):
                 (self.run_dir / name).unlink(missing_ok=True)
+
+
+def _noop() -> None:
+    pass
 
 
 def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:

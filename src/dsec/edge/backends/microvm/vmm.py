@@ -7,9 +7,20 @@ one VMM process; every path it touches is under ``VmConfig.run_dir``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from dsec.core.errors import DeadlineExceeded, SandboxFailed
+
+if TYPE_CHECKING:
+    from dsec.edge.backends.microvm.mux import GuestLink
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,33 +65,100 @@ class Snapshot:
 
 
 class Vmm(Protocol):
+    """One VMM process, driven by the microVM backend through these calls only.
+
+    Implemented by :class:`~dsec.edge.backends.microvm.qemu.QemuVmm` and
+    :class:`~dsec.edge.backends.microvm.firecracker.FirecrackerVmm`; which one an edge
+    uses is :func:`~dsec.edge.backends.microvm.choice.choose_vmm`'s answer to ``--vmm``.
+    """
+
     name: str  # "qemu" | "firecracker"
+    disk_format: str  # the writable disk a driver opens: "qcow2" (overlay) or "raw"
+    shared_ram: bool  # guest RAM is written back to ``mem_file`` (not copy-on-write)
 
     @property
     def pid(self) -> int:
         """Host pid of the VMM process (0 when not running)."""
         ...
 
+    def alive(self) -> bool: ...
+
+    def channel_socket(self, run_dir: Path) -> Path:
+        """Where the VMM serves the agent channel's host end (``VmConfig.agent_socket``)."""
+        ...
+
+    def link(self, config: VmConfig) -> GuestLink:
+        """The runtime channel to the guest's multiplexer, for :class:`mux.HostMux`."""
+        ...
+
+    def cmdline(self, base: str) -> str:
+        """The kernel command line for ``base`` plus what this VMM's guests need."""
+        ...
+
     async def boot(self, config: VmConfig, timeout_s: float) -> None:
         """Start the VMM and the guest; on failure kill the VMM, leave nothing, raise."""
         ...
 
-    async def pause(self) -> None:
-        """Stop the vCPUs (the VMM stays, memory stays resident)."""
+    async def snapshot(self, dest: Path) -> Snapshot:
+        """Pause the guest and write its snapshot under ``dest`` (the VMM stays paused)."""
         ...
 
-    async def resume(self) -> None: ...
-
-    async def snapshot(self, dest: Path) -> Snapshot:
-        """Pause if needed and write device state (+ RAM unless it is already a file)."""
+    def saved_snapshot(self, dest: Path, mem_file: Path) -> Snapshot:
+        """The snapshot ``snapshot(dest)`` wrote, for a VMM that has quit since
+        (``mem_file``: the guest RAM file of the VM it was taken of)."""
         ...
 
     async def restore(
-        self, config: VmConfig, snap: Snapshot, *, private: bool, timeout_s: float
+        self,
+        config: VmConfig,
+        snap: Snapshot,
+        *,
+        private: bool,
+        timeout_s: float,
+        check: Callable[[], None] | None = None,
     ) -> None:
-        """Start a VMM from ``snap``; ``private`` maps RAM copy-on-write (fork children)."""
+        """Start a VMM from ``snap`` and run it. ``private`` maps RAM copy-on-write: a
+        fork child from a snapshot. ``check`` (blocking: run in a thread while the VMM
+        starts) must pass before any state is loaded. On failure nothing is left."""
+        ...
+
+    async def adopt(self, run_dir: Path, mem_file: Path, shared_ram: bool) -> bool:
+        """Re-attach to the VMM an earlier edge started in ``run_dir``; False when gone."""
         ...
 
     async def kill(self) -> None:
         """Kill the VMM process (by the pid it started) and remove its sockets. Idempotent."""
         ...
+
+    def failure(self, what: str) -> SandboxFailed:
+        """A clear error for ``what`` with the guest's console and the VMM's log."""
+        ...
+
+    def console(self) -> str:
+        """The last lines of the guest's console."""
+        ...
+
+    def panicked(self) -> str | None:
+        """The guest kernel's panic line, if it panicked."""
+        ...
+
+
+async def watched(vmm: Vmm, aw: Awaitable[T], timeout_s: float) -> T:
+    """Await ``aw`` unless the VMM exits first or ``timeout_s`` passes (then raise)."""
+    task: asyncio.Future[T] = asyncio.ensure_future(aw)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not task.done():
+            if not vmm.alive():
+                raise vmm.failure(f"{vmm.name} exited")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"microVM not up after {timeout_s:.0f} s; console:\n{vmm.console()}"
+                )
+            await asyncio.wait({task}, timeout=0.02)
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task

@@ -43,6 +43,7 @@ class VmBackend(MicrovmBackend):
 
     name = "vm"
     boot_timeout_s = VM_BOOT_TIMEOUT_S
+    fixed_vmm = "qemu"  # a q35 PC: Firecracker has no such machine
 
     def availability(self) -> Availability:
         if os.geteuid() != 0:

@@ -1,7 +1,9 @@
 /*
  * vminit: PID 1 of an OpenDsec microVM, the only file in its initramfs (gcc -static).
  *
- * Disks are found by their virtio serial (/sys/block/vdX/serial):
+ * Disks are found by their virtio serial (/sys/block/vdX/serial), or, when the kernel
+ * command line has dsec.disks=config,bundle,... (Firecracker, whose disk serials are
+ * derived from the host file, not the drive id), by their order: vda, vdb, ...
  *   config    raw: "DSECCFG\0" then "key=value\0" entries, ended by an empty entry.
  *             dsec.* keys are for vminit (dsec.layers = number of image layers), the
  *             rest is the environment of the agent.
@@ -52,7 +54,39 @@ static void must_mount(const char *src, const char *dst, const char *type, unsig
     }
 }
 
+/* dsec.disks=a,b,c on the kernel command line: vda is a, vdb is b, ... (0: not given) */
+static int disks_from_cmdline(void) {
+    static char buf[4096];
+    int fd = open("/proc/cmdline", O_RDONLY);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = strstr(buf, "dsec.disks=");
+    if (!p || (p != buf && p[-1] != ' '))
+        return 0;
+    p += strlen("dsec.disks=");
+    while (*p && *p != ' ' && *p != '\n' && ndisks < 26) {
+        size_t len = strcspn(p, ", \n");
+        if (len == 0 || len >= sizeof disk_serial[0])
+            break;
+        memcpy(disk_serial[ndisks], p, len);
+        disk_serial[ndisks][len] = 0;
+        snprintf(disk_dev[ndisks], sizeof disk_dev[0], "/dev/vd%c", 'a' + ndisks);
+        ndisks++;
+        p += len;
+        if (*p == ',')
+            p++;
+    }
+    return ndisks;
+}
+
 static void find_disks(void) {
+    if (disks_from_cmdline() > 0)
+        return;
     DIR *d = opendir("/sys/block");
     if (!d)
         die("/sys/block");
