@@ -1,7 +1,8 @@
 """envd's ``process.Process`` service on OpenDsec's runtime API.
 
-A command is an OpenDsec background process (``process.start``) followed over the runtime
-WebSocket (``process.connect``), so, as on E2B, a client that disconnects leaves it
+A command is an OpenDsec background process, started and followed in one runtime
+WebSocket call (``process.start`` with ``follow``; ``process.connect`` re-attaches), so, as
+on E2B, a client that disconnects leaves it
 running, ``Connect`` re-attaches (with the buffered output), and ``List``/``SendInput``/
 ``SendSignal`` reach it by pid. A ``Connect-Timeout-Ms`` deadline kills the process (as
 envd does) and ends the stream with ``deadline_exceeded``.
