@@ -119,7 +119,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller samples (smoke run)")
     args = ap.parse_args()
     n = 5 if args.quick else 20
-    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
+    res: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "loadavg_start": [round(x, 1) for x in os.getloadavg()],
+    }
     with running_platform() as plat:
         gateway = f"http://{plat.layout.gateway}"
         os.environ.update(
@@ -158,6 +162,7 @@ def main() -> None:
             res["read_100mib"] = big_read(2 if args.quick else 5, client)
         finally:
             client.close()
+    res["loadavg_end"] = [round(x, 1) for x in os.getloadavg()]
     out_dir = Path(__file__).with_name("results")
     out_dir.mkdir(exist_ok=True)
     name = "e2b_gateway-quick.json" if args.quick else "e2b_gateway.json"

@@ -124,3 +124,91 @@ async def test_async_watch_dir_reports_create_write_remove(e2b_env: str) -> None
         assert ("f.txt", FilesystemEventType.REMOVE) in kinds
     finally:
         await sbx.kill()
+
+
+async def test_async_list_pages_states_metrics_pause_resume(e2b_env: str) -> None:
+    from e2b import SandboxState
+
+    tag = uuid.uuid4().hex[:8]
+    made = [await AsyncSandbox.create(timeout=120, metadata={"ap": tag}) for _ in range(3)]
+    try:
+        pager = AsyncSandbox.list(query=SandboxQuery(metadata={"ap": tag}), limit=2)
+        first = await pager.next_items()
+        assert len(first) == 2
+        assert pager.has_next
+        rest = await pager.next_items()
+        assert len(rest) == 1
+        assert not pager.has_next
+        assert {i.sandbox_id for i in first + rest} == {m.sandbox_id for m in made}
+
+        [m] = await made[0].get_metrics()
+        assert m.cpu_count == 1
+        assert 0 < m.mem_used <= m.mem_total
+
+        await made[1].files.write("/tmp/kept", "before pause")
+        assert await made[1].pause() is True
+        assert await AsyncSandbox.pause(made[1].sandbox_id) is False
+        paused = SandboxQuery(metadata={"ap": tag}, state=[SandboxState.PAUSED])
+        listed = await AsyncSandbox.list(query=paused).next_items()
+        assert [i.sandbox_id for i in listed] == [made[1].sandbox_id]
+        again = await AsyncSandbox.connect(made[1].sandbox_id)  # resumes it
+        assert (await again.get_info()).state == SandboxState.RUNNING
+        assert await again.files.read("/tmp/kept") == "before pause"
+    finally:
+        for s in made:
+            await s.kill()
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.get_info(made[0].sandbox_id)
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.get_metrics(made[0].sandbox_id)
+
+
+async def test_async_connect_to_a_running_command_and_hang_up(e2b_env: str) -> None:
+    sbx = await AsyncSandbox.create(timeout=120)
+    try:
+        slow = await sbx.commands.run(
+            "for i in 1 2 3; do echo $i; sleep 0.3; done", background=True
+        )
+        await slow.disconnect()
+        seen: list[str] = []
+        again = await sbx.commands.connect(slow.pid, on_stdout=seen.append)
+        assert (await again.wait()).stdout == "1\n2\n3\n"
+
+        # the client goes away in the middle of a foreground command: the command ends at
+        # its timeout (sent as the call's deadline) and nothing is left running
+        task = asyncio.create_task(sbx.commands.run("sleep 60 # async-hangup", timeout=3))
+        await asyncio.sleep(1.0)
+        assert any("async-hangup" in " ".join(p.args) for p in await sbx.commands.list())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if not any("async-hangup" in " ".join(p.args) for p in await sbx.commands.list()):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the abandoned command is still running")
+    finally:
+        await sbx.kill()
+
+
+async def test_async_wrong_access_token_and_unknown_sandbox(e2b_env: str) -> None:
+    import httpx
+
+    sbx = await AsyncSandbox.create(timeout=60)
+    try:
+        headers = {
+            "E2b-Sandbox-Id": sbx.sandbox_id,
+            "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": "not-a-key",
+        }
+        async with httpx.AsyncClient(base_url=e2b_env, timeout=30) as h:
+            r = await h.post("/process.Process/List", headers=headers, json={})
+            assert (r.status_code, r.json()["code"]) == (401, "unauthenticated")
+            r = await h.get("/files", params={"path": "/etc/hostname"}, headers=headers)
+            assert r.status_code == 401
+    finally:
+        await sbx.kill()
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.connect("sbx-none-aaaaaaaaaaaaaaaaaaaa")
+    assert await AsyncSandbox.kill("sbx-none-aaaaaaaaaaaaaaaaaaaa") is False

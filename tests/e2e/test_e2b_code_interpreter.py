@@ -7,6 +7,8 @@ builds it only with ``DSEC_CODE_INTERPRETER=1``); without it these tests skip.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -79,3 +81,52 @@ def test_matplotlib_png(sbx: Sandbox) -> None:
     pngs = [r.png for r in ex.results if r.png]
     assert len(pngs) == 1
     assert pngs[0].startswith("iVBORw0KGgo")  # base64 of the PNG signature
+
+
+STREAMING_CELL = (
+    "import sys, time\n"
+    "print('first', flush=True)\n"
+    "display('shown')\n"
+    "print('warn', file=sys.stderr, flush=True)\n"
+    "time.sleep(3)\n"
+    "print('last')\n"
+)
+
+
+def test_output_streams_while_the_cell_runs(sbx: Sandbox) -> None:
+    t0 = time.monotonic()
+    at: dict[str, float] = {}
+
+    def seen(what: str) -> None:
+        at.setdefault(what, time.monotonic() - t0)
+
+    ex = sbx.run_code(
+        STREAMING_CELL,
+        on_stdout=lambda m: seen(m.line.strip()),
+        on_stderr=lambda m: seen("stderr:" + m.line.strip()),
+        on_result=lambda r: seen("result"),
+    )
+    ended = time.monotonic() - t0
+    assert ex.logs.stdout == ["first\n", "last\n"]
+    assert set(at) == {"first", "result", "stderr:warn", "last"}
+    for early in ("first", "result", "stderr:warn"):
+        assert at[early] < ended - 2, (early, at, ended)  # well before the cell ended
+    assert at["last"] > at["first"] + 2
+
+
+def test_async_client_streams_too(sbx: Sandbox) -> None:
+    from e2b_code_interpreter import AsyncSandbox
+
+    async def main() -> tuple[dict[str, float], float]:
+        a = await AsyncSandbox.connect(sbx.sandbox_id)
+        t0 = time.monotonic()
+        at: dict[str, float] = {}
+        ex = await a.run_code(
+            STREAMING_CELL, on_stdout=lambda m: at.setdefault(m.line.strip(), time.monotonic() - t0)
+        )
+        assert ex.error is None
+        return at, time.monotonic() - t0
+
+    at, ended = asyncio.run(main())
+    assert at["first"] < ended - 2
+    assert at["last"] > at["first"] + 2

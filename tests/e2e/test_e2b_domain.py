@@ -106,3 +106,62 @@ def test_async_client_by_domain(proxy: ConnectProxy) -> None:
     sandbox_id, out = asyncio.run(main())
     assert out == "async\n"
     assert f"49983-{sandbox_id}.{DOMAIN}" in proxy.hosts
+
+
+def test_files_pty_commands_and_errors_by_domain(proxy: ConnectProxy) -> None:
+    from e2b import CommandExitException, NotFoundException, PtySize
+
+    sbx = Sandbox.create(timeout=120, proxy=proxy.url)
+    try:
+        sbx.files.write("/tmp/d/a.txt", "by host")
+        sbx.files.write("/tmp/d/b.bin", b"\x00\x01" * 100_000)
+        assert sbx.files.read("/tmp/d/a.txt") == "by host"
+        assert sorted(e.name for e in sbx.files.list("/tmp/d")) == ["a.txt", "b.bin"]
+        assert sbx.files.get_info("/tmp/d/b.bin").size == 200_000
+
+        h = sbx.commands.run("cat", background=True, stdin=True)
+        sbx.commands.send_stdin(h.pid, "piped\n")
+        sbx.commands.close_stdin(h.pid)
+        assert sbx.commands.connect(h.pid).wait().stdout == "piped\n"
+        with pytest.raises(CommandExitException):
+            sbx.commands.run("exit 5")
+
+        out: list[bytes] = []
+        term = sbx.pty.create(PtySize(rows=24, cols=80))
+        sbx.pty.resize(term.pid, PtySize(rows=33, cols=99))
+        sbx.pty.send_stdin(term.pid, b"stty size; exit\n")
+        term.wait(on_pty=out.append)
+        assert "33 99" in b"".join(out).decode(errors="replace")
+
+        [m] = sbx.get_metrics()
+        assert m.mem_total > 0
+
+        envd = f"https://49983-{sbx.sandbox_id}.{DOMAIN}"
+        r = httpx.post(
+            f"{envd}/process.Process/List",
+            json={},
+            headers={"X-Access-Token": "not-a-key"},
+            proxy=proxy.url,
+        )
+        assert (r.status_code, r.json()["code"]) == (401, "unauthenticated")
+        r = httpx.get(sbx.download_url("/tmp/d/a.txt"), proxy=proxy.url)
+        assert r.status_code == 401
+        assert "signed file URLs are not supported" in r.text
+    finally:
+        sbx.kill()
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sbx.sandbox_id, proxy=proxy.url)
+
+
+def test_async_files_and_pause_resume_by_domain(proxy: ConnectProxy) -> None:
+    async def main() -> str:
+        sbx = await AsyncSandbox.create(timeout=120, proxy=proxy.url)
+        try:
+            await sbx.files.write("/tmp/p.txt", "kept")
+            assert await sbx.pause() is True
+            again = await AsyncSandbox.connect(sbx.sandbox_id, proxy=proxy.url)
+            return str(await again.files.read("/tmp/p.txt"))
+        finally:
+            await sbx.kill()
+
+    assert asyncio.run(main()) == "kept"

@@ -370,3 +370,123 @@ def test_template_function_picks_the_function_backend(
         assert s.commands.run("cat /tmp/f || echo gone").stdout.endswith("gone\n")
     finally:
         s.kill()
+
+
+def test_list_filters_by_state_template_and_start_time(e2b_env: str) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from e2b import SandboxState
+
+    tag = uuid.uuid4().hex[:8]
+    t0 = datetime.now(UTC) - timedelta(seconds=1)
+    a = Sandbox.create(timeout=60, metadata={"f": tag})
+    b = Sandbox.create(timeout=60, metadata={"f": tag})
+    try:
+        assert b.pause() is True
+        mine = SandboxQuery(metadata={"f": tag})
+
+        def ids(query: SandboxQuery) -> list[str]:
+            return [i.sandbox_id for i in Sandbox.list(query=query).next_items()]
+
+        assert sorted(ids(mine)) == sorted([a.sandbox_id, b.sandbox_id])
+        running = SandboxQuery(metadata={"f": tag}, state=[SandboxState.RUNNING])
+        assert ids(running) == [a.sandbox_id]
+        paused = SandboxQuery(metadata={"f": tag}, state=[SandboxState.PAUSED])
+        assert ids(paused) == [b.sandbox_id]
+        assert ids(SandboxQuery(metadata={"f": tag}, template="base")) != []
+        assert ids(SandboxQuery(metadata={"f": tag}, template="no-such-template")) == []
+        later = datetime.now(UTC) + timedelta(minutes=1)
+        assert ids(SandboxQuery(metadata={"f": tag}, started_after=t0)) != []
+        assert ids(SandboxQuery(metadata={"f": tag}, started_after=later)) == []
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_metrics_are_one_sample_of_the_sandbox(e2b_env: str, sbx: Sandbox) -> None:
+    sbx.commands.run("head -c 50000000 /dev/zero > /tmp/metrics-fill")
+    [m] = sbx.get_metrics()
+    assert m.cpu_count == 1
+    assert m.mem_total == 512 * 1024 * 1024
+    assert 0 < m.mem_used <= m.mem_total
+    assert 0 < m.disk_used <= m.disk_total
+    assert 0.0 <= m.cpu_used_pct <= 100.0
+    assert abs(m.timestamp.timestamp() - time.time()) < 60
+    with pytest.raises(NotFoundException):
+        Sandbox.get_metrics("sbx-none-aaaaaaaaaaaaaaaaaaaa")
+
+
+def test_auto_pause_and_open_ports_are_refused_and_leave_nothing(e2b_env: str) -> None:
+    from e2b import SandboxException
+
+    tag = uuid.uuid4().hex[:8]
+    with pytest.raises(SandboxException, match="autoPause"):
+        Sandbox.create(timeout=60, metadata={"ap": tag}, lifecycle={"on_timeout": "pause"})
+    with pytest.raises(SandboxException, match="allowPublicTraffic"):
+        Sandbox.create(timeout=60, metadata={"ap": tag}, network={"allow_public_traffic": True})
+    with pytest.raises(SandboxException, match="reopens"):
+        Sandbox.create(
+            timeout=60,
+            metadata={"ap": tag},
+            network={"deny_out": ["10.0.0.0/8"], "allow_out": ["10.1.2.3"]},
+        )
+    assert Sandbox.list(query=SandboxQuery(metadata={"ap": tag})).next_items() == []
+    # an explicit on_timeout="kill" is what OpenDsec does anyway
+    s = Sandbox.create(timeout=60, metadata={"ap": tag}, lifecycle={"on_timeout": "kill"})
+    s.kill()
+
+
+def test_malformed_connect_frames_get_errors_and_start_nothing(e2b_env: str, sbx: Sandbox) -> None:
+    import json
+    import struct
+
+    import httpx
+
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "E2b-Sandbox-Port": "49983",
+        "X-Access-Token": sbx._envd_access_token or "",
+        "Content-Type": "application/connect+json",
+    }
+    start = json.dumps(
+        {"process": {"cmd": "/bin/bash", "args": ["-c", "sleep 60 # e2b-malformed"]}}
+    ).encode()
+    bad_bodies = {
+        "truncated envelope": struct.pack(">BI", 0, len(start) + 10) + start,
+        "short header": b"\x00\x00",
+        "not JSON": struct.pack(">BI", 0, 5) + b"{nope",
+        "compressed flag": struct.pack(">BI", 1, len(start)) + start,
+        "JSON array": struct.pack(">BI", 0, 2) + b"[]",
+    }
+    with httpx.Client(base_url=e2b_env, timeout=30) as h:
+        for what, body in bad_bodies.items():
+            r = h.post("/process.Process/Start", headers=headers, content=body)
+            # a streaming call's error comes in the end-of-stream frame (flag 2)
+            raw = r.content
+            assert r.status_code in (200, 400), what
+            if r.status_code == 200:
+                flag, size = struct.unpack(">BI", raw[:5])
+                assert flag == 2, what
+                err = json.loads(raw[5 : 5 + size])["error"]
+            else:
+                err = r.json()
+            assert err["code"] in ("invalid_argument", "unimplemented"), (what, err)
+            assert err["message"], what
+        # unary calls answer plain JSON errors
+        r = h.post(
+            "/process.Process/List",
+            headers={**headers, "Content-Type": "application/json"},
+            content=b"{nope",
+        )
+        assert (r.status_code, r.json()["code"]) == (400, "invalid_argument")
+    assert not any("e2b-malformed" in " ".join(p.args) for p in sbx.commands.list())
+
+
+def test_download_and_upload_urls_are_refused_clearly(sbx: Sandbox) -> None:
+    import httpx
+
+    sbx.files.write("/tmp/url.txt", "x")
+    for url in (sbx.download_url("/tmp/url.txt"), sbx.upload_url("/tmp/url.txt")):
+        r = httpx.get(url, timeout=30)
+        assert r.status_code == 401
+        assert "signed file URLs are not supported" in r.text

@@ -68,6 +68,20 @@ def test_process_replay_and_list(agent: LocalAgent):
     assert again.stdout == b"out1\nout2\n"
 
 
+def test_process_start_and_follow_in_one_call(agent: LocalAgent):
+    reply = agent.call(
+        {"op": "process.start", "cmd": "echo a; echo b >&2; exit 3", "follow": True, "tag": "f"}
+    )
+    [started] = [e for e in reply.events if e.get("event") == "started"]
+    assert (reply.stdout, reply.stderr) == (b"a\n", b"b\n")
+    assert reply.result == {"exit_code": 3, "signal": None}
+    info = wait_exit(agent, started["pid"])  # a kept process like any other
+    assert (info["tag"], info["exit_code"]) == ("f", 3)
+    assert agent.call({"op": "process.start", "cmd": "true", "follow": 1}).error_code == (
+        "invalid_argument"
+    )
+
+
 def test_process_live_output_and_stdin(agent: LocalAgent):
     pid = start(agent, cmd="read line; echo got:$line; read line2; echo got:$line2")
     agent.call({"op": "process.input", "pid": pid}, stdin=b"first\n")

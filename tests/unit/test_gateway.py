@@ -210,3 +210,40 @@ def test_cli_e2b_env_domain_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         "export E2B_API_KEY=dsk_k",
         f"export SSL_CERT_FILE={tmp_path}/pki/ca.crt",
     ]
+
+
+def test_e2b_egress_becomes_a_dsec_policy() -> None:
+    from dsec.core.errors import InvalidArgument
+    from dsec.gateway.egress import policy
+
+    everything = "0.0.0.0/0"
+    assert policy(None, None) == {"allow": [everything], "deny": []}
+    assert policy({}, False) == {"allow": [], "deny": []}
+    closed = {"denyOut": [everything], "allowOut": ["1.2.3.4", "x.example"]}
+    assert policy(closed, None) == {"allow": ["1.2.3.4", "x.example"], "deny": []}
+    assert policy({"denyOut": ["10.0.0.0/8"], "allowOut": ["11.0.0.1"]}, None) == {
+        "allow": [everything],
+        "deny": ["10.0.0.0/8"],
+    }
+    with pytest.raises(InvalidArgument, match="reopens"):
+        policy({"denyOut": ["10.0.0.0/8"], "allowOut": ["10.1.0.0/16"]}, None)
+    with pytest.raises(InvalidArgument, match="egressProxy"):
+        policy({"egressProxy": {"url": "http://p"}}, None)
+    with pytest.raises(InvalidArgument, match="allowOut"):
+        policy({"allowOut": "1.2.3.4"}, None)
+
+
+def test_usage_sample_parses_the_scripts_output() -> None:
+    import subprocess
+
+    from dsec.gateway.usage import SCRIPT, parse
+
+    out = "cpu0 1000000000 0\ncpu1 1100000000 200000000\nmem_used 5\nnoise x y\n"
+    sample = parse(out)
+    assert sample["mem_used"] == 5
+    assert sample["cpu_core_pct"] == pytest.approx(50.0)
+    # the script runs under a plain POSIX shell on this machine too
+    real = parse(subprocess.run(["sh", "-c", SCRIPT], capture_output=True, text=True).stdout)
+    assert real["mem_used"] > 0
+    assert real["disk_total"] >= real["disk_used"] > 0
+    assert "cpu_core_pct" in real

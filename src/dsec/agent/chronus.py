@@ -37,10 +37,16 @@ def op_ping(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
     return {"version": protocol.PROTOCOL_VERSION, "pid": os.getpid(), "uptime_s": uptime}
 
 
-def op_start(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
+def op_start(conn: Conn, req: dict[str, Any]) -> dict[str, Any] | None:
+    """Start a kept process; with ``follow: true`` announce ``started{pid}`` and go on as
+    ``process.connect`` (one call instead of two)."""
+    follow = args.opt_bool(req, "follow")
     proc = procs.start(req)
     TABLE.add(proc)
-    return {"pid": proc.pid}
+    if not follow:
+        return {"pid": proc.pid}
+    conn.event("started", pid=proc.pid)
+    return _follow(conn, proc)
 
 
 def op_list(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +98,10 @@ def _control(proc: procs.Proc, frame: tuple[int, bytearray]) -> None:
 
 def op_connect(conn: Conn, req: dict[str, Any]) -> dict[str, Any] | None:
     """Replay the kept output, follow live output, pass input and controls on."""
-    proc = TABLE.get(req.get("pid"))
+    return _follow(conn, TABLE.get(req.get("pid")))
+
+
+def _follow(conn: Conn, proc: procs.Proc) -> dict[str, Any] | None:
     gone = threading.Event()
 
     def pump_input() -> None:

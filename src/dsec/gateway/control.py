@@ -18,6 +18,7 @@ from aiohttp import web
 
 from dsec.core.errors import DsecError, InvalidArgument, InvalidState, NotFound, SandboxNotFound
 from dsec.core.spec import BACKENDS
+from dsec.gateway import egress, usage
 from dsec.gateway.upstream import Clients, api_key
 from dsec.sdk import runtime_calls as rc
 from dsec.sdk import wire
@@ -204,6 +205,13 @@ async def create(request: web.Request) -> web.Response:
         raise InvalidArgument("'templateID' must be a string")
     metadata = _str_map(body, "metadata")
     backend, template = choose_backend(template, metadata or {})
+    _refuse_lifecycle(body)
+    network = None
+    internet = body.get("allow_internet_access", body.get("allowInternetAccess"))
+    if body.get("network") is not None or internet is not None:
+        if internet is not None and not isinstance(internet, bool):
+            raise InvalidArgument("'allow_internet_access' must be a boolean")
+        network = egress.policy(body.get("network"), internet)
     call = wire.create_sandbox(
         backend=backend,
         image=g.templates.get(template, template),
@@ -213,12 +221,25 @@ async def create(request: web.Request) -> web.Response:
         timeout_s=_timeout(body, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S,
         env=_str_map(body, "envVars"),
         metadata=metadata,
+        network=network,
     )
     info = await client.transport.call(call)
     if backend != "function":  # functions keep no processes
         # Start the sandbox's process keeper now, so the first command does not wait for it.
         g.background(client.transport.call(rc.list_processes(info.id)))
     return web.json_response(sandbox_json(g, info, key), status=201)
+
+
+def _refuse_lifecycle(body: dict[str, Any]) -> None:
+    """E2B's auto-pause and auto-resume: OpenDsec ends a sandbox at its timeout."""
+    if body.get("autoPause") is True:
+        raise InvalidArgument(
+            "autoPause (lifecycle on_timeout='pause') is not supported by OpenDsec: a "
+            "sandbox is killed at its timeout; pause it yourself with pause()"
+        )
+    resume = body.get("autoResume")
+    if isinstance(resume, dict) and resume.get("enabled") is True:
+        raise InvalidArgument("autoResume is not supported by OpenDsec; connect() resumes")
 
 
 async def connect(request: web.Request) -> web.Response:
@@ -298,6 +319,17 @@ def _page_token(raw: str) -> int:
     return n
 
 
+def _started_after(raw: str) -> datetime | None:
+    if not raw:
+        return None
+    try:
+        # a "+" of the offset may arrive decoded as a space
+        t = datetime.fromisoformat(raw.replace("Z", "+00:00").replace(" ", "+"))
+    except ValueError:
+        raise InvalidArgument(f"'startedAfter' is not an RFC 3339 time: {raw!r}") from None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
 async def list_sandboxes(request: web.Request) -> web.Response:
     client, _ = _client(request)
     q = request.query
@@ -305,8 +337,11 @@ async def list_sandboxes(request: web.Request) -> web.Response:
     wanted_meta = _metadata_filter(q.get("metadata", ""))
     states = {s for v in q.getall("state", []) for s in v.split(",") if s}
     template = q.get("template", "")
+    after = _started_after(q.get("startedAfter", ""))
     out = []
     for info in items:
+        if after is not None and (info.started_at or info.created_at or after) < after:
+            continue
         d = listed_json(info)
         if any(d["metadata"].get(k) != v for k, v in wanted_meta.items()):
             continue
@@ -328,10 +363,64 @@ async def list_sandboxes(request: web.Request) -> web.Response:
     return web.json_response(page, headers=headers)
 
 
+async def update_network(request: web.Request) -> web.Response:
+    """``PUT /sandboxes/{id}/network``: replace the egress rules (see ``egress.py``)."""
+    client, _ = _client(request)
+    sid = request.match_info["sandbox_id"]
+    body = await _json(request)
+    internet = body.get("allowInternetAccess")
+    if internet is not None and not isinstance(internet, bool):
+        raise InvalidArgument("'allowInternetAccess' must be a boolean")
+    policy = egress.policy(body, internet)
+    await _live(client, sid)
+    await client.transport.call(wire.set_network(sid, policy))
+    return web.Response(status=204)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /sandboxes/{id}/metrics``: one sample taken now (OpenDsec keeps no history)."""
+    client, _ = _client(request)
+    sid = request.match_info["sandbox_id"]
+    info = await _live(client, sid)
+    if info.state != "running":
+        return web.json_response([])
+    res = await client.transport.call(rc.exec_command(sid, usage.SCRIPT, timeout=10))
+    sample = usage.parse(res.stdout)
+    spec = info.spec
+    cpus = max(1, round(spec.cpu)) if spec else 1
+    mem_total = spec.memory_mb * 1024 * 1024 if spec else int(sample.get("mem_total", 0))
+    now = datetime.now(UTC)
+    return web.json_response(
+        [
+            {
+                "timestamp": _iso(now),
+                "timestampUnix": int(now.timestamp()),
+                "cpuCount": cpus,
+                "cpuUsedPct": round(min(100.0, sample.get("cpu_core_pct", 0.0) / cpus), 2),
+                "memUsed": int(sample.get("mem_used", 0)),
+                "memTotal": mem_total,
+                "memCache": int(sample.get("mem_cache", 0)),
+                "diskUsed": int(sample.get("disk_used", 0)),
+                "diskTotal": int(sample.get("disk_total", 0)),
+            }
+        ]
+    )
+
+
 async def unsupported(request: web.Request) -> web.Response:
     return error_response(
         501,
         f"{request.method} {request.path} is not supported by the OpenDsec gateway",
+        retry=False,
+    )
+
+
+async def unrouted_files(request: web.Request) -> web.Response:
+    """``/files`` without a sandbox: what ``download_url()``/``upload_url()`` give in
+    ``E2B_SANDBOX_URL`` mode (the URL names no sandbox; the SDK sends it in a header)."""
+    return error_response(
+        401,
+        "signed file URLs are not supported by the OpenDsec gateway (use files.read/files.write)",
         retry=False,
     )
 
@@ -359,6 +448,8 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/sandboxes/{sandbox_id}/pause", pause),
     ("POST", "/sandboxes/{sandbox_id}/snapshots", unsupported),
     ("POST", "/sandboxes/{sandbox_id}/fork", unsupported),
-    ("PUT", "/sandboxes/{sandbox_id}/network", unsupported),
-    ("GET", "/sandboxes/{sandbox_id}/metrics", unsupported),
+    ("PUT", "/sandboxes/{sandbox_id}/network", update_network),
+    ("GET", "/sandboxes/{sandbox_id}/metrics", metrics),
+    ("GET", "/files", unrouted_files),
+    ("POST", "/files", unrouted_files),
 ]

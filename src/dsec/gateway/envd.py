@@ -258,10 +258,12 @@ CODE_INTERPRETER_PORT = 49999
 PORT_OPEN_WAIT_S = 30.0
 
 
-async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.Response:
-    """Forward a request to a server on ``port`` inside the sandbox (buffered, HTTP only).
+async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
+    """Forward a request to a server on ``port`` inside the sandbox (HTTP only).
 
-    It is authenticated by the traffic access token (``userports.port_token``)."""
+    The answer is passed on as the server sends it (the code interpreter streams a cell's
+    output line by line). It is authenticated by the traffic access token
+    (``userports.port_token``)."""
     client = gw(request).clients.get(userports.port_token(request))
     body = await request.content.read(MAX_PORT_BODY + 1)
     if len(body) > MAX_PORT_BODY:
@@ -271,11 +273,23 @@ async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.Re
         sandbox_id, port, request.method, request.path_qs, headers, body or None, timeout=300
     )
     deadline = time.monotonic() + (PORT_OPEN_WAIT_S if port == CODE_INTERPRETER_PORT else 0)
+    resp: web.StreamResponse | None = None
     while True:
         try:
-            resp = await client.transport.port(req)
-            break
+            async with client.transport.port_stream(req) as (status, got, chunks):
+                resp = web.StreamResponse(status=status)
+                for k, v in got:
+                    # the platform hands over the decoded body
+                    if k.lower() not in _HOP and k.lower() != "content-encoding":
+                        resp.headers.add(k, v)
+                await resp.prepare(request)
+                async for chunk in chunks:
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
         except Unavailable:
+            if resp is not None and resp.prepared:
+                raise  # broke off mid-answer: nothing more can be said to the client
             # A server the image starts at create may still be opening its port.
             if time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
@@ -287,9 +301,6 @@ async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.Re
                 "code": 502,
             }
             return web.json_response(msg, status=502)
-    out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
-    out.pop("content-encoding", None)  # the platform hands over the decoded body
-    return web.Response(status=resp.status, body=resp.body, headers=out)
 
 
 async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:

@@ -1,7 +1,8 @@
 """envd's ``process.Process`` service on OpenDsec's runtime API.
 
-A command is an OpenDsec background process (``process.start``) followed over the runtime
-WebSocket (``process.connect``), so, as on E2B, a client that disconnects leaves it
+A command is an OpenDsec background process, started and followed in one runtime
+WebSocket call (``process.start`` with ``follow``; ``process.connect`` re-attaches), so, as
+on E2B, a client that disconnects leaves it
 running, ``Connect`` re-attaches (with the buffered output), and ``List``/``SendInput``/
 ``SendSignal`` reach it by pid. A ``Connect-Timeout-Ms`` deadline kills the process (as
 envd does) and ends the stream with ``deadline_exceeded``.
@@ -22,6 +23,7 @@ from typing import Any
 from dsec.core.errors import (
     BackendUnavailable,
     DsecError,
+    Internal,
     InvalidArgument,
     InvalidState,
     ProcessNotFound,
@@ -32,6 +34,7 @@ from dsec.sdk import streams
 from dsec.sdk.async_io import AsyncRuntimeSocket
 from dsec.sdk.async_sandbox import AsyncClient
 from dsec.sdk.models import ExecEvent, ProcessInfo
+from dsec.sdk.wire import compact
 
 # A command started without stdin reads /dev/null, as under envd (its pipe is never open).
 NO_STDIN = ["/bin/sh", "-c", 'exec "$@" </dev/null', "sh"]
@@ -119,10 +122,14 @@ async def follow(
     *,
     pty: bool,
     killer: asyncio.Task[None] | None = None,
+    sock: AsyncRuntimeSocket | None = None,
 ) -> None:
-    """Relay the process's output and exit to ``stream`` (detach if the client goes)."""
+    """Relay the process's output and exit to ``stream`` (detach if the client goes).
+
+    ``sock`` is a runtime call already following the process, else one is opened."""
     deadline = time.monotonic() + c.timeout_s if c.timeout_s else None
-    sock = await c.client.transport.open_runtime(c.sandbox_id, streams.connect_request(pid))
+    if sock is None:
+        sock = await c.client.transport.open_runtime(c.sandbox_id, streams.connect_request(pid))
     queue: asyncio.Queue[ExecEvent | BaseException] = asyncio.Queue()
     pump = asyncio.ensure_future(_pump(sock, queue))
     last_sent = time.monotonic()
@@ -182,30 +189,64 @@ async def start(c: Call, msg: dict[str, Any], stream: ServerStream) -> None:
     if msg.get("stdin", True) is False and size is None:
         argv = [*NO_STDIN, *argv]
     env = {str(k): str(v) for k, v in envs.items()} or None
+    cwd = proc.get("cwd") or None
     try:
-        info: ProcessInfo = await c.client.transport.call(
-            rc.start_process(
-                c.sandbox_id,
-                argv,
-                env=env,
-                cwd=proc.get("cwd") or None,
-                user=c.user,
-                tag=tag,
-                pty=size,
-            )
-        )
+        pid, sock = await _start_following(c, argv, env, cwd, tag, size)
     except BackendUnavailable:
         if size is not None:
             raise
         # A stateless backend (function) keeps no processes: run it as one exec instead.
-        await _exec_instead(c, stream, argv, env, proc.get("cwd") or None)
+        await _exec_instead(c, stream, argv, env, cwd)
         return
     killer = None
     if c.timeout_s:
-        killer = asyncio.ensure_future(_kill_at(c, info.pid, c.timeout_s))
+        killer = asyncio.ensure_future(_kill_at(c, pid, c.timeout_s))
         c.background(killer)
-    await stream.send({"event": {"start": {"pid": info.pid}}})
-    await follow(c, stream, info.pid, pty=size is not None, killer=killer)
+    await stream.send({"event": {"start": {"pid": pid}}})
+    await follow(c, stream, pid, pty=size is not None, killer=killer, sock=sock)
+
+
+async def _start_following(
+    c: Call,
+    argv: list[str],
+    env: dict[str, str] | None,
+    cwd: str | None,
+    tag: str | None,
+    size: tuple[int, int] | None,
+) -> tuple[int, AsyncRuntimeSocket | None]:
+    """Start a kept process and follow it in one runtime call (``process.start`` with
+    ``follow``); the pid and that call. An agent without ``follow`` just answers the pid:
+    then ``(pid, None)``, and the caller follows with ``process.connect``."""
+    pty = None if size is None else {"cols": size[0], "rows": size[1]}
+    first = streams.json_message(
+        compact(
+            op="process.start",
+            cmd=rc.check_cmd(argv),
+            env=env,
+            cwd=cwd,
+            user=c.user,
+            tag=tag,
+            pty=pty,
+            follow=True,
+        )
+    )
+    sock = await c.client.transport.open_runtime(c.sandbox_id, first)
+    try:
+        await sock.wait_event("started")
+    except Internal:
+        res = sock.stream.result
+        with contextlib.suppress(Exception):
+            await sock.close()
+        if isinstance(res, dict) and isinstance(res.get("pid"), int):
+            return res["pid"], None
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await sock.close()
+        raise
+    if sock.stream.pid is None:
+        raise Internal("the runtime's started event carried no pid")
+    return sock.stream.pid, sock
 
 
 async def _exec_instead(

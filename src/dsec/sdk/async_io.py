@@ -161,6 +161,41 @@ class AsyncTransport:
         return port_response(resp.status_code, resp.headers.multi_items(), resp.content)
 
     @asynccontextmanager
+    async def port_stream(
+        self, req: Request, content: AsyncContent | None = None
+    ) -> AsyncIterator[tuple[int, list[tuple[str, str]], AsyncIterator[bytes]]]:
+        """Like :meth:`port`, but the body is yielded as the sandbox server sends it.
+
+        Yields ``(status, headers, chunks)``; the platform's own refusals raise, as in
+        :meth:`port` (their bodies are read first, the sandbox's are not).
+        """
+        try:
+            async with self._http.stream(
+                req.method,
+                self._url(req.path),
+                content=req.body if content is None else content,
+                headers=req.headers or None,
+                timeout=self._req_timeout(req.timeout),
+            ) as resp:
+                headers = resp.headers.multi_items()
+                maybe_platform = "x-dsec-error" in resp.headers or (
+                    resp.status_code in (401, 403, 404, 502, 503, 504)
+                    and resp.headers.get("content-type", "").startswith("application/json")
+                )
+                if maybe_platform:
+                    body = await resp.aread()
+                    port_response(resp.status_code, headers, body)  # raises the platform's
+
+                    async def whole() -> AsyncIterator[bytes]:
+                        yield body
+
+                    yield resp.status_code, headers, whole()
+                else:
+                    yield resp.status_code, headers, resp.aiter_bytes()
+        except httpx.HTTPError as exc:
+            raise translate_httpx(self.config.api_url, exc, req.timeout) from None
+
+    @asynccontextmanager
     async def download(
         self, req: Request, chunk_size: int = CHUNK, content: AsyncContent | None = None
     ) -> AsyncIterator[AsyncIterator[bytes]]:
