@@ -33,7 +33,7 @@ from dsec.edge.backends.microvm.backend import MicrovmBackend
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.paths import Paths
-from tests.integration.fakenet import DNS_IP, POOL, WEB1, WEB2, WEB3, FakeInternet
+from tests.integration.fakenet import DNS_IP, POOL, WEB1, WEB2, WEB3, FakeInternet, probe
 from tests.integration.test_microvm_backend import _skip_reason
 
 pytestmark = [pytest.mark.root]
@@ -157,8 +157,20 @@ async def test_microvm_policed_like_a_container(
         assert await sh(sock, tcp(peer.address, 7000)) == (0, "peer!")
         assert await sh(sock, tcp(WEB3, 80)) == (0, "hello")
         assert (await sh(sock, tcp(WEB2, 80)))[0] != 0
+        # ingress: a server in the guest, reachable from the internet only once a rule says so
+        await sh(sock, f"cat > /root/srv.py <<'EOF'\n{LISTEN.format(port=7200)}EOF")
+        await sh(sock, "nohup python3 /root/srv.py >/dev/null 2>&1 &")
+        inet = Path(f"/run/netns/{internet.inet}")
+        deadline = time.monotonic() + 30
+        while (await sh(sock, tcp("127.0.0.1", 7200)))[1] != "peer!":
+            assert time.monotonic() < deadline, "the guest's server did not start"
+        assert not probe(inet, "tcp", net.address, 7200, 1.0).startswith("peer!")
+        await be.set_network(
+            sid, NetworkPolicy(allow=(f"{peer.address}/32:7000", "from:198.18.0.0/24:7200"))
+        )
+        assert probe(inet, "tcp", net.address, 7200, 1.0) == "peer!"
         stats = await be.network_stats(sid)
-        assert stats["allowed_connections"] >= 4
+        assert stats["allowed_connections"] >= 5
         assert stats["denied_connections"] >= 5
         with pytest.raises(InvalidArgument):  # children would share the parent's address
             await be.fork(sid, [(new_sandbox_id("e0a1", os.urandom(13)), paths)])
