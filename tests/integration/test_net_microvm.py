@@ -169,8 +169,12 @@ async def test_microvm_policed_like_a_container(
             sid, NetworkPolicy(allow=(f"{peer.address}/32:7000", "from:198.18.0.0/24:7200"))
         )
         assert probe(inet, "tcp", net.address, 7200, 1.0) == "peer!"
+        # pause (QEMU quits) and resume (a new QEMU in the same namespace, same TAP)
+        await be.pause(sid)
+        await be.resume(sid)
+        assert await sh(sock, tcp(WEB3, 80)) == (0, "hello")
         stats = await be.network_stats(sid)
-        assert stats["allowed_connections"] >= 5
+        assert stats["allowed_connections"] >= 6
         assert stats["denied_connections"] >= 5
         with pytest.raises(InvalidArgument):  # children would share the parent's address
             await be.fork(sid, [(new_sandbox_id("e0a1", os.urandom(13)), paths)])

@@ -12,6 +12,7 @@ from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.container import ocispec
 from dsec.edge.net import ruleset
 from dsec.edge.net.config import NetConfig
+from dsec.paths import Paths
 
 
 def test_rules() -> None:
@@ -77,7 +78,6 @@ def test_config_and_oci(tmp_path: Path) -> None:
 
 
 def test_ingress_rules() -> None:
-    from dsec.core.netpolicy import CidrRule, parse_rule
 
     assert parse_rule("from:10.213.0.6:7000") == CidrRule("10.213.0.6/32", "tcp", 7000, 7000, True)
     assert parse_rule("FROM:198.18.0.0/16") == CidrRule("198.18.0.0/16", ingress=True)
@@ -101,3 +101,15 @@ def test_ingress_rules() -> None:
     gone = ruleset.remove_sandbox(t, "5")
     flush, delete = "flush chain inet dsec_e1 inok_5", "delete chain inet dsec_e1 in_5"
     assert gone.index(flush) < gone.index(delete)
+
+
+def test_edge_hands_its_network_to_container_and_microvm_only(tmp_path: Path) -> None:
+    from dsec.edge.app import candidate_backends
+    from dsec.edge.net.edgenet import EdgeNetwork
+
+    cfg = NetConfig("10.213.0.0/16", "198.18.1.53:53", tmp_path / "s", tmp_path / "n")
+    net = EdgeNetwork("e1", cfg)  # not started: only handed over
+    by_name = {b.name: b for b in candidate_backends(Paths.from_env(tmp_path), "e1", net)}
+    assert getattr(by_name["container"], "network", None) is net
+    assert getattr(by_name["microvm"], "network", None) is net
+    assert getattr(by_name["vm"], "network", "missing") is None  # its image has no NIC setup
