@@ -166,7 +166,10 @@ async def test_microvm_policed_like_a_container(
             assert time.monotonic() < deadline, "the guest's server did not start"
         assert not probe(inet, "tcp", net.address, 7200, 1.0).startswith("peer!")
         await be.set_network(
-            sid, NetworkPolicy(allow=(f"{peer.address}/32:7000", "from:198.18.0.0/24:7200"))
+            sid,
+            NetworkPolicy(
+                allow=(f"{peer.address}/32:7000", f"{WEB3}:80", "from:198.18.0.0/24:7200")
+            ),
         )
         assert probe(inet, "tcp", net.address, 7200, 1.0) == "peer!"
         # pause (QEMU quits) and resume (a new QEMU in the same namespace, same TAP)

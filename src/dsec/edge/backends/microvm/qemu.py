@@ -368,7 +368,8 @@ def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:
         joins = "".join(f'echo $$ > "{p}" && ' for p in procs)
         argv = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *argv]
     if c.netns:  # the sandbox's network namespace (file path): QEMU opens its TAP there
-        argv = [NSENTER, f"--net={c.netns}", "--", *argv]
+        ns = c.netns if "/" in c.netns else f"/var/run/netns/{c.netns}"  # a path or a name
+        argv = [NSENTER, f"--net={ns}", "--", *argv]
     with open(c.run_dir / "qemu.log", "wb") as log:
         return subprocess.Popen(
             argv,

@@ -39,7 +39,7 @@ class VmConfig:
     drives: tuple[Drive, ...] = ()
     net: tuple[NetIface, ...] = ()
     agent_socket: Path = Path()  # host unix socket of the agent channel (vsock or serial)
-    netns: str | None = None  # run the VMM inside this network namespace
+    netns: str | None = None  # run the VMM in this network namespace (a name or a file path)
     cgroup: Path | None = None  # put the VMM process in this cgroup (limits cap the VMM too)
     extra: dict[str, str] = field(default_factory=dict)  # driver-specific knobs
 
