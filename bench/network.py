@@ -8,8 +8,9 @@ and destroy. Then holds ``--scale`` networks at once and
 times one more create, to show how create grows with the number of sandboxes.
 
     .venv/bin/python -m bench.network [--n 50] [--scale 300]
+    .venv/bin/python -m bench.network --tap [--n 30]   # microVM (TAP) vs container slots
 
-Prints medians and writes ``bench/results/network.json``. Needs root.
+Prints medians and writes ``bench/results/network.json`` (``network-tap.json``). Needs root.
 """
 
 from __future__ import annotations
@@ -87,6 +88,41 @@ async def bulk_mbps(netns: Path, mib: int = 1024) -> float:
         )
         best = max(best, float(res.stdout))
     return round(best, 1)
+
+
+async def tap_compare(n: int) -> dict[str, Any]:
+    """Cold create and destroy of a container's network vs a microVM's (same slot + TAP
+    and bridge), alternating, so both see the same load."""
+    inet = FakeInternet().start()
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-tap-"))
+    cfg = NetConfig(
+        pool="10.213.0.0/16",
+        upstream_dns=f"{DNS_IP}:53",
+        state_dir=tmp / "state",
+        netns_dir=tmp / "netns",
+        gateway_netns=inet.gw_path,
+    )
+    net = EdgeNetwork("benchtap", cfg)
+    await net.start()
+    times: dict[str, list[float]] = {k: [] for k in ("veth", "tap", "veth_rm", "tap_rm")}
+    try:
+        for i in range(n):
+            for kind in ("veth", "tap"):
+                sid = f"{kind}-{i}"
+                times[kind].append(await timed(net.create(sid, POLICY, tap=kind == "tap")))
+                times[f"{kind}_rm"].append(await timed(net.destroy(sid)))
+    finally:
+        for sid in list(net._nets):
+            await net.destroy(sid)
+        await net.release()
+        inet.close()
+        shutil.rmtree(tmp)
+    return {
+        "create_container": summary(times["veth"]),
+        "create_microvm_tap": summary(times["tap"]),
+        "destroy_container": summary(times["veth_rm"]),
+        "destroy_microvm_tap": summary(times["tap_rm"]),
+    }
 
 
 async def run(n: int, scale: int) -> dict[str, Any]:
@@ -195,7 +231,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--scale", type=int, default=300)
+    ap.add_argument("--tap", action="store_true", help="only: container vs microVM (TAP) slots")
     args = ap.parse_args()
+    if args.tap:
+        tap = asyncio.run(tap_compare(args.n))
+        print(json.dumps(tap, indent=2))
+        (Path(__file__).parent / "results" / "network-tap.json").write_text(
+            json.dumps(tap, indent=2) + "\n"
+        )
+        return
     res = asyncio.run(run(args.n, args.scale))
     print(json.dumps(res, indent=2))
     dest = Path(__file__).parent / "results" / "network.json"

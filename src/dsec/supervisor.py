@@ -10,6 +10,7 @@ machine find the API and the admin key with no configuration.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,10 +104,12 @@ class Supervisor:
         *,
         keep_sandboxes: bool = False,
         echo: Callable[[str], None] = print,
+        api_args: Sequence[str] = (),
     ) -> None:
         self.paths = paths
         self.layout = layout
         self.keep_sandboxes = keep_sandboxes
+        self.api_args = list(api_args)  # passed to the apiserver (e.g. --domain D)
         self.echo = echo
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._stopping = False
@@ -140,7 +143,16 @@ class Supervisor:
         if component == "gateway":
             api = f"http://{lay.apiserver}"
             return [*common, "--listen", lay.gateway, "--api-url", api]
-        return [*common, "--listen", lay.apiserver, "--iam", lay.iam, "--watcher", lay.watcher]
+        return [
+            *common,
+            "--listen",
+            lay.apiserver,
+            "--iam",
+            lay.iam,
+            "--watcher",
+            lay.watcher,
+            *self.api_args,
+        ]
 
     def spawn(self, component: str) -> None:
         self.paths.logs.mkdir(parents=True, exist_ok=True)
@@ -239,8 +251,9 @@ def run_foreground(
     keep_sandboxes: bool,
     echo: Callable[[str], None] = print,
     ready: Callable[[Layout], None] | None = None,
+    api_args: Sequence[str] = (),
 ) -> int:
-    sup = Supervisor(paths, layout, keep_sandboxes=keep_sandboxes, echo=echo)
+    sup = Supervisor(paths, layout, keep_sandboxes=keep_sandboxes, echo=echo, api_args=api_args)
 
     def on_signal(signum: int, frame: object) -> None:
         sup._stopping = True
@@ -263,17 +276,31 @@ def run_foreground(
     return 0
 
 
-def main() -> None:
-    """Entry for the detached supervisor: ``python -m dsec.supervisor HOME PORT_BASE [--keep]``."""
-    home, base = sys.argv[1], int(sys.argv[2])
-    keep = "--keep-sandboxes" in sys.argv[3:]
-    paths = Paths.from_env(home)
+def api_args(domain: str = "", tls_listen: str = "") -> list[str]:
+    """The apiserver flags `dsec up` passes through (only those the user gave)."""
+    return [*(["--domain", domain] if domain else []),
+            *(["--tls-listen", tls_listen] if tls_listen else [])]  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry for the detached supervisor:
+    ``python -m dsec.supervisor HOME PORT_BASE [--keep-sandboxes] [--domain D] [--tls-listen A]``.
+    """
+    ap = argparse.ArgumentParser(prog="dsec.supervisor")
+    ap.add_argument("home")
+    ap.add_argument("port_base", type=int)
+    ap.add_argument("--keep-sandboxes", action="store_true")
+    ap.add_argument("--domain", default="")
+    ap.add_argument("--tls-listen", default="")
+    args = ap.parse_args(argv)
+    paths = Paths.from_env(args.home)
     sys.exit(
         run_foreground(
             paths,
-            Layout.from_port_base(base),
-            keep_sandboxes=keep,
+            Layout.from_port_base(args.port_base),
+            keep_sandboxes=args.keep_sandboxes,
             echo=lambda s: print(s, flush=True),
+            api_args=api_args(args.domain, args.tls_listen),
         )
     )
 

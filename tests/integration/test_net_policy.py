@@ -245,6 +245,39 @@ async def test_sandboxes_cannot_reach_each_other(edgenet: EdgeNetwork) -> None:
 
 
 @pytest.mark.asyncio
+async def test_ingress_rules_let_a_peer_or_a_network_in(
+    edgenet: EdgeNetwork, internet: FakeInternet
+) -> None:
+    a = await edgenet.create("sbx-ia", NetworkPolicy())
+    b = await edgenet.create("sbx-ib", NetworkPolicy())
+    inet = Path(f"/run/netns/{internet.inet}")
+    srv = subprocess.Popen(["nsenter", f"--net={b.netns}", "python3", "-c", HELLO])
+    try:
+        assert wait_for(lambda: probe(b.netns, "tcp", "127.0.0.1", 7000) == "hello")
+        assert denied(await aprobe(a.netns, "tcp", b.address, 7000, 1.0))
+        assert denied(await aprobe(inet, "tcp", b.address, 7000, 1.0))
+        # b lets a in on :7000 (a's own policy names nothing) and the internet's uplink net
+        pol = {"allow": [f"from:{a.address}/32:7000", "from:198.18.0.0/24:7000"]}
+        await edgenet.set_policy("sbx-ib", NetworkPolicy.from_dict(pol))
+        assert (await aprobe(a.netns, "tcp", b.address, 7000, 1.0)) == "hello"
+        assert (await aprobe(inet, "tcp", b.address, 7000, 1.0)) == "hello"
+        assert denied(await aprobe(a.netns, "tcp", b.address, 7001, 1.0))  # other port
+        assert denied(await aprobe(b.netns, "tcp", a.address, 7000, 1.0))  # not the reverse
+        # a deny on a's side still wins over b's ingress rule
+        await edgenet.set_policy("sbx-ia", NetworkPolicy(deny=(f"{b.address}/32",)))
+        assert denied(await aprobe(a.netns, "tcp", b.address, 7000, 1.0))
+        assert (await edgenet.counters())["sbx-ib"]["allowed_connections"] >= 2
+        await edgenet.set_policy("sbx-ib", NetworkPolicy())
+        assert denied(await aprobe(inet, "tcp", b.address, 7000, 1.0))
+    finally:
+        srv.kill()
+        srv.wait()
+    for sid, key in (("sbx-ia", a.key), ("sbx-ib", b.key)):
+        await edgenet.destroy(sid)
+        assert await edgenet.leaked(sid, key) == []
+
+
+@pytest.mark.asyncio
 async def test_dns_over_tcp(edgenet: EdgeNetwork, internet: FakeInternet) -> None:
     pol = NetworkPolicy.from_dict({"allow": ["web2.test.example"], "deny": []})
     net = await edgenet.create("sbx-dnstcp", pol)

@@ -12,6 +12,7 @@ from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.container import ocispec
 from dsec.edge.net import ruleset
 from dsec.edge.net.config import NetConfig
+from dsec.paths import Paths
 
 
 def test_rules() -> None:
@@ -74,3 +75,41 @@ def test_config_and_oci(tmp_path: Path) -> None:
     files = ocispec.etc_files("s1", "nameserver 10.213.0.5\n")
     assert files["resolv.conf"] == "nameserver 10.213.0.5\n"
     assert "resolv.conf" not in ocispec.etc_files("s1")
+
+
+def test_ingress_rules() -> None:
+
+    assert parse_rule("from:10.213.0.6:7000") == CidrRule("10.213.0.6/32", "tcp", 7000, 7000, True)
+    assert parse_rule("FROM:198.18.0.0/16") == CidrRule("198.18.0.0/16", ingress=True)
+    for bad in ("from:web.example", "from:*.example.com", "from:10.0.0.0/8:0", "from:"):
+        with pytest.raises(InvalidArgument):
+            parse_rule(bad)
+    with pytest.raises(InvalidArgument, match="ingress rules are allow rules"):
+        NetworkPolicy(deny=("from:10.0.0.0/8",))
+    pol = NetworkPolicy(allow=("10.1.0.0/16", "from:10.213.0.6/32:7000/udp", "from:1.2.3.0/24"))
+    assert [r.network for r in pol.cidrs("allow")] == ["10.1.0.0/16"]
+    assert [r.network for r in pol.ingress()] == ["10.213.0.6/32", "1.2.3.0/24"]
+    t = ruleset.TableSpec("inet dsec_e1", "dxab", "10.213.0.0/16", 53)
+    text = ruleset.add_sandbox(t, "5", "10.213.0.22", pol)
+    assert "add element inet dsec_e1 i_5 { 1.2.3.0/24 }" in text
+    assert "add element inet dsec_e1 ip_5 { 10.213.0.6/32 . udp . 7000 }" in text
+    assert 'add element inet dsec_e1 peer_in { "dxab5" : jump inok_5 }' in text
+    assert "a_5 { 10.1.0.0/16 }" in text  # egress untouched by ingress rules
+    assert "ip daddr 10.213.0.0/16 oifname vmap @peer_in" in text
+    swap = ruleset.replace_policy("inet dsec_e1", "5", pol, [], t.pool)
+    assert "flush set inet dsec_e1 ip_5" in swap
+    gone = ruleset.remove_sandbox(t, "5")
+    flush, delete = "flush chain inet dsec_e1 inok_5", "delete chain inet dsec_e1 in_5"
+    assert gone.index(flush) < gone.index(delete)
+
+
+def test_edge_hands_its_network_to_container_and_microvm_only(tmp_path: Path) -> None:
+    from dsec.edge.app import candidate_backends
+    from dsec.edge.net.edgenet import EdgeNetwork
+
+    cfg = NetConfig("10.213.0.0/16", "198.18.1.53:53", tmp_path / "s", tmp_path / "n")
+    net = EdgeNetwork("e1", cfg)  # not started: only handed over
+    by_name = {b.name: b for b in candidate_backends(Paths.from_env(tmp_path), "e1", net)}
+    assert getattr(by_name["container"], "network", None) is net
+    assert getattr(by_name["microvm"], "network", None) is net
+    assert getattr(by_name["vm"], "network", "missing") is None  # its image has no NIC setup

@@ -15,7 +15,14 @@ import click
 from rich.console import Console
 
 from dsec.paths import Paths
-from dsec.supervisor import COMPONENTS, Layout, healthy, layout_path, run_foreground
+from dsec.supervisor import (
+    COMPONENTS,
+    Layout,
+    api_args,
+    healthy,
+    layout_path,
+    run_foreground,
+)
 
 _err = Console(stderr=True)
 _out = Console()
@@ -138,8 +145,28 @@ def _ready_message(paths: Paths, lay: Layout) -> None:
     is_flag=True,
     help="Leave sandboxes running on shutdown (re-adopted by the next `up`).",
 )
-def up(home: Path | None, detach: bool, port_base: int, keep_sandboxes: bool) -> None:
+@click.option(
+    "--domain",
+    default="",
+    help="The apiserver serves <port>-<sandbox id>.DOMAIN (host-style routing to sandboxes).",
+)
+@click.option(
+    "--tls-listen",
+    default="",
+    metavar="ADDR",
+    help="The apiserver also serves HTTPS on ADDR with a *.DOMAIN certificate (needs --domain).",
+)
+def up(
+    home: Path | None,
+    detach: bool,
+    port_base: int,
+    keep_sandboxes: bool,
+    domain: str,
+    tls_listen: str,
+) -> None:
     """Start iam, watcher, edge and apiserver on this machine."""
+    if tls_listen and not domain:
+        raise click.UsageError("--tls-listen needs --domain (the certificate's name)")
     paths = Paths.from_env(home)
     if paths.supervisor_pid.exists() and _alive(int(paths.supervisor_pid.read_text() or 0)):
         _err.print(f"OpenDsec is already running (home {paths.home}); see `dsec status`")
@@ -152,6 +179,7 @@ def up(home: Path | None, detach: bool, port_base: int, keep_sandboxes: bool) ->
             keep_sandboxes=keep_sandboxes,
             echo=lambda s: _err.log(s),
             ready=lambda lay: _ready_message(paths, lay),
+            api_args=api_args(domain, tls_listen),
         )
         sys.exit(code)
     paths.logs.mkdir(parents=True, exist_ok=True)
@@ -159,6 +187,7 @@ def up(home: Path | None, detach: bool, port_base: int, keep_sandboxes: bool) ->
     argv = [sys.executable, "-m", "dsec.supervisor", str(paths.home), str(port_base)]
     if keep_sandboxes:
         argv.append("--keep-sandboxes")
+    argv += api_args(domain, tls_listen)
     with open(paths.logs / "supervisor.log", "ab") as logf:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True

@@ -34,7 +34,10 @@ sandbox_group.add_command(files_cmd.files_group)
 sandbox_group.add_command(portforward.port_forward)
 
 
-RULE_HELP = "Allow rule: CIDR, CIDR:PORT[-PORT][/udp], DOMAIN or *.DOMAIN (repeatable)."
+RULE_HELP = (
+    "Allow rule: CIDR, CIDR:PORT[-PORT][/udp], DOMAIN, *.DOMAIN, or from:CIDR[:PORT] "
+    "(connections in) (repeatable)."
+)
 
 
 @sandbox_group.command("create")

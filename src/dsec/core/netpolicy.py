@@ -3,6 +3,8 @@
 Rules are strings: ``CIDR`` (any port and protocol), ``CIDR:PORT[-PORT][/udp|/tcp]`` (TCP
 unless ``/udp``), ``DOMAIN`` and ``*.DOMAIN`` (every subdomain, not the domain itself).
 A bare address counts as a /32. ``allow`` opens, ``deny`` closes, and deny wins.
+``from:CIDR[:PORT[-PORT][/udp]]`` (allow only) is an *ingress* rule: hosts in CIDR (another
+sandbox, or a network routed to the edge) may open connections to this sandbox's ports.
 Only IPv4 addresses are accepted: sandboxes get no IPv6 address, so IPv6 is always denied.
 """
 
@@ -10,12 +12,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dsec.core.errors import InvalidArgument
 
 MAX_RULES = 256
+INGRESS_PREFIX = "from:"
 _DOMAIN_RE = re.compile(
     r"^(\*\.)?([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\.)*[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9])?$"
 )
@@ -30,6 +33,7 @@ class CidrRule:
     proto: str = ""  # "", "tcp" or "udp"; "" means every protocol and port
     port_lo: int = 0
     port_hi: int = 0
+    ingress: bool = False  # "from:...": connections from ``network`` to this sandbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,11 @@ def parse_rule(text: str) -> Rule:
     if not isinstance(text, str) or not text or len(text) > 255:
         raise InvalidArgument(f"invalid network rule {text!r}")
     s = text.strip().lower().rstrip(".")
+    if s.startswith(INGRESS_PREFIX):
+        rule = parse_rule(s.removeprefix(INGRESS_PREFIX))
+        if not isinstance(rule, CidrRule):
+            raise InvalidArgument(f"ingress rule {text!r}: expected from:CIDR[:PORT[-PORT][/udp]]")
+        return replace(rule, ingress=True)
     head, sep, ports = s.partition(":")
     try:
         net = ipaddress.ip_network(head, strict=False)
@@ -91,7 +100,12 @@ class NetworkPolicy:
             if len(rules) > MAX_RULES:
                 raise InvalidArgument(f"network.{name} has more than {MAX_RULES} rules")
             for r in rules:
-                parse_rule(r)
+                rule = parse_rule(r)
+                if name == "deny" and isinstance(rule, CidrRule) and rule.ingress:
+                    raise InvalidArgument(
+                        f"network rule {r!r}: ingress rules are allow rules "
+                        "(connections in are denied unless one allows them)"
+                    )
 
     @classmethod
     def from_dict(cls, data: Any) -> NetworkPolicy:
@@ -124,7 +138,12 @@ class NetworkPolicy:
         return [parse_rule(r) for r in (self.allow if which == "allow" else self.deny)]
 
     def cidrs(self, which: str) -> list[CidrRule]:
-        return [r for r in self.rules(which) if isinstance(r, CidrRule)]
+        """Egress CIDR rules."""
+        return [r for r in self.rules(which) if isinstance(r, CidrRule) and not r.ingress]
+
+    def ingress(self) -> list[CidrRule]:
+        """Ingress allow rules (``from:...``)."""
+        return [r for r in self.rules("allow") if isinstance(r, CidrRule) and r.ingress]
 
     def domains(self, which: str) -> list[DomainRule]:
         return [r for r in self.rules(which) if isinstance(r, DomainRule)]

@@ -86,7 +86,7 @@ def candidate_backends(
     store = ImageStore(paths.images)
     container = ContainerBackend(paths, edge_id, image_store=store, network=network)
     function = FunctionBackend(paths, edge_id, image_store=store)
-    microvm = MicrovmBackend(paths, edge_id, image_store=store, vmm=vmm)
+    microvm = MicrovmBackend(paths, edge_id, image_store=store, vmm=vmm, network=network)
     fullvm = VmBackend(paths, edge_id, image_store=store)
     return [container, function, microvm, fullvm]
 

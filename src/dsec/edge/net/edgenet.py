@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -61,12 +62,27 @@ class SandboxNet:
     gateway: str
     netns: Path
     policy: NetworkPolicy
+    tap: str = ""  # a VM sandbox's TAP device in ``netns`` (the guest owns ``address``)
 
     def resolv_conf(self) -> str:
         return f"nameserver {self.gateway}\noptions timeout:2 attempts:2\n"
 
+    def guest_mac(self) -> str:
+        """A locally administered MAC derived from the address (stable across restores)."""
+        return "52:54:" + ":".join(f"{int(b):02x}" for b in self.address.split("."))
+
+    def kernel_ip_arg(self, device: str = "eth0") -> str:
+        """The guest kernel's ``ip=`` argument (static address, gateway, DNS, no autoconf)."""
+        mask = str(ipaddress.IPv4Network(f"0.0.0.0/{PREFIXLEN}").netmask)
+        return f"ip={self.address}::{self.gateway}:{mask}::{device}:off:{self.gateway}"
+
     def to_json(self) -> dict[str, Any]:
-        return {"sandbox_id": self.sandbox_id, "index": self.index, "policy": self.policy.to_dict()}
+        return {
+            "sandbox_id": self.sandbox_id,
+            "index": self.index,
+            "policy": self.policy.to_dict(),
+            "tap": self.tap,
+        }
 
 
 class EdgeNetwork:
@@ -162,11 +178,10 @@ class EdgeNetwork:
         for path in sorted(cfg.state_dir.glob("*.json")):
             with contextlib.suppress(OSError, ValueError, KeyError, DsecError):
                 rec = json.loads(path.read_text())
-                self._remember(
-                    self._net_of(
-                        rec["sandbox_id"], int(rec["index"]), NetworkPolicy.from_dict(rec["policy"])
-                    )
+                net = self._net_of(
+                    rec["sandbox_id"], int(rec["index"]), NetworkPolicy.from_dict(rec["policy"])
                 )
+                self._remember(replace(net, tap=str(rec.get("tap", ""))))
         await self._remove_orphans()
         self._refill()
         log(
@@ -187,6 +202,8 @@ class EdgeNetwork:
         tables = self._nft.run("list tables")
         if f"table {self.t.family_table}\n" not in tables + "\n":
             self._nft.run(ruleset.base(self.t))
+        else:
+            self._nft.run(ruleset.ensure(self.t))
         listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         listen_tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         up = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -268,9 +285,14 @@ class EdgeNetwork:
     def ifname(self, net: SandboxNet) -> str:
         return self.t.if_prefix + net.key
 
-    async def create(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNet:
+    async def create(
+        self, sandbox_id: str, policy: NetworkPolicy, *, tap: bool = False
+    ) -> SandboxNet:
         """Make the sandbox's namespace, veth, addresses and firewall (or return the
         existing one after a restart). On failure nothing is left.
+
+        ``tap``: for a VM: the same slot, then :func:`links.add_tap` hands the address to
+        the guest behind a TAP in the namespace (the VMM runs in that namespace).
 
         Raises:
             NodeFull: the address pool is exhausted.
@@ -282,6 +304,8 @@ class EdgeNetwork:
             warm = bool(self._warm)
             index = self._warm.pop(0) if warm else self._free_index()
             net = self._net_of(sandbox_id, index, policy)
+            if tap:
+                net = replace(net, tap=links.TAP)
             await asyncio.to_thread(self._save, net)
             self._remember(net)
         try:
@@ -289,6 +313,8 @@ class EdgeNetwork:
                 await self._run(lambda: self._nft_run(ruleset.attach(self.t, net.key, policy)))
             else:
                 await self._run(lambda: self._make(net))
+            if tap:
+                await self._run(links.add_tap, net.netns)
             self._refill()
         except BaseException as exc:
             await asyncio.shield(self.destroy(sandbox_id))
@@ -418,7 +444,7 @@ class EdgeNetwork:
                 if kind in item and item[kind].get("name", "").endswith(f"_{key}"):
                     names.add(item[kind]["name"])
             m = item.get("map")
-            if m and m.get("name") in ("egress", "ingress"):
+            if m and m.get("name") in ("egress", "ingress", "peer_in"):
                 for elem in m.get("elem", []):
                     if isinstance(elem, list) and elem and elem[0] == self.t.if_prefix + key:
                         names.add(f"{m['name']}:{elem[0]}")

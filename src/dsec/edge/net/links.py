@@ -162,3 +162,31 @@ def link_names(ip: IPRoute, prefix: str) -> list[str]:
         if isinstance(name, str) and name.startswith(prefix):
             names.append(name)
     return names
+
+
+TAP = "tap0"  # the VMM's device inside a VM sandbox's namespace
+BRIDGE = "br0"
+
+
+def add_tap(netns: Path) -> None:
+    """Turn a prepared sandbox namespace into a VM's: ``eth0`` loses its address to the
+    guest and joins a bridge with a persistent TAP (``tap0``) the VMM opens, so the guest
+    owns the sandbox's address on the same veth, firewall chains and sets as a container.
+
+    Runs on the calling thread and leaves it where it was.
+    """
+    fd = open_netns(netns)
+    try:
+        with entered(fd), IPRoute() as ip:
+            (eth,) = ip.link_lookup(ifname="eth0")
+            ip.flush_addr(index=eth)  # its connected and default routes go with it
+            ip.link("add", ifname=BRIDGE, kind="bridge")
+            (br,) = ip.link_lookup(ifname=BRIDGE)
+            ip.link("add", ifname=TAP, kind="tuntap", mode="tap")
+            (tap,) = ip.link_lookup(ifname=TAP)
+            for idx in (eth, tap):
+                ip.link("set", index=idx, master=br)
+            for idx in (br, tap, eth):
+                ip.link("set", index=idx, state="up")
+    finally:
+        os.close(fd)

@@ -14,8 +14,10 @@ One ``inet`` table per edge, in the gateway namespace (where the veth host ends 
 CIDR.proto.ports (reject: deny wins, even on established flows), established (accept),
 allow CIDRs, allow CIDR.proto.ports, addresses the resolver returned for allowed names (a
 set with timeouts), and rejects the rest with ICMP admin-prohibited so denied connections
-fail at once. ``in_<k>`` drops IPv6 and accepts replies only. Named counters per sandbox
-count what passed and what not.
+fail at once; before that, a connection to another sandbox goes to that sandbox's
+``inok_<k>`` (map ``peer_in``), which accepts what its ingress rules (``from:CIDR...``)
+allow. ``in_<k>`` drops IPv6, accepts replies and what ``inok_<k>`` accepts, drops the
+rest. Named counters per sandbox count what passed and what not.
 Allow rules never cover the pool itself unless they lie inside it (:func:`outside_pool`),
 and resolved addresses inside it are not added, so a sandbox reaches another sandbox only
 through a rule naming it.
@@ -31,6 +33,7 @@ from dsec.core.netpolicy import CidrRule, NetworkPolicy
 
 REJECT = "reject with icmpx type admin-prohibited"
 COUNTERS = ("ok", "deny", "new_ok", "new_deny")
+SETS = ("a", "d", "ap", "dp", "dns", "i", "ip")  # per sandbox: <name>_<key>
 
 
 def table_name(edge_id: str) -> str:
@@ -52,7 +55,7 @@ def base(t: TableSpec) -> str:
 add table {ft}
 add map {ft} egress {{ type ifname : verdict; }}
 add map {ft} ingress {{ type ifname : verdict; }}
-add chain {ft} forward {{ type filter hook forward priority -10; policy accept; }}
+{ensure(t)}add chain {ft} forward {{ type filter hook forward priority -10; policy accept; }}
 add rule {ft} forward iifname vmap @egress
 add rule {ft} forward oifname vmap @ingress
 add rule {ft} forward iifname "{pfx}*" {REJECT}
@@ -70,6 +73,11 @@ add rule {ft} prerouting iifname "{pfx}*" tcp dport 53 redirect to :{t.dns_port}
 add chain {ft} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
 add rule {ft} postrouting ip saddr {t.pool} oifname != "{pfx}*" masquerade
 """
+
+
+def ensure(t: TableSpec) -> str:
+    """Objects a table made by an older edge may lack ("add" leaves existing ones alone)."""
+    return f"add map {t.family_table} peer_in {{ type ifname : verdict; }}\n"
 
 
 def _cidr_elements(rules: list[CidrRule], ported: bool) -> list[str]:
@@ -121,6 +129,12 @@ def policy_elements(ft: str, key: str, policy: NetworkPolicy, pool: str = "") ->
             lines.append(f"add element {ft} {prefix}_{key} {{ {', '.join(plain)} }}")
         if ported:
             lines.append(f"add element {ft} {prefix}p_{key} {{ {', '.join(ported)} }}")
+    ingress = policy.ingress()
+    plain, ported = _cidr_elements(ingress, ported=False), _cidr_elements(ingress, ported=True)
+    if plain:
+        lines.append(f"add element {ft} i_{key} {{ {', '.join(plain)} }}")
+    if ported:
+        lines.append(f"add element {ft} ip_{key} {{ {', '.join(ported)} }}")
     return "\n".join(lines) + "\n"
 
 
@@ -139,6 +153,7 @@ def attach(t: TableSpec, key: str, policy: NetworkPolicy) -> str:
             [
                 f'add element {ft} egress {{ "{ifname}" : jump out_{key} }}',
                 f'add element {ft} ingress {{ "{ifname}" : jump in_{key} }}',
+                f'add element {ft} peer_in {{ "{ifname}" : jump inok_{key} }}',
             ]
         )
         + "\n"
@@ -159,6 +174,13 @@ def add_slot(t: TableSpec, key: str, address: str) -> str:
         f"add set {ft} ap_{key} {{ {ported} }}",
         f"add set {ft} dp_{key} {{ {ported} }}",
         f"add set {ft} dns_{key} {{ type ipv4_addr; flags timeout; }}",
+        f"add set {ft} i_{key} {{ {cidr} }}",
+        f"add set {ft} ip_{key} {{ {ported} }}",
+        # ingress allow rules; also jumped to from a peer sandbox's out_ chain (peer_in)
+        f"add chain {ft} inok_{key}",
+        f"add rule {ft} inok_{key} ip saddr @i_{key} {c['ok']} {c['new_ok']} accept",
+        f"add rule {ft} inok_{key} ip saddr . meta l4proto . th dport @ip_{key} "
+        f"{c['ok']} {c['new_ok']} accept",
         f"add chain {ft} out_{key}",
         # no IPv6 at all, whatever the policy (rules are IPv4; sandboxes get no IPv6 address)
         f"add rule {ft} out_{key} meta nfproto ipv6 {c['deny']} {c['new_deny']} {REJECT}",
@@ -171,10 +193,13 @@ def add_slot(t: TableSpec, key: str, address: str) -> str:
         f"add rule {ft} out_{key} ip daddr . meta l4proto . th dport @ap_{key} "
         f"{c['ok']} {c['new_ok']} accept",
         f"add rule {ft} out_{key} ip daddr @dns_{key} {c['ok']} {c['new_ok']} accept",
+        # to another sandbox: its ingress rules may let this one in
+        f"add rule {ft} out_{key} ip daddr {t.pool} oifname vmap @peer_in",
         f"add rule {ft} out_{key} {c['deny']} {c['new_deny']} {REJECT}",
         f"add chain {ft} in_{key}",
         f"add rule {ft} in_{key} meta nfproto ipv6 {c['deny']} {c['new_deny']} drop",
         f"add rule {ft} in_{key} ct state established,related {c['ok']} accept",
+        f"add rule {ft} in_{key} jump inok_{key}",
         f"add rule {ft} in_{key} {c['deny']} {c['new_deny']} drop",
     ]
     return "\n".join(cmds) + "\n"
@@ -185,7 +210,7 @@ def replace_policy(
 ) -> str:
     """One transaction swapping the rule sets; ``dns_keep`` are "ip timeout Ns" entries
     of resolved names that stay allowed."""
-    cmds = [f"flush set {ft} {s}_{key}" for s in ("a", "d", "ap", "dp", "dns")]
+    cmds = [f"flush set {ft} {s}_{key}" for s in SETS]
     text = "\n".join(cmds) + "\n" + policy_elements(ft, key, policy, pool)
     if dns_keep:
         text += f"add element {ft} dns_{key} {{ {', '.join(dns_keep)} }}\n"
@@ -200,11 +225,14 @@ def remove_sandbox(t: TableSpec, key: str, present: set[str] | None = None) -> s
     cmds: list[tuple[str, str]] = [
         (f"egress:{ifname}", f'delete element {ft} egress {{ "{ifname}" }}'),
         (f"ingress:{ifname}", f'delete element {ft} ingress {{ "{ifname}" }}'),
+        (f"peer_in:{ifname}", f'delete element {ft} peer_in {{ "{ifname}" }}'),
         (f"out_{key}", f"delete chain {ft} out_{key}"),
         (f"in_{key}", f"delete chain {ft} in_{key}"),
+        (f"inok_{key}", f"delete chain {ft} inok_{key}"),
     ]
-    cmds += [(f"{s}_{key}", f"delete set {ft} {s}_{key}") for s in ("a", "d", "ap", "dp", "dns")]
+    cmds += [(f"{s}_{key}", f"delete set {ft} {s}_{key}") for s in SETS]
     cmds += [(f"{n}_{key}", f"delete counter {ft} {n}_{key}") for n in COUNTERS]
-    chains = [(name, f"flush chain {ft} {name}") for name in (f"out_{key}", f"in_{key}")]
-    ordered = cmds[:2] + chains + cmds[2:]
+    names = (f"out_{key}", f"in_{key}", f"inok_{key}")
+    chains = [(name, f"flush chain {ft} {name}") for name in names]
+    ordered = cmds[:3] + chains + cmds[3:]
     return "\n".join(c for name, c in ordered if present is None or name in present) + "\n"

@@ -33,7 +33,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from dsec.core.errors import (
     SandboxFailed,
     SandboxNotFound,
 )
+from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import (
     SANDBOX_NAME_RE,
@@ -57,8 +58,9 @@ from dsec.edge.backends.api import (
 from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.microvm import choice, disks, kernel, qemu, snapshots
 from dsec.edge.backends.microvm.mux import GuestLink, HostMux
-from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig, Vmm, watched
+from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig, Vmm, watched
 from dsec.edge.images.store import Image, ImageStore
+from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.obs import log
 from dsec.paths import Paths
 
@@ -87,6 +89,7 @@ class MicrovmBackend:
     name = "microvm"
     boot_timeout_s: float | None = None  # a subclass's own (default: BOOT_TIMEOUT_S)
     fixed_vmm: str | None = None  # a subclass that runs on one VMM only (q35: "qemu")
+    guest_network = True  # the guest configures eth0 from ip= (the vm image does not yet)
 
     def __init__(
         self,
@@ -99,8 +102,11 @@ class MicrovmBackend:
         mem_dir: Path | None = None,
         kernel_image: Path | None = None,
         vmm: str = "auto",
+        network: EdgeNetwork | None = None,
     ) -> None:
         self.paths = paths
+        # the edge's sandbox networking: each VM gets a pooled namespace with a TAP
+        self.network = network if self.guest_network else None
         self.edge_id = edge_id
         self.images = image_store
         self.cgroup_parent = cgroup_parent.strip("/")
@@ -161,9 +167,10 @@ class MicrovmBackend:
             pty=True,
             persistent_processes=True,
             persistent_filesystem=True,
-            network_policy=False,
+            network_policy=self.network is not None,
             max_vcpus=float(os.cpu_count() or 1),
-            notes=f"{note}; no sandbox networking yet",
+            notes=f"{note}"
+            + ("" if self.network is not None else "; no sandbox networking on this edge"),
         )
 
     def kernel(self) -> Path | None:
@@ -197,14 +204,16 @@ class MicrovmBackend:
         """Boot a microVM for the sandbox; on failure leave nothing behind.
 
         Raises:
-            InvalidArgument: malformed id, or network rules (not supported yet).
+            InvalidArgument: malformed id, or network rules without sandbox networking.
             ImageNotFound: the image is not in the store.
             BackendUnavailable: no QEMU or no guest kernel on this node.
             SandboxFailed / DeadlineExceeded: the guest did not come up (console attached).
         """
         _check_id(sandbox_id)
-        if spec.network.allow or spec.network.deny:
-            raise InvalidArgument("microVM sandboxes have no network yet: network rules refused")
+        if self.network is None and (spec.network.allow or spec.network.deny):
+            raise InvalidArgument(
+                f"{self.name} sandboxes on this edge have no network: network rules refused"
+            )
         vm = self._vms.get(sandbox_id)
         if vm is not None and vm.vmm.alive():
             return Started(pid=vm.keeper)
@@ -217,6 +226,11 @@ class MicrovmBackend:
         try:
             shared = await asyncio.to_thread(self._shared_images, image.layer_dirs)
             env = _guest_env(sandbox_id, image.env, spec.env)
+            net: dict[str, str] = {}
+            if self.network is not None:
+                sn = await self.network.create(sandbox_id, spec.network, tap=True)
+                net = {"netns": str(sn.netns), "tap": sn.tap, "mac": sn.guest_mac(),
+                       "ip": sn.kernel_ip_arg(), "resolv_conf": sn.resolv_conf()}  # fmt: skip
             await asyncio.to_thread(
                 self._prepare_state,
                 sandbox_id,
@@ -226,6 +240,7 @@ class MicrovmBackend:
                 kern,
                 env,
                 len(image.layer_dirs),
+                net,
             )
             meta = _load_meta(paths.state_dir)
             config = self._config(sandbox_id, paths, meta)
@@ -269,6 +284,7 @@ class MicrovmBackend:
         kern: Path,
         env: dict[str, str],
         layers: int,
+        net: dict[str, str],
     ) -> None:
         sd = paths.state_dir
         sd.mkdir(parents=True, exist_ok=True)
@@ -276,6 +292,7 @@ class MicrovmBackend:
         _writable_disk(Path(shared["scratch_base"]), sd / _scratch(vmm), "raw", vmm)
         env = {
             **env,
+            **({"dsec.resolv_conf": net["resolv_conf"]} if net else {}),
             "dsec.layers": str(layers),
             "dsec.machine_id": secrets.token_hex(16),
             "dsec.seed": secrets.token_hex(32),
@@ -291,6 +308,7 @@ class MicrovmBackend:
             "mem_gen": "",
             "shared_ram": True,
             "vmm": vmm,
+            "net": net,
         }
         _save_meta(sd, meta)
 
@@ -305,7 +323,7 @@ class MicrovmBackend:
         ]
         run = self.run_dir(sandbox_id)
         driver = choice.new_vmm(_vmm_of(meta))
-        return VmConfig(
+        config = VmConfig(
             vcpus=meta["vcpus"],
             memory_mib=meta["memory_mib"],
             kernel=Path(meta["kernel"]),
@@ -316,6 +334,7 @@ class MicrovmBackend:
             agent_socket=driver.channel_socket(run),
             extra={"initrd": shared["initrd"], "cgroups": ":".join(self._cgroup_dirs(sandbox_id))},
         )
+        return _with_net(config, meta.get("net") or {})
 
     def _cgroup_dirs(self, sandbox_id: str) -> list[str]:
         lay = self.layout()
@@ -531,6 +550,11 @@ class MicrovmBackend:
             meta = await asyncio.to_thread(_load_meta, sd)
             if meta.get("paused") or not vm.vmm.alive():
                 raise InvalidState(f"microVM {sandbox_id} is not running: cannot fork")
+            if meta.get("net"):
+                raise InvalidArgument(
+                    "fork of a sandbox with a network is not supported yet "
+                    "(the children would wake up with the parent's address)"
+                )
             tid = f"{sandbox_id}-{secrets.token_hex(4)}"
             tdir = self.templates_dir / tid
             # Recorded first: whatever happens next, destroying the parent removes it.
@@ -640,6 +664,8 @@ class MicrovmBackend:
             await vm.vmm.kill()
             await asyncio.to_thread(_kill_pid, vm.keeper)
         left = await asyncio.to_thread(cgroups.remove, self.layout(), self.cgroup_path(sandbox_id))
+        if self.network is not None:  # after QEMU is gone (it holds the TAP)
+            await self.network.destroy(sandbox_id)
         try:
             templates = (await asyncio.to_thread(_load_meta, paths.state_dir)).get("templates", [])
         except (OSError, ValueError):
@@ -673,6 +699,23 @@ class MicrovmBackend:
             if tid not in used:
                 shutil.rmtree(self.templates_dir / tid, ignore_errors=True)
                 (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
+
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
+        """Replace a running VM's network policy (the firewall outside the guest).
+
+        Raises:
+            InvalidArgument: this edge has no sandbox networking.
+            SandboxNotFound: the sandbox has no network.
+        """
+        if self.network is None:
+            raise InvalidArgument(f"{self.name} sandboxes on this edge have no networking")
+        await self.network.set_policy(sandbox_id, policy)
+
+    async def network_stats(self, sandbox_id: str) -> dict[str, int]:
+        """Allowed/denied bytes, packets and connections (empty without networking)."""
+        if self.network is None or self.network.get(sandbox_id) is None:
+            return {}
+        return (await self.network.counters()).get(sandbox_id, {})
 
     async def usage(self, sandbox_id: str) -> dict[str, float]:
         return await asyncio.to_thread(
@@ -742,6 +785,19 @@ def _guest_env(
     env["DSEC_SANDBOX_ID"] = sandbox_id
     env["HOSTNAME"] = sandbox_id
     return env
+
+
+def _with_net(config: VmConfig, net: dict[str, str]) -> VmConfig:
+    """The VM's NIC: QEMU runs in the sandbox's namespace and opens its TAP; the guest
+    kernel takes address, gateway and resolver from ``ip=``."""
+    if not net:
+        return config
+    return replace(
+        config,
+        cmdline=f"{config.cmdline} {net['ip']}".strip(),
+        net=(NetIface("eth0", net["tap"], net["mac"]),),
+        netns=net["netns"],
+    )
 
 
 def _save_meta(sd: Path, meta: dict[str, Any]) -> None:

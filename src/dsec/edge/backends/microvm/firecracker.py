@@ -41,7 +41,7 @@ from dsec.core.errors import (
 )
 from dsec.edge.backends.microvm.fc_api import FirecrackerApi, FirecrackerApiError
 from dsec.edge.backends.microvm.mux import HybridVsockLink
-from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig
+from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig, netns_path
 from dsec.obs import log
 
 _log = logging.getLogger("dsec.edge.firecracker")
@@ -441,7 +441,9 @@ class FirecrackerVmm:
         vm_id = vm_id_of(config)
         if not self.use_jailer:
             argv = [str(self.binary), "--api-sock", str(config.run_dir / API_SOCKET), "--id", vm_id]
-            return ["ip", "netns", "exec", config.netns, *argv] if config.netns else argv
+            if config.netns:  # the sandbox's network namespace, where its TAP is
+                argv = ["nsenter", f"--net={netns_path(config.netns)}", "--", *argv]
+            return argv
         assert self.jailer is not None
         argv = [
             str(self.jailer), "--id", vm_id, "--exec-file", str(self.binary),
@@ -450,7 +452,7 @@ class FirecrackerVmm:
             "--chroot-base-dir", str(config.run_dir / "jail"),
         ]  # fmt: skip
         if config.netns:
-            argv += ["--netns", f"/var/run/netns/{config.netns}"]
+            argv += ["--netns", netns_path(config.netns)]
         return [*argv, "--", "--api-sock", f"/run/{API_SOCKET}"]
 
     async def _wait_socket(self, socket: Path) -> None:

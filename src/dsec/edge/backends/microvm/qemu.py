@@ -31,9 +31,10 @@ from typing import TypeVar
 from dsec.core.errors import SandboxFailed
 from dsec.edge.backends.microvm.mux import SerialLink
 from dsec.edge.backends.microvm.qmp import Qmp
-from dsec.edge.backends.microvm.vmm import Snapshot, VmConfig, watched
+from dsec.edge.backends.microvm.vmm import Snapshot, VmConfig, netns_path, watched
 
 QEMU = "qemu-system-x86_64"
+NSENTER = "nsenter"  # util-linux
 PANIC_MARKERS = ("Kernel panic", "end Kernel panic")
 AGENT_PORT = "dsec.agent"
 T = TypeVar("T")
@@ -176,6 +177,11 @@ class QemuVmm:
             "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
         ]  # fmt: skip
+        for i, n in enumerate(c.net):  # a TAP in c.netns, where QEMU runs (see _popen)
+            argv += [
+                "-netdev", f"tap,id=n{i},ifname={n.tap},script=no,downscript=no",
+                "-device", f"virtio-net-{bus},netdev=n{i},mac={n.mac}",
+            ]  # fmt: skip
         initrd = c.extra.get("initrd")
         if initrd:
             argv += ["-initrd", initrd]
@@ -385,6 +391,8 @@ def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:
         # edge runs gRPC, whose fork handlers must not run in a forked Python child)
         joins = "".join(f'echo $$ > "{p}" && ' for p in procs)
         argv = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *argv]
+    if c.netns:  # the sandbox's network namespace (file path): QEMU opens its TAP there
+        argv = [NSENTER, f"--net={netns_path(c.netns)}", "--", *argv]
     with open(c.run_dir / "qemu.log", "wb") as log:
         return subprocess.Popen(
             argv,

@@ -50,7 +50,7 @@ class VmConfig:
     drives: tuple[Drive, ...] = ()
     net: tuple[NetIface, ...] = ()
     agent_socket: Path = Path()  # host unix socket of the agent channel (vsock or serial)
-    netns: str | None = None  # run the VMM inside this network namespace
+    netns: str | None = None  # run the VMM in this network namespace (a name or a file path)
     cgroup: Path | None = None  # put the VMM process in this cgroup (limits cap the VMM too)
     extra: dict[str, str] = field(default_factory=dict)  # driver-specific knobs
 
@@ -162,3 +162,8 @@ async def watched(vmm: Vmm, aw: Awaitable[T], timeout_s: float) -> T:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+
+
+def netns_path(netns: str) -> str:
+    """A network namespace given as a file path or as a name under /var/run/netns."""
+    return netns if "/" in netns else f"/var/run/netns/{netns}"

@@ -44,6 +44,9 @@ class VmBackend(MicrovmBackend):
     name = "vm"
     boot_timeout_s = VM_BOOT_TIMEOUT_S
     fixed_vmm = "qemu"  # a q35 PC: Firecracker has no such machine
+    # The Debian image has virtio_net as a module, no IP_PNP, networkd off: it would need
+    # systemd-networkd + systemd-network-generator (which read ip=) enabled in the image.
+    guest_network = False
 
     def availability(self) -> Availability:
         if os.geteuid() != 0:
@@ -96,6 +99,7 @@ class VmBackend(MicrovmBackend):
         kern: Path,
         env: dict[str, str],
         layers: int,
+        net: dict[str, str],
     ) -> None:
         cmdline = guest_cmdline(sandbox_id, env)
         sd = paths.state_dir

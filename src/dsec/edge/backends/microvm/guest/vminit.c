@@ -258,6 +258,13 @@ int main(void) {
                  host);
         write_file("/newroot/etc/hosts", hosts);
     }
+    /* With sandbox networking the kernel configured eth0 from ip=; the edge's resolver */
+    const char *resolv = cfg_get("dsec.resolv_conf");
+    if (resolv) {
+        mkdir("/newroot/etc", 0755);
+        unlink("/newroot/etc/resolv.conf"); /* may be a dangling symlink in the image */
+        write_file("/newroot/etc/resolv.conf", resolv);
+    }
     const char *mid = cfg_get("dsec.machine_id");
     if (mid) {
         static char line[64];
