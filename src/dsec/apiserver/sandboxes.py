@@ -24,15 +24,11 @@ from dsec.core.errors import (
 )
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
-from dsec.core.spec import SandboxSpec
+from dsec.core.spec import SandboxSpec, create_deadline_s
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.convert import spec_from_pb, spec_to_pb
 
 MAX_EDGE_TRIES = 3
-# The edge's create may pull an image or boot a full VM under TCG (minutes on a loaded
-# host); give it nearly as long as the SDK waits (sdk.wire.CREATE_TIMEOUT_S, 300 s), so a
-# slow boot is not cut off here while the client still waits for it.
-EDGE_CREATE_TIMEOUT_S = 290
 
 
 def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
@@ -96,7 +92,7 @@ async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) 
                         spec=req_spec, project=project, owner=p.subject, sandbox_id=sid
                     ),
                     metadata=p.metadata(),
-                    timeout=EDGE_CREATE_TIMEOUT_S,
+                    timeout=create_deadline_s(spec.backend),
                 ),
             )
         except BaseException as exc:
