@@ -10,6 +10,7 @@ import pytest
 
 from dsec.core.errors import InvalidArgument
 from dsec.edge.backends.microvm import disks, kernel, qemu, snapshots
+from dsec.edge.backends.microvm.backend import VMM_OVERHEAD_MIB
 from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig
 
 
@@ -106,6 +107,9 @@ def test_qemu_argv(tmp_path: Path) -> None:
     assert "rtc=on" in joined
     assert "share=on" in joined
     assert "tsc_early_khz=" in joined
+    # the TCG code buffer is bounded, so QEMU stays inside its cgroup's memory limit
+    assert tcg[tcg.index("-accel") + 1] == f"tcg,tb-size={qemu.TCG_TB_MIB}"
+    assert qemu.TCG_TB_MIB + 64 <= VMM_OVERHEAD_MIB
     assert "format=qcow2" in joined
     assert "serial=l0" in joined
     assert "readonly=on" in joined

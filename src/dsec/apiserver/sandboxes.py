@@ -24,7 +24,7 @@ from dsec.core.errors import (
 )
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
-from dsec.core.spec import SandboxSpec
+from dsec.core.spec import SandboxSpec, create_deadline_s
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.convert import spec_from_pb, spec_to_pb
 
@@ -91,7 +91,7 @@ async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) 
                         spec=req_spec, project=project, owner=p.subject, sandbox_id=sid
                     ),
                     metadata=p.metadata(),
-                    timeout=120,
+                    timeout=create_deadline_s(spec.backend),
                 ),
             )
         except BaseException as exc:

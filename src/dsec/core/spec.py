@@ -10,6 +10,16 @@ from dsec.core.errors import InvalidArgument
 from dsec.core.netpolicy import NetworkPolicy
 
 BACKENDS = ("function", "container", "microvm", "vm")
+# How long the apiserver waits for an edge's create (an image pull, a VM boot); the vm
+# backend boots Debian with systemd, minutes under TCG on a loaded host (its edge watchdog,
+# vm.backend.VM_BOOT_TIMEOUT_S, is 480 s), so the layers above wait a little longer than it.
+CREATE_DEADLINE_S = 290.0
+VM_CREATE_DEADLINE_S = 500.0
+
+
+def create_deadline_s(backend: str | None) -> float:
+    return VM_CREATE_DEADLINE_S if backend == "vm" else CREATE_DEADLINE_S
+
 
 MIN_CPU, MAX_CPU = 0.05, 64.0
 MIN_MEMORY_MB, MAX_MEMORY_MB = 32, 256 * 1024

@@ -29,6 +29,7 @@ from dsec.core.errors import (
     Unavailable,
     error_from_wire,
 )
+from dsec.core.spec import create_deadline_s
 from dsec.sdk.models import (
     JSON,
     AccessToken,
@@ -202,7 +203,9 @@ def create_sandbox(
         network=_network_body(network) if network is not None else None,
     )
     body.update(extra or {})
-    req = json_request("POST", "/v1/sandboxes", body, timeout=CREATE_TIMEOUT_S)
+    # the apiserver's own wait for the edge (core.spec.create_deadline_s) ends first
+    wait = max(CREATE_TIMEOUT_S, create_deadline_s(backend) + 10)
+    req = json_request("POST", "/v1/sandboxes", body, timeout=wait)
     return Call(req, SandboxInfo.from_wire)
 
 

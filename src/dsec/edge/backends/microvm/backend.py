@@ -67,7 +67,8 @@ from dsec.paths import Paths
 _log = logging.getLogger(__name__)
 BOOT_TIMEOUT_S = 60.0
 RESTORE_TIMEOUT_S = 30.0
-VMM_OVERHEAD_MIB = 256  # the VMM (QEMU's TCG code buffer...) and page tables, over guest RAM
+# On top of guest RAM: QEMU itself (~50 MiB resident), its TCG code buffer, page tables.
+VMM_OVERHEAD_MIB = qemu.TCG_TB_MIB + 128
 MAX_FORK = 64
 
 

@@ -51,6 +51,14 @@ def accelerator() -> str:
     return "kvm" if ok else "tcg"
 
 
+# QEMU's TCG keeps the host code it translated in one buffer, 1 GiB by default, that grows
+# with every guest code page it runs. A systemd boot of the Debian image fills ~350 MiB of
+# it, which with the guest's RAM passed the sandbox cgroup's memory limit and got QEMU
+# OOM-killed mid-boot (seen as "the agent closed the connection"). Bounded, QEMU flushes
+# the buffer when full and translates again, and the limit holds (VMM_OVERHEAD_MIB).
+TCG_TB_MIB = 128
+
+
 def host_tsc_khz() -> int | None:
     try:
         with open("/proc/cpuinfo") as f:
@@ -160,7 +168,7 @@ class QemuVmm:
         argv = [
             QEMU,
             "-M", f"{machine},memory-backend=mem",
-            "-accel", self.accel,
+            "-accel", f"tcg,tb-size={TCG_TB_MIB}" if self.accel == "tcg" else self.accel,
             "-cpu", "max" if self.accel == "tcg" else "host",
             "-smp", str(c.vcpus),
             "-m", f"{c.memory_mib}M",
