@@ -97,6 +97,10 @@ class SandboxNotFound(NotFound):
     code = "sandbox_not_found"
 
 
+class SnapshotNotFound(NotFound):
+    code = "snapshot_not_found"
+
+
 class LeaseNotFound(NotFound):
     """The store lease does not exist (never granted, revoked or expired)."""
 

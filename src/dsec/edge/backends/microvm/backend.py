@@ -39,6 +39,7 @@ from dsec.core.errors import (
     InvalidState,
     SandboxFailed,
     SandboxNotFound,
+    SnapshotNotFound,
 )
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import (
@@ -62,6 +63,7 @@ BOOT_TIMEOUT_S = 60.0
 RESTORE_TIMEOUT_S = 30.0
 VMM_OVERHEAD_MIB = 256  # QEMU, its TCG code buffer and page tables, on top of guest RAM
 MAX_FORK = 64
+PINNED = "pinned"  # in a template directory: a named snapshot (holds the source sandbox id)
 
 
 @dataclass
@@ -485,36 +487,8 @@ class MicrovmBackend:
             _check_id(cid)
         vm = await self._need(sandbox_id)
         async with vm.lock:
-            sd = self.sandboxes_dir / sandbox_id
-            meta = await asyncio.to_thread(_load_meta, sd)
-            if meta.get("paused") or not vm.vmm.alive():
-                raise InvalidState(f"microVM {sandbox_id} is not running: cannot fork")
             tid = f"{sandbox_id}-{secrets.token_hex(4)}"
-            tdir = self.templates_dir / tid
-            # Recorded first: whatever happens next, destroying the parent removes it.
-            meta["templates"] = [*meta.get("templates", []), tid]
-            await asyncio.to_thread(_save_meta, sd, meta)
-            paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
-            try:
-                await self._detach(vm)
-                snap = await vm.vmm.snapshot(tdir)
-                await vm.vmm.kill()
-                # The template: RAM file, device state, the disk as it was, config disk.
-                frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
-                await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir)
-                tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
-                await asyncio.to_thread(snapshots.write_manifest, tsnap)
-                # The parent goes on from the template too (its own disk overlay on top).
-                await asyncio.to_thread(
-                    disks.make_overlay, tdir / "scratch.qcow2", sd / "scratch.qcow2", "qcow2"
-                )
-            except BaseException:
-                await vm.vmm.kill()
-                await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
-                raise
-            meta["mem_gen"] = f".{secrets.token_hex(3)}"
-            meta["shared_ram"] = False
-            await asyncio.to_thread(_save_meta, sd, meta)
+            paths, meta, tsnap = await self._make_template(sandbox_id, vm, tid)
             # The parent and every child start from the template at the same time.
             results = await asyncio.gather(
                 self._fork_parent(sandbox_id, vm, paths, meta, tsnap),
@@ -535,6 +509,43 @@ class MicrovmBackend:
             raise errors[0]
         return [r for r in results if isinstance(r, Started)]
 
+    async def _make_template(
+        self, sandbox_id: str, vm: _Vm, tid: str
+    ) -> tuple[SandboxPaths, dict[str, Any], Snapshot]:
+        """Snapshot the running ``sandbox_id`` into template ``tid`` (RAM file, device state,
+        its disk as it was, config disk, manifest, the parent's settings) and quit its QEMU;
+        the caller restarts the parent from it. Called with ``vm.lock`` held."""
+        sd = self.sandboxes_dir / sandbox_id
+        meta = await asyncio.to_thread(_load_meta, sd)
+        if meta.get("paused") or not vm.vmm.alive():
+            raise InvalidState(f"microVM {sandbox_id} is not running: cannot snapshot or fork it")
+        tdir = self.templates_dir / tid
+        # Recorded first: whatever happens next, destroying the parent removes it.
+        meta["templates"] = [*meta.get("templates", []), tid]
+        await asyncio.to_thread(_save_meta, sd, meta)
+        paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
+        try:
+            await self._detach(vm)
+            snap = await vm.vmm.snapshot(tdir)
+            await vm.vmm.kill()
+            frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
+            await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir)
+            tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
+            await asyncio.to_thread(snapshots.write_manifest, tsnap)
+            # The parent goes on from the template too (its own disk overlay on top).
+            await asyncio.to_thread(
+                disks.make_overlay, tdir / "scratch.qcow2", sd / "scratch.qcow2", "qcow2"
+            )
+        except BaseException:
+            await vm.vmm.kill()
+            await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
+            raise
+        meta["mem_gen"] = f".{secrets.token_hex(3)}"
+        meta["shared_ram"] = False
+        await asyncio.to_thread(_save_meta, sd, meta)
+        await asyncio.to_thread(_save_meta, tdir, meta)  # what a sandbox made from it gets
+        return paths, meta, tsnap
+
     async def _fork_parent(
         self, sandbox_id: str, vm: _Vm, paths: SandboxPaths, meta: dict[str, Any], tsnap: Snapshot
     ) -> None:
@@ -546,7 +557,14 @@ class MicrovmBackend:
             raise
 
     async def _fork_child(
-        self, parent: str, pmeta: dict[str, Any], tsnap: Snapshot, cid: str, cp: SandboxPaths
+        self,
+        parent: str,
+        pmeta: dict[str, Any],
+        tsnap: Snapshot,
+        cid: str,
+        cp: SandboxPaths,
+        *,
+        verified: bool = True,
     ) -> Started:
         vm = _Vm(vmm=qemu.QemuVmm())
         self._vms[cid] = vm
@@ -564,12 +582,60 @@ class MicrovmBackend:
                 "seed": secrets.token_hex(32),
             }
             await self._restore(
-                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=True
+                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=verified
             )
         except BaseException:
             await asyncio.shield(self._rollback(cid, cp))
             raise
         return Started(pid=vm.keeper)
+
+    # --- named snapshots ---------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str) -> int:
+        """Take named snapshot ``snapshot_id`` of the running ``sandbox_id``, which goes on
+        running from it (as a fork parent does). The snapshot is a fork template pinned
+        until :meth:`delete_snapshot`. Returns its size in bytes."""
+        _check_id(snapshot_id)
+        vm = await self._need(sandbox_id)
+        async with vm.lock:
+            paths, meta, tsnap = await self._make_template(sandbox_id, vm, snapshot_id)
+            pin = tsnap.dir / PINNED
+            await asyncio.to_thread(pin.write_text, sandbox_id)
+            try:
+                await self._fork_parent(sandbox_id, vm, paths, meta, tsnap)
+            except BaseException:
+                pin.unlink(missing_ok=True)
+                await asyncio.to_thread(self._drop_unused_templates, [snapshot_id])
+                raise
+        log(_log, "microvm snapshot taken", sandbox_id=sandbox_id, snapshot_id=snapshot_id)
+        return await asyncio.to_thread(_tree_bytes, tsnap.dir, tsnap.mem_file)
+
+    async def create_from_snapshot(
+        self, snapshot_id: str, sandbox_id: str, paths: SandboxPaths
+    ) -> Started:
+        """Start ``sandbox_id`` from named snapshot ``snapshot_id`` (refused unless every
+        file matches its manifest); its RAM is mapped copy-on-write, as a fork child's."""
+        _check_id(sandbox_id)
+        tsnap = self._named(snapshot_id)
+        try:
+            meta = await asyncio.to_thread(_load_meta, tsnap.dir)
+        except (OSError, ValueError) as exc:
+            raise snapshots.SnapshotCorrupt(f"snapshot {snapshot_id} has no settings") from exc
+        parent = (tsnap.dir / PINNED).read_text().strip()
+        return await self._fork_child(parent, meta, tsnap, sandbox_id, paths, verified=False)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Unpin ``snapshot_id``; its files go once no sandbox started from it remains."""
+        tsnap = self._named(snapshot_id)
+        (tsnap.dir / PINNED).unlink(missing_ok=True)
+        await asyncio.to_thread(self._drop_unused_templates, [snapshot_id])
+
+    def _named(self, snapshot_id: str) -> Snapshot:
+        tdir = self.templates_dir / snapshot_id
+        if not SANDBOX_NAME_RE.match(snapshot_id) or not (tdir / PINNED).exists():
+            raise SnapshotNotFound(f"no microVM snapshot {snapshot_id} on edge {self.edge_id}")
+        return Snapshot(dir=tdir, mem_file=self.mem_dir / f"tpl-{snapshot_id}.mem",
+                        state=tdir / "state")  # fmt: skip
 
     @staticmethod
     def _prepare_child(sd: Path, tsnap: Snapshot, meta: dict[str, Any]) -> None:
@@ -625,7 +691,7 @@ class MicrovmBackend:
             with contextlib.suppress(OSError, ValueError):
                 used.update(_load_meta(sd).get("templates", []))
         for tid in templates:
-            if tid not in used:
+            if tid not in used and not (self.templates_dir / tid / PINNED).exists():
                 shutil.rmtree(self.templates_dir / tid, ignore_errors=True)
                 (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
 
@@ -696,6 +762,13 @@ def _freeze(mem: Path, frozen_mem: Path, sd: Path, tdir: Path) -> None:
     # one), and rename(2) across mounts fails even on one filesystem.
     shutil.move(sd / "scratch.qcow2", tdir / "scratch.qcow2")
     shutil.copyfile(sd / "config.img", tdir / "config.img")
+
+
+def _tree_bytes(d: Path, *files: Path) -> int:
+    """Bytes allocated on disk (sparse files count what they use) by ``d``'s files and
+    ``files``."""
+    paths = [p for p in d.rglob("*") if p.is_file()] + list(files)
+    return sum(p.stat().st_blocks * 512 for p in paths if p.exists())
 
 
 def _start_keeper(sd: Path) -> int:
