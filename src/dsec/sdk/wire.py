@@ -273,11 +273,16 @@ def batch_sandboxes(
     return Call(request, _batch_results)
 
 
-def fork_sandbox(sandbox_id: str, count: int) -> Call[list[SandboxInfo]]:
+def fork_sandbox(
+    sandbox_id: str, count: int, timeout_s: int | None = None
+) -> Call[list[SandboxInfo]]:
+    """``POST /v1/sandboxes/{id}/fork``: ``timeout_s`` is the children's lifetime (default:
+    the parent's)."""
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
         raise InvalidArgument(f"count must be an integer between 1 and 64, got {count!r}")
     path = sandbox_path(sandbox_id) + "/fork"
-    return Call(json_request("POST", path, {"count": count}), _sandbox_list)
+    body = compact(count=count, timeout_s=timeout_s)
+    return Call(json_request("POST", path, body, timeout=CREATE_TIMEOUT_S), _sandbox_list)
 
 
 SNAPSHOT_MODES = ("full", "filesystem")
