@@ -125,6 +125,9 @@ def test_microvm_full_snapshot_resumes_processes(platform: RunningPlatform, api:
         assert child.files.read("/root/hello.txt") == b"from the source"
         assert child.shell("work").run("echo $X").stdout.strip() == "42"
         assert child.exec("hostname").stdout.strip() == child.id
+        made += src.fork(count=1)  # a fork of a sandbox running from a snapshot
+        assert made[-1].files.read("/root/hello.txt") == b"changed after"
+        assert child.files.read("/root/hello.txt") == b"from the source"
         api.delete_snapshot(snap.id)
         assert child.exec("echo alive").stdout == "alive\n"  # its RAM outlives the snapshot
         with pytest.raises(errors.SnapshotNotFound):

@@ -528,8 +528,12 @@ class MicrovmBackend:
             await self._detach(vm)
             snap = await vm.vmm.snapshot(tdir)
             await vm.vmm.kill()
+            await asyncio.to_thread(_settle, snap.state)
             frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
-            await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir)
+            # RAM mapped privately from an older template went into the state stream: that
+            # template's file stays its own, this one gets an empty RAM file.
+            ram = snap.mem_file if vm.vmm.shared_ram else None
+            await asyncio.to_thread(_freeze, ram, frozen_mem, sd, tdir)
             tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
             await asyncio.to_thread(snapshots.write_manifest, tsnap)
             # The parent goes on from the template too (its own disk overlay on top).
@@ -592,23 +596,38 @@ class MicrovmBackend:
     # --- named snapshots ---------------------------------------------------------------
 
     async def snapshot(self, sandbox_id: str, snapshot_id: str) -> int:
-        """Take named snapshot ``snapshot_id`` of the running ``sandbox_id``, which goes on
-        running from it (as a fork parent does). The snapshot is a fork template pinned
-        until :meth:`delete_snapshot`. Returns its size in bytes."""
+        """Take named snapshot ``snapshot_id`` of the running ``sandbox_id``: the guest stops
+        while its device state is written and its RAM file and disk are copied, then goes on
+        in the same QEMU. The snapshot is a template pinned until :meth:`delete_snapshot`.
+        Returns its size in bytes."""
         _check_id(snapshot_id)
         vm = await self._need(sandbox_id)
         async with vm.lock:
-            paths, meta, tsnap = await self._make_template(sandbox_id, vm, snapshot_id)
-            pin = tsnap.dir / PINNED
-            await asyncio.to_thread(pin.write_text, sandbox_id)
+            sd = self.sandboxes_dir / sandbox_id
+            meta = await asyncio.to_thread(_load_meta, sd)
+            if meta.get("paused") or not vm.vmm.alive():
+                raise InvalidState(f"microVM {sandbox_id} is not running: cannot snapshot it")
+            tdir = self.templates_dir / snapshot_id
+            tmem = self.mem_dir / f"tpl-{snapshot_id}.mem"
+            tsnap = Snapshot(dir=tdir, mem_file=tmem, state=tdir / "state")
+            # Sandboxes made from it keep it and the templates its disk stands on.
+            tmeta = {**meta, "templates": [*meta.get("templates", []), snapshot_id]}
             try:
-                await self._fork_parent(sandbox_id, vm, paths, meta, tsnap)
+                try:
+                    snap = await vm.vmm.snapshot(tdir)  # stops the guest
+                    await asyncio.to_thread(_copy_template, snap, vm.vmm.shared_ram, tmem, sd, tdir)
+                finally:
+                    if vm.vmm.alive():
+                        await vm.vmm.resume()
+                await asyncio.to_thread(snapshots.write_manifest, tsnap)
+                await asyncio.to_thread(_save_meta, tdir, tmeta)
+                await asyncio.to_thread((tdir / PINNED).write_text, sandbox_id)
             except BaseException:
-                pin.unlink(missing_ok=True)
-                await asyncio.to_thread(self._drop_unused_templates, [snapshot_id])
+                await asyncio.to_thread(shutil.rmtree, tdir, True)
+                tmem.unlink(missing_ok=True)
                 raise
         log(_log, "microvm snapshot taken", sandbox_id=sandbox_id, snapshot_id=snapshot_id)
-        return await asyncio.to_thread(_tree_bytes, tsnap.dir, tsnap.mem_file)
+        return await asyncio.to_thread(_tree_bytes, tdir, tmem)
 
     async def create_from_snapshot(
         self, snapshot_id: str, sandbox_id: str, paths: SandboxPaths
@@ -690,6 +709,10 @@ class MicrovmBackend:
         for sd in self.sandboxes_dir.iterdir() if self.sandboxes_dir.exists() else ():
             with contextlib.suppress(OSError, ValueError):
                 used.update(_load_meta(sd).get("templates", []))
+        for pin in self.templates_dir.glob(f"*/{PINNED}") if self.templates_dir.exists() else ():
+            with contextlib.suppress(OSError, ValueError):  # a named snapshot's backing disks
+                used.update(t for t in _load_meta(pin.parent).get("templates", [])
+                            if t != pin.parent.name)  # fmt: skip
         for tid in templates:
             if tid not in used and not (self.templates_dir / tid / PINNED).exists():
                 shutil.rmtree(self.templates_dir / tid, ignore_errors=True)
@@ -755,13 +778,63 @@ def _load_meta(sd: Path) -> dict[str, Any]:
     return meta
 
 
-def _freeze(mem: Path, frozen_mem: Path, sd: Path, tdir: Path) -> None:
-    """Move the parent's RAM file and scratch disk into the (read-only from now) template."""
-    mem.rename(frozen_mem)
+def _freeze(mem: Path | None, frozen_mem: Path, sd: Path, tdir: Path) -> None:
+    """Move the parent's RAM file (None: its RAM is in the state stream) and scratch disk
+    into the (read-only from now) template."""
+    if mem is not None:
+        mem.rename(frozen_mem)
+    else:
+        frozen_mem.touch()
     # shutil.move: the sandboxes dir may be a bind mount (the container backend makes it
     # one), and rename(2) across mounts fails even on one filesystem.
     shutil.move(sd / "scratch.qcow2", tdir / "scratch.qcow2")
     shutil.copyfile(sd / "config.img", tdir / "config.img")
+
+
+def _copy_template(snap: Snapshot, shared_ram: bool, tmem: Path, sd: Path, tdir: Path) -> None:
+    """Copy a stopped guest's RAM file (its data extents; holes stay holes) and disks into
+    template ``tdir``. Without shared RAM the RAM is in the state stream: an empty file."""
+    _settle(snap.state)
+    with open(tmem, "wb") as dst:
+        if shared_ram:
+            _copy_extents(snap.mem_file, dst.fileno())
+    shutil.copyfile(sd / "scratch.qcow2", tdir / "scratch.qcow2")
+    shutil.copyfile(sd / "config.img", tdir / "config.img")
+
+
+def _copy_extents(src: Path, dst: int) -> None:
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        os.ftruncate(dst, size)
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            off = start
+            while off < end:
+                n = os.copy_file_range(fd, dst, end - off, off, off)
+                if n <= 0:
+                    raise OSError(f"short copy of {src} at {off}")
+                off += n
+            pos = end
+    finally:
+        os.close(fd)
+
+
+def _settle(path: Path) -> None:
+    """Write ``path`` out and drop it from the page cache: the state stream is written from
+    inside the VM's memory cgroup, where up to guest-RAM-sized dirty pages (RAM that was
+    mapped privately goes into the stream) would push the restored VM into an OOM kill."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _tree_bytes(d: Path, *files: Path) -> int:
