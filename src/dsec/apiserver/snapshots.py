@@ -79,7 +79,7 @@ def _snapshot_id(request: web.Request) -> str:
     return sid
 
 
-async def create(request: web.Request) -> web.Response:
+async def create_snapshot(request: web.Request) -> web.Response:
     """``POST /v1/sandboxes/{id}/snapshots`` with ``{"name"?, "mode"?: "full"|"filesystem"}``:
     a named snapshot of the running sandbox, which keeps running."""
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
@@ -100,7 +100,7 @@ async def create(request: web.Request) -> web.Response:
     return ok(snapshot_json(info), status=201)
 
 
-async def list_(request: web.Request) -> web.Response:
+async def list_snapshots(request: web.Request) -> web.Response:
     """``GET /v1/snapshots?project=&sandbox_id=&name=``: the caller's snapshots on every
     edge, oldest first."""
     c, p = ctx(request), principal(request)
@@ -126,7 +126,8 @@ async def list_(request: web.Request) -> web.Response:
     return ok({"snapshots": [snapshot_json(i) for i in items]})
 
 
-async def get(request: web.Request) -> web.Response:
+async def get_snapshot(request: web.Request) -> web.Response:
+    """One snapshot."""
     c, p, snap_id = ctx(request), principal(request), _snapshot_id(request)
     p.require("viewer")
     stub = c.upstream.edge_stub(await _edge(request, snap_id))
@@ -135,7 +136,8 @@ async def get(request: web.Request) -> web.Response:
     return ok(snapshot_json(info))
 
 
-async def delete(request: web.Request) -> web.Response:
+async def delete_snapshot(request: web.Request) -> web.Response:
+    """Remove a snapshot (sandboxes made from it keep running)."""
     c, p, snap_id = ctx(request), principal(request), _snapshot_id(request)
     p.require("member")
     request[audit.TARGET] = snap_id
@@ -220,8 +222,8 @@ async def release(request: web.Request, sids: list[str]) -> None:
 
 
 ROUTES: list[tuple[str, str, Any]] = [
-    ("POST", "/v1/sandboxes/{sandbox_id}/snapshots", create),
-    ("GET", "/v1/snapshots", list_),
-    ("GET", "/v1/snapshots/{snapshot_id}", get),
-    ("DELETE", "/v1/snapshots/{snapshot_id}", delete),
+    ("POST", "/v1/sandboxes/{sandbox_id}/snapshots", create_snapshot),
+    ("GET", "/v1/snapshots", list_snapshots),
+    ("GET", "/v1/snapshots/{snapshot_id}", get_snapshot),
+    ("DELETE", "/v1/snapshots/{snapshot_id}", delete_snapshot),
 ]
