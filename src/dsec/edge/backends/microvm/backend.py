@@ -646,8 +646,12 @@ class MicrovmBackend:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Unpin ``snapshot_id``; its files go once no sandbox started from it remains."""
         tsnap = self._named(snapshot_id)
+        try:  # it and the templates its disk stands on
+            chain = (await asyncio.to_thread(_load_meta, tsnap.dir)).get("templates", [])
+        except (OSError, ValueError):
+            chain = []
         (tsnap.dir / PINNED).unlink(missing_ok=True)
-        await asyncio.to_thread(self._drop_unused_templates, [snapshot_id])
+        await asyncio.to_thread(self._drop_unused_templates, [*chain, snapshot_id])
 
     def _named(self, snapshot_id: str) -> Snapshot:
         tdir = self.templates_dir / snapshot_id
