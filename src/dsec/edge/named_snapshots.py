@@ -161,17 +161,15 @@ class NamedSnapshots:
                                "can be snapshotted")  # fmt: skip
         backend = self._m.backend(src.spec.backend)
         full = getattr(backend, "snapshot", None)
-        if mode in ("", "full") and full is not None:
-            mode = "full"
-        elif mode in ("", "filesystem") and src.spec.backend == "container":
-            mode = "filesystem"
-        else:
-            kinds = "full (memory) or filesystem"
+        kinds = (["full"] if full is not None else []) + (
+            ["filesystem"] if src.spec.backend == "container" else []
+        )
+        if not kinds or (mode and mode not in kinds):
+            takes = f"it takes {kinds[0]} snapshots only" if kinds else "it takes none"
             raise InvalidArgument(
-                f"the {src.spec.backend} backend cannot take {mode or kinds} snapshots"
-                + ("; it takes filesystem snapshots" if src.spec.backend == "container" else "")
-                + ("; it takes full snapshots" if full is not None else "")
+                f"the {src.spec.backend} backend cannot take {mode or 'any'} snapshots: {takes}"
             )
+        mode = mode or kinds[0]
         async with self._lock:
             if self._load(snapshot_id) is not None:
                 raise AlreadyExists(f"snapshot {snapshot_id} already exists")
