@@ -29,6 +29,8 @@ ACTIONS: dict[tuple[str, str], str] = {
     ("DELETE", _S): "sandbox.kill",
     ("POST", f"{_S}/pause"): "sandbox.pause",
     ("POST", f"{_S}/fork"): "sandbox.fork",
+    ("POST", f"{_S}/snapshots"): "snapshot.create",
+    ("DELETE", "/v1/snapshots/{snapshot_id}"): "snapshot.delete",
     ("POST", f"{_S}/resume"): "sandbox.resume",
     ("POST", f"{_S}/timeout"): "sandbox.set_timeout",
     ("POST", f"{_S}/trajectory"): "trajectory.bind",

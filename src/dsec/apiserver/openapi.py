@@ -36,6 +36,11 @@ SCHEMAS: dict[str, Any] = {
             "env": _MAP,
             "metadata": _MAP,
             "network": {"$ref": "#/components/schemas/NetworkPolicy"},
+            "snapshot": {
+                "type": "string",
+                "description": "start from this named snapshot (then only timeout_s, "
+                "metadata and project may be given)",
+            },
         },
     },
     "NetworkPolicy": {
@@ -130,6 +135,23 @@ SCHEMAS: dict[str, Any] = {
             },
         },
     },
+    "SnapshotInfo": {
+        "type": "object",
+        "required": ["id", "project", "backend", "mode", "size_bytes"],
+        "properties": {
+            "id": _STR,
+            "name": _STR,
+            "project": _STR,
+            "owner": _STR,
+            "source_sandbox": _STR,
+            "backend": _STR,
+            "mode": {"type": "string", "enum": ["full", "filesystem"]},
+            "size_bytes": _INT,
+            "created_at": _NUM,
+            "edge_id": _STR,
+            "spec": {"$ref": "#/components/schemas/SandboxSpec"},
+        },
+    },
     "Object": {"type": "object"},
 }
 
@@ -149,6 +171,7 @@ _RESULTS = {
     "/v1/sandboxes/{sandbox_id}/exec": "ExecResult",
     "/v1/sandboxes/{sandbox_id}/shells/{name}/run": "ExecResult",
 }
+_CREATED = ("/v1/sandboxes", "/v1/keys", "/v1/sandboxes/{sandbox_id}/snapshots")
 _ERRORS = {
     "400": "invalid argument",
     "401": "missing or invalid API key",
@@ -176,9 +199,7 @@ def document(routes: list[tuple[str, str, Any]], version: str) -> dict[str, Any]
                     for n in re.findall(r"\{(\w+)", oa_path)
                 ],
                 "responses": {
-                    "200"
-                    if not (m == "post" and oa_path in ("/v1/sandboxes", "/v1/keys"))
-                    else "201": {
+                    "200" if not (m == "post" and oa_path in _CREATED) else "201": {
                         "description": "success",
                         "content": {
                             "application/json": {

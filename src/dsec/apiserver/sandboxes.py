@@ -22,7 +22,7 @@ from dsec.core.errors import (
     NodeFull,
     Unavailable,
 )
-from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
+from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec, create_deadline_s
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -51,6 +51,10 @@ async def create(request: web.Request) -> web.Response:
     p = principal(request)
     p.require("member")
     body = await json_body(request)
+    if "snapshot" in body:
+        from dsec.apiserver import snapshots
+
+        return ok(info_json(await snapshots.create_sandbox(request, body)), status=201)
     project = body.pop("project", None) or p.project
     if not isinstance(project, str):
         raise InvalidArgument("'project' must be a project path")
@@ -256,21 +260,52 @@ async def _live_ids(request: web.Request, project: str) -> list[str]:
 
 
 async def fork(request: web.Request) -> web.Response:
-    """``POST /v1/sandboxes/{id}/fork`` with ``{"count": N}``: N children from a snapshot."""
+    """``POST /v1/sandboxes/{id}/fork`` with ``{"count": N, "timeout_s"?: S}``: N children
+    from a memory snapshot, each admitted by iam (project quota) first like a create."""
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("member")
     body = await json_body(request)
     count = body.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
         raise InvalidArgument("count must be an integer between 1 and 64")
+    timeout_s = body.get("timeout_s")
+    if timeout_s is not None:
+        SandboxSpec(timeout_s=timeout_s if isinstance(timeout_s, int) else -1)
     stub = await c.upstream.edge_for(sid)
-    reply = await rpc(
-        "edge",
-        stub.ForkSandbox(
-            pb.ForkSandboxRequest(sandbox_id=sid, count=count), metadata=p.metadata(), timeout=300
-        ),
+    parent = await rpc(
+        "edge", stub.GetSandbox(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=10)
     )
-    return ok({"sandboxes": [info_json(i) for i in reply.sandboxes]})
+    edge = edge_of(sid)
+    ids = [new_sandbox_id(edge, os.urandom(RANDOM_BYTES)) for _ in range(count)]
+    admitted: list[str] = []
+    try:
+        for cid in ids:
+            admit = pb.AdmitRequest(project=parent.project, sandbox_id=cid, cpu=parent.spec.cpu,
+                                    memory_mb=parent.spec.memory_mb, edge_id=edge)  # fmt: skip
+            await rpc("iam", c.upstream.iam.Admit(admit, timeout=10))
+            admitted.append(cid)
+        req = pb.ForkSandboxRequest(sandbox_id=sid, count=count, child_ids=ids)
+        reply = await rpc("edge", stub.ForkSandbox(req, metadata=p.metadata(), timeout=300))
+    except BaseException:
+        from dsec.apiserver.snapshots import release
+
+        await asyncio.shield(release(request, admitted))
+        raise
+    children = list(reply.sandboxes)
+    if timeout_s is not None:
+        children = [
+            await rpc(
+                "edge",
+                stub.SetTimeout(
+                    pb.SetTimeoutRequest(sandbox_id=ch.id, timeout_s=timeout_s),
+                    metadata=p.metadata(),
+                    timeout=10,
+                ),
+            )
+            for ch in children
+        ]
+    c.metrics.inc("sandboxes_created", count)
+    return ok({"sandboxes": [info_json(i) for i in children]})
 
 
 async def set_timeout(request: web.Request) -> web.Response:

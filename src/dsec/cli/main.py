@@ -23,6 +23,7 @@ from dsec.cli.keys import keys_group, whoami
 from dsec.cli.output import EXIT_INTERRUPTED, CliState, report
 from dsec.cli.projects import project_group, quota_group
 from dsec.cli.sandbox import sandbox_group
+from dsec.cli.snapshots import snapshot_group
 from dsec.cli.tokens import token_group, user_group
 from dsec.cli.trajectory import trajectory_group
 from dsec.core.errors import DsecError
@@ -62,6 +63,7 @@ def cli(ctx: click.Context, api_url: str | None, api_key: str | None) -> None:
 
 
 cli.add_command(sandbox_group)
+cli.add_command(snapshot_group)
 cli.add_command(keys_group)
 cli.add_command(whoami)
 cli.add_command(audit_group)

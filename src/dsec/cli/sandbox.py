@@ -40,6 +40,9 @@ RULE_HELP = (
 )
 
 
+FROM_SNAPSHOT_DECIDES = ("image", "backend", "cpu", "memory", "pids", "env", "allow", "deny")
+
+
 @sandbox_group.command("create")
 @click.option("--image", default="base", show_default=True, help="Image to start from.")
 @click.option(
@@ -71,6 +74,14 @@ RULE_HELP = (
 @click.option(
     "--checkpoint-every", type=int, default=0, show_default=True, help="Checkpoint every N steps."
 )
+@click.option(
+    "--from-snapshot",
+    "snapshot_id",
+    default=None,
+    metavar="SNAPSHOT_ID",
+    help="Start from this named snapshot (dsec snapshot ls); it decides backend, image, CPU "
+    "and memory.",
+)
 @json_option
 def create(
     image: str,
@@ -87,28 +98,43 @@ def create(
     trajectory: str | None,
     on_mismatch: str,
     checkpoint_every: int,
+    snapshot_id: str | None,
     as_json: bool,
 ) -> None:
     """Create a sandbox and print its id (its network allows nothing unless --allow)."""
     env_map, meta_map = parse_pairs(env, "--env"), parse_pairs(meta, "--meta")
     client = state().client()
-    with stderr().status(f"creating a {backend} sandbox from {image!r}"):
-        sbx = Sandbox.create(
-            backend=backend,
-            image=image,
-            cpu=cpu,
-            memory_mb=memory,
-            pids=pids,
-            timeout=timeout,
-            env=env_map,
-            metadata=meta_map,
-            project=project,
-            network={"allow": list(allow), "deny": list(deny)} if allow or deny else None,
-            trajectory=trajectory,
-            on_mismatch=on_mismatch,
-            checkpoint_every=checkpoint_every,
-            client=client,
-        )
+    if snapshot_id is not None:
+        ctx = click.get_current_context()
+        given = [
+            f"--{n.replace('_', '-')}"
+            for n in FROM_SNAPSHOT_DECIDES
+            if ctx.get_parameter_source(n) is not click.core.ParameterSource.DEFAULT
+        ]
+        if given:
+            raise click.UsageError(f"--from-snapshot decides these: drop {', '.join(given)}")
+        with stderr().status(f"creating a sandbox from snapshot {snapshot_id}"):
+            sbx = Sandbox.from_snapshot(
+                snapshot_id, timeout, meta_map, project=project, client=client
+            )
+    else:
+        with stderr().status(f"creating a {backend} sandbox from {image!r}"):
+            sbx = Sandbox.create(
+                backend=backend,
+                image=image,
+                cpu=cpu,
+                memory_mb=memory,
+                pids=pids,
+                timeout=timeout,
+                env=env_map,
+                metadata=meta_map,
+                project=project,
+                network={"allow": list(allow), "deny": list(deny)} if allow or deny else None,
+                trajectory=trajectory,
+                on_mismatch=on_mismatch,
+                checkpoint_every=checkpoint_every,
+                client=client,
+            )
     if as_json:
         print_json(sbx.info())
     else:

@@ -14,6 +14,7 @@ the fault, carries a stable wire ``code`` and the HTTP status the public API ans
     │   ├── PermissionDenied        403 permission_denied
     │   ├── NotFound                404 not_found
     │   │   ├── SandboxNotFound     404 sandbox_not_found
+    │   │   ├── SnapshotNotFound    404 snapshot_not_found
     │   │   ├── ImageNotFound       404 image_not_found
     │   │   ├── ProcessNotFound     404 process_not_found
     │   │   └── LeaseNotFound       404 lease_not_found
@@ -96,6 +97,10 @@ class NotFound(ClientError):
 
 class SandboxNotFound(NotFound):
     code = "sandbox_not_found"
+
+
+class SnapshotNotFound(NotFound):
+    code = "snapshot_not_found"
 
 
 class LeaseNotFound(NotFound):

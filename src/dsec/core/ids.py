@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import re
 
-from dsec.core.errors import InvalidArgument, SandboxNotFound
+from dsec.core.errors import InvalidArgument, SandboxNotFound, SnapshotNotFound
 
 SANDBOX_PREFIX = "sbx"
 EDGE_ID_LEN = 4
@@ -23,6 +23,8 @@ RANDOM_BYTES = 13  # 104 bits, base32-encoded and cut to 20 characters (100 bits
 
 _EDGE_RE = re.compile(r"^[a-z0-9]{4}$")
 _SANDBOX_RE = re.compile(rf"^{SANDBOX_PREFIX}-([a-z0-9]{{4}})-([a-z2-7]{{{RANDOM_LEN}}})$")
+SNAPSHOT_PREFIX = "snp"
+_SNAPSHOT_RE = re.compile(rf"^{SNAPSHOT_PREFIX}-([a-z0-9]{{4}})-([a-z2-7]{{{RANDOM_LEN}}})$")
 _API_KEY_RE = re.compile(r"^dsk_([a-z0-9]{12})_([A-Za-z0-9_-]{43})$")
 
 
@@ -51,6 +53,23 @@ def edge_of(sandbox_id: str) -> str:
 
 def is_sandbox_id(value: str) -> bool:
     return _SANDBOX_RE.match(value) is not None
+
+
+def new_snapshot_id(edge_id: str, random_bytes: bytes) -> str:
+    """A snapshot id names its edge like a sandbox id: ``snp-<edge:4>-<random:20>``."""
+    return SNAPSHOT_PREFIX + new_sandbox_id(edge_id, random_bytes)[len(SANDBOX_PREFIX) :]
+
+
+def snapshot_edge_of(snapshot_id: str) -> str:
+    """The edge id encoded in a snapshot id; a malformed id is simply not found."""
+    m = _SNAPSHOT_RE.match(snapshot_id)
+    if not m:
+        raise SnapshotNotFound(f"no snapshot {snapshot_id!r} (malformed snapshot id)")
+    return m.group(1)
+
+
+def is_snapshot_id(value: str) -> bool:
+    return _SNAPSHOT_RE.match(value) is not None
 
 
 def format_api_key(key_id: str, secret: str) -> str:

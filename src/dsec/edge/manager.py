@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from dsec.core.lifecycle import Event, State
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
-from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths
+from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths, Started
 from dsec.edge.records import RecordStore, SandboxRecord
 from dsec.obs import Metrics, log
 
@@ -93,6 +93,7 @@ class SandboxManager:
     ) -> None:
         self.edge_id = edge_id
         self._state_root = state_root
+        self.snapshots_dir = state_root.parent / "snapshots"  # named snapshots' records
         self._socket_root = socket_root
         self._backends = backends
         self._records = records
@@ -157,8 +158,17 @@ class SandboxManager:
     # ---- lifecycle -----------------------------------------------------------------
 
     async def create(
-        self, sandbox_id: str, spec: SandboxSpec, *, project: str, owner: str, caller: Caller
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        *,
+        project: str,
+        owner: str,
+        caller: Caller,
+        start: Callable[[SandboxPaths], Awaitable[Started]] | None = None,
     ) -> SandboxRecord:
+        """Admit and start one sandbox; ``start`` replaces the backend's boot (a sandbox
+        made from a named snapshot)."""
         if not caller.covers(project):
             raise PermissionDenied(f"cannot create sandboxes in project {project!r}")
         if edge_of(sandbox_id) != self.edge_id:
@@ -188,7 +198,10 @@ class SandboxManager:
         done = self._creating[sandbox_id] = asyncio.Event()
         try:
             try:
-                started = await backend.create(sandbox_id, spec, paths)
+                if start is not None:
+                    started = await start(paths)
+                else:
+                    started = await backend.create(sandbox_id, spec, paths)
                 backend_s = time.perf_counter() - started_at
                 await agent_client.call(
                     paths.agent_socket, {"op": "ping"}, timeout=AGENT_READY_TIMEOUT_S
@@ -258,10 +271,13 @@ class SandboxManager:
         await self._backends[rec.spec.backend].resume(sandbox_id)
         return self._move(rec, Event.RESUME)
 
-    async def fork(self, sandbox_id: str, count: int, caller: Caller) -> list[SandboxRecord]:
+    async def fork(
+        self, sandbox_id: str, count: int, caller: Caller, child_ids: Sequence[str] = ()
+    ) -> list[SandboxRecord]:
         """Start ``count`` children of a running sandbox from one memory snapshot.
 
-        Each child is a new sandbox of the same project, owner and spec on this edge.
+        Each child is a new sandbox of the same project, owner and spec on this edge, named
+        ``child_ids`` when given (the apiserver's ids, admitted by iam first).
 
         Raises:
             InvalidState: the sandbox is not running.
@@ -278,22 +294,32 @@ class SandboxManager:
             raise InvalidArgument(f"the {rec.spec.backend} backend cannot fork sandboxes")
         if not 1 <= count <= 64:
             raise InvalidArgument("fork count must be between 1 and 64")
+        ids = list(child_ids) or [
+            new_sandbox_id(self.edge_id, os.urandom(RANDOM_BYTES)) for _ in range(count)
+        ]
+        if len(ids) != count or len(set(ids)) != count:
+            raise InvalidArgument(f"fork needs {count} distinct child ids, got {len(ids)}")
+        for cid in ids:
+            if edge_of(cid) != self.edge_id:
+                raise InvalidArgument(f"sandbox id {cid} does not belong to edge {self.edge_id}")
+            if cid in self._live or self._records.get(cid) is not None:
+                raise InvalidState(f"sandbox {cid} already exists")
         now = self._clock()
         children: list[SandboxRecord] = []
-        for _ in range(count):
-            admission.admit(self._capacity, self.load(), rec.spec)
-            child = SandboxRecord(
-                id=new_sandbox_id(self.edge_id, os.urandom(RANDOM_BYTES)),
-                project=rec.project,
-                owner=rec.owner,
-                state=State.CREATING,
-                spec=rec.spec,
-                created_at=now,
-                expires_at=now + rec.spec.timeout_s,
-            )
-            self._save(child)
-            children.append(child)
         try:
+            for cid in ids:
+                admission.admit(self._capacity, self.load(), rec.spec)
+                child = SandboxRecord(
+                    id=cid,
+                    project=rec.project,
+                    owner=rec.owner,
+                    state=State.CREATING,
+                    spec=rec.spec,
+                    created_at=now,
+                    expires_at=now + rec.spec.timeout_s,
+                )
+                self._save(child)
+                children.append(child)
             started = await forker(sandbox_id, [(c.id, self.paths(c.id)) for c in children])
         except BaseException as exc:
             for c in children:

@@ -29,6 +29,7 @@ from dsec.edge import agent_client
 from dsec.edge.images.reference import parse_reference
 from dsec.edge.images.service import EdgeImages, image_to_pb
 from dsec.edge.manager import Caller, SandboxManager
+from dsec.edge.named_snapshots import NamedSnapshots, SnapshotRecord
 from dsec.edge.records import SandboxRecord
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
@@ -68,6 +69,22 @@ def info_to_pb(
     )
 
 
+def snapshot_to_pb(rec: SnapshotRecord, edge_id: str) -> pb.SnapshotInfo:
+    return pb.SnapshotInfo(
+        id=rec.id,
+        name=rec.name,
+        project=rec.project,
+        owner=rec.owner,
+        source_sandbox=rec.source_sandbox,
+        backend=rec.backend,
+        mode=rec.mode,
+        size_bytes=rec.size_bytes,
+        created_at=rec.created_at,
+        edge_id=edge_id,
+        spec=spec_to_pb(rec.spec),
+    )
+
+
 def _parse_request(raw: bytes) -> dict[str, Any]:
     try:
         req = protocol.decode_json(raw)
@@ -91,6 +108,7 @@ class EdgeService(pb_grpc.EdgeServicer):
         self._status = status  # callable returning pb.EdgeStatus
         self._images = images
         self._list_backends = list_backends
+        self._snapshots = NamedSnapshots(manager, images, manager.snapshots_dir)
 
     async def ListBackends(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
@@ -175,6 +193,16 @@ class EdgeService(pb_grpc.EdgeServicer):
     ) -> pb.SandboxInfo:
         caller = caller_of(context)
         spec = spec_from_pb(request.spec)
+        if request.from_snapshot:
+            rec = await self._snapshots.create_sandbox(
+                request.from_snapshot,
+                request.sandbox_id,
+                spec,
+                project=request.project or caller.project,
+                owner=request.owner or caller.subject,
+                caller=caller,
+            )
+            return info_to_pb(rec, self._m.edge_id)
         rec = await self._m.create(
             request.sandbox_id,
             spec,
@@ -222,8 +250,41 @@ class EdgeService(pb_grpc.EdgeServicer):
     async def ForkSandbox(
         self, request: pb.ForkSandboxRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SandboxList:
-        recs = await self._m.fork(request.sandbox_id, request.count, caller_of(context))
+        recs = await self._m.fork(
+            request.sandbox_id, request.count, caller_of(context), list(request.child_ids)
+        )
         return pb.SandboxList(sandboxes=[info_to_pb(r, self._m.edge_id) for r in recs])
+
+    async def CreateSnapshot(
+        self, request: pb.CreateSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SnapshotInfo:
+        rec = await self._snapshots.create(
+            request.sandbox_id, request.snapshot_id, request.name, request.mode, caller_of(context)
+        )
+        return snapshot_to_pb(rec, self._m.edge_id)
+
+    async def ListSnapshots(
+        self, request: pb.ListSnapshotsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SnapshotList:
+        recs = self._snapshots.query(
+            caller_of(context),
+            project=request.project,
+            sandbox_id=request.sandbox_id,
+            name=request.name,
+        )
+        return pb.SnapshotList(snapshots=[snapshot_to_pb(r, self._m.edge_id) for r in recs])
+
+    async def GetSnapshot(
+        self, request: pb.SnapshotRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SnapshotInfo:
+        rec = self._snapshots.get(request.snapshot_id, caller_of(context))
+        return snapshot_to_pb(rec, self._m.edge_id)
+
+    async def DeleteSnapshot(
+        self, request: pb.SnapshotRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SnapshotInfo:
+        rec = await self._snapshots.delete(request.snapshot_id, caller_of(context))
+        return snapshot_to_pb(rec, self._m.edge_id)
 
     async def ResumeSandbox(
         self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]

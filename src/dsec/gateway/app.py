@@ -21,7 +21,7 @@ from aiohttp import web
 
 from dsec import __version__
 from dsec.core.errors import DsecError, InvalidArgument
-from dsec.gateway import control, envd
+from dsec.gateway import control, envd, snapshots
 from dsec.gateway.control import GATEWAY, Gateway, dsec_error_response, error_response
 from dsec.gateway.upstream import Clients, target
 from dsec.obs import log
@@ -64,7 +64,7 @@ def make_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[route], client_max_size=64 * 1024 * 1024)
     app[GATEWAY] = gateway
     app.router.add_get("/healthz", healthz)
-    for method, path, handler in control.ROUTES:
+    for method, path, handler in [*control.ROUTES, *snapshots.ROUTES]:
         app.router.add_route(method, path, handler)
     return app
 

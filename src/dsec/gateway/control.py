@@ -16,7 +16,16 @@ from typing import Any
 
 from aiohttp import web
 
-from dsec.core.errors import DsecError, InvalidArgument, InvalidState, NotFound, SandboxNotFound
+from dsec.core.errors import (
+    DsecError,
+    ImageNotFound,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+    SandboxNotFound,
+    SnapshotNotFound,
+)
+from dsec.core.ids import is_snapshot_id
 from dsec.core.spec import BACKENDS
 from dsec.gateway import egress, usage
 from dsec.gateway.upstream import Clients, api_key
@@ -204,6 +213,8 @@ async def create(request: web.Request) -> web.Response:
     if not isinstance(template, str):
         raise InvalidArgument("'templateID' must be a string")
     metadata = _str_map(body, "metadata")
+    if is_snapshot_id(template):  # Sandbox.create(<snapshotID>)
+        return await _create_from_snapshot(request, template, body)
     backend, template = choose_backend(template, metadata or {})
     _refuse_lifecycle(body)
     network = None
@@ -223,7 +234,10 @@ async def create(request: web.Request) -> web.Response:
         metadata=metadata,
         network=network,
     )
-    info = await client.transport.call(call)
+    try:
+        info = await client.transport.call(call)
+    except ImageNotFound:  # Sandbox.create(<snapshot name>)
+        return await _create_from_snapshot(request, body["templateID"], body)
     if backend != "function":  # functions keep no processes
         # Start the sandbox's process keeper now, so the first command does not wait for it.
         g.background(client.transport.call(rc.list_processes(info.id)))
@@ -240,6 +254,19 @@ def _refuse_lifecycle(body: dict[str, Any]) -> None:
     resume = body.get("autoResume")
     if isinstance(resume, dict) and resume.get("enabled") is True:
         raise InvalidArgument("autoResume is not supported by OpenDsec; connect() resumes")
+
+
+async def _create_from_snapshot(
+    request: web.Request, template: str, body: dict[str, Any]
+) -> web.Response:
+    from dsec.gateway import snapshots
+
+    client, key = _client(request)
+    snap = await snapshots.find(client, template)
+    if snap is None:
+        raise SnapshotNotFound(f"no template or snapshot {template!r}")
+    info = await snapshots.create_sandbox(request, client, snap, body)
+    return web.json_response(sandbox_json(gw(request), info, key), status=201)
 
 
 async def connect(request: web.Request) -> web.Response:
@@ -407,14 +434,6 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-async def unsupported(request: web.Request) -> web.Response:
-    return error_response(
-        501,
-        f"{request.method} {request.path} is not supported by the OpenDsec gateway",
-        retry=False,
-    )
-
-
 async def unrouted_files(request: web.Request) -> web.Response:
     """``/files`` without a sandbox: what ``download_url()``/``upload_url()`` give in
     ``E2B_SANDBOX_URL`` mode (the URL names no sandbox; the SDK sends it in a header)."""
@@ -446,8 +465,6 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/v2/sandboxes/{sandbox_id}/connect", connect),
     ("POST", "/sandboxes/{sandbox_id}/resume", connect),
     ("POST", "/sandboxes/{sandbox_id}/pause", pause),
-    ("POST", "/sandboxes/{sandbox_id}/snapshots", unsupported),
-    ("POST", "/sandboxes/{sandbox_id}/fork", unsupported),
     ("PUT", "/sandboxes/{sandbox_id}/network", update_network),
     ("GET", "/sandboxes/{sandbox_id}/metrics", metrics),
     ("GET", "/files", unrouted_files),

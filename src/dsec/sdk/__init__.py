@@ -40,6 +40,7 @@ from dsec.sdk.models import (
     ProcessInfo,
     SandboxInfo,
     ShellSession,
+    SnapshotInfo,
     SpecInfo,
     WriteResult,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "SandboxInfo",
     "Shell",
     "ShellSession",
+    "SnapshotInfo",
     "SpecInfo",
     "TcpStream",
     "WriteResult",

@@ -36,6 +36,7 @@ from dsec.sdk.models import (
     NewKey,
     SandboxInfo,
     ShellSession,
+    SnapshotInfo,
 )
 from dsec.sdk.tcp import AsyncTcpStream
 
@@ -74,6 +75,20 @@ class AsyncClient:
 
     async def kill_sandbox(self, sandbox_id: str) -> SandboxInfo:
         return await self.transport.call(wire.kill_sandbox(sandbox_id))
+
+    async def list_snapshots(
+        self, project: str = "", sandbox_id: str = "", name: str = ""
+    ) -> builtins.list[SnapshotInfo]:
+        """Named snapshots the caller sees (of ``project`` and beneath, of one sandbox, or
+        with one name), oldest first."""
+        return await self.transport.call(wire.list_snapshots(project, sandbox_id, name))
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return await self.transport.call(wire.get_snapshot(snapshot_id))
+
+    async def delete_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        """Remove a snapshot (sandboxes made from it keep running)."""
+        return await self.transport.call(wire.delete_snapshot(snapshot_id))
 
     async def batch_sandboxes(
         self,
@@ -398,6 +413,32 @@ class AsyncSandbox:
         return cls(info.id, c, owns_client=owned)
 
     @classmethod
+    async def from_snapshot(
+        cls,
+        snapshot_id: str,
+        timeout: int = 300,  # noqa: ASYNC109 -- the sandbox's lifetime
+        metadata: Mapping[str, str] | None = None,
+        *,
+        project: str | None = None,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        client: AsyncClient | None = None,
+    ) -> AsyncSandbox:
+        """A new sandbox from named snapshot ``snapshot_id`` (see :meth:`snapshot`), on the
+        snapshot's edge: a ``full`` snapshot resumes its processes and memory, a
+        ``filesystem`` one boots with its files. ``timeout`` is the new sandbox's lifetime."""
+        call = wire.create_from_snapshot(snapshot_id, timeout, metadata, project)
+        owned = client is None
+        c = client or AsyncClient(api_url, api_key)
+        try:
+            info = await c.transport.call(call)
+        except BaseException:
+            if owned:
+                await c.aclose()
+            raise
+        return cls(info.id, c, owns_client=owned)
+
+    @classmethod
     async def connect(
         cls,
         sandbox_id: str,
@@ -476,6 +517,13 @@ class AsyncSandbox:
     async def checkpoint(self) -> dict[str, Any]:
         """Pack the sandbox as the bound trajectory's latest checkpoint."""
         return await self._t.call(tc.checkpoint(self._id))
+
+    async def snapshot(self, name: str = "", mode: str | None = None) -> SnapshotInfo:
+        """Take a named snapshot of this running sandbox, which keeps running. ``mode``:
+        ``"full"`` (memory, processes and disk; microvm) or ``"filesystem"`` (files only;
+        container); default: what the backend can. Start sandboxes from it with
+        :meth:`from_snapshot`."""
+        return await self._t.call(wire.create_snapshot(self._id, name, mode))
 
     async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
         """Start ``count`` copies of this running sandbox from one memory snapshot (microvm):

@@ -135,6 +135,41 @@ class SandboxInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    """A named snapshot of a sandbox: ``mode`` ``full`` (memory, processes and disk;
+    microvm) or ``filesystem`` (the files only; container)."""
+
+    id: str
+    name: str = ""
+    project: str = ""
+    owner: str = ""
+    source_sandbox: str = ""
+    backend: str = ""
+    mode: str = ""
+    size_bytes: int = 0
+    edge_id: str = ""
+    created_at: datetime | None = None
+    spec: SpecInfo | None = None
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> SnapshotInfo:
+        spec = obj.get("spec")
+        return cls(
+            id=str(_req(obj, "id", "snapshot")),
+            name=str(obj.get("name") or ""),
+            project=str(obj.get("project") or ""),
+            owner=str(obj.get("owner") or ""),
+            source_sandbox=str(obj.get("source_sandbox") or ""),
+            backend=str(obj.get("backend") or ""),
+            mode=str(obj.get("mode") or ""),
+            size_bytes=int(obj.get("size_bytes") or 0),
+            edge_id=str(obj.get("edge_id") or ""),
+            created_at=_time(obj.get("created_at")),
+            spec=SpecInfo.from_wire(spec) if isinstance(spec, Mapping) else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ExecResult:
     """The outcome of a finished command; ``ok`` is true for exit code 0 in time."""
 

@@ -33,6 +33,7 @@ from dsec.sdk.models import (
     NewKey,
     SandboxInfo,
     ShellSession,
+    SnapshotInfo,
 )
 from dsec.sdk.sandbox_runtime import Files, Processes, Ptys, Shell
 from dsec.sdk.sync_io import SyncTransport
@@ -75,6 +76,20 @@ class Client:
 
     def kill_sandbox(self, sandbox_id: str) -> SandboxInfo:
         return self.transport.call(wire.kill_sandbox(sandbox_id))
+
+    def list_snapshots(
+        self, project: str = "", sandbox_id: str = "", name: str = ""
+    ) -> builtins.list[SnapshotInfo]:
+        """Named snapshots the caller sees (of ``project`` and beneath, of one sandbox, or
+        with one name), oldest first."""
+        return self.transport.call(wire.list_snapshots(project, sandbox_id, name))
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return self.transport.call(wire.get_snapshot(snapshot_id))
+
+    def delete_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        """Remove a snapshot (sandboxes made from it keep running)."""
+        return self.transport.call(wire.delete_snapshot(snapshot_id))
 
     def batch_sandboxes(
         self,
@@ -391,6 +406,32 @@ class Sandbox:
         return cls(info.id, c, owns_client=owned)
 
     @classmethod
+    def from_snapshot(
+        cls,
+        snapshot_id: str,
+        timeout: int = 300,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        project: str | None = None,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        client: Client | None = None,
+    ) -> Sandbox:
+        """A new sandbox from named snapshot ``snapshot_id`` (see :meth:`snapshot`), on the
+        snapshot's edge: a ``full`` snapshot resumes its processes and memory, a
+        ``filesystem`` one boots with its files. ``timeout`` is the new sandbox's lifetime."""
+        call = wire.create_from_snapshot(snapshot_id, timeout, metadata, project)
+        owned = client is None
+        c = client or Client(api_url, api_key)
+        try:
+            info = c.transport.call(call)
+        except BaseException:
+            if owned:
+                c.close()
+            raise
+        return cls(info.id, c, owns_client=owned)
+
+    @classmethod
     def connect(
         cls,
         sandbox_id: str,
@@ -469,6 +510,13 @@ class Sandbox:
     def checkpoint(self) -> dict[str, Any]:
         """Pack the sandbox as the bound trajectory's latest checkpoint."""
         return self._t.call(tc.checkpoint(self._id))
+
+    def snapshot(self, name: str = "", mode: str | None = None) -> SnapshotInfo:
+        """Take a named snapshot of this running sandbox, which keeps running. ``mode``:
+        ``"full"`` (memory, processes and disk; microvm) or ``"filesystem"`` (files only;
+        container); default: what the backend can. Start sandboxes from it with
+        :meth:`from_snapshot`."""
+        return self._t.call(wire.create_snapshot(self._id, name, mode))
 
     def fork(self, count: int = 1) -> builtins.list[Sandbox]:
         """Start ``count`` copies of this running sandbox from one memory snapshot (microvm):

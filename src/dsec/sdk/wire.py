@@ -39,6 +39,7 @@ from dsec.sdk.models import (
     KeyInfo,
     NewKey,
     SandboxInfo,
+    SnapshotInfo,
 )
 
 T = TypeVar("T")
@@ -275,11 +276,72 @@ def batch_sandboxes(
     return Call(request, _batch_results)
 
 
-def fork_sandbox(sandbox_id: str, count: int) -> Call[list[SandboxInfo]]:
+def fork_sandbox(
+    sandbox_id: str, count: int, timeout_s: int | None = None
+) -> Call[list[SandboxInfo]]:
+    """``POST /v1/sandboxes/{id}/fork``: ``timeout_s`` is the children's lifetime (default:
+    the parent's)."""
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
         raise InvalidArgument(f"count must be an integer between 1 and 64, got {count!r}")
     path = sandbox_path(sandbox_id) + "/fork"
-    return Call(json_request("POST", path, {"count": count}), _sandbox_list)
+    body = compact(count=count, timeout_s=timeout_s)
+    return Call(json_request("POST", path, body, timeout=CREATE_TIMEOUT_S), _sandbox_list)
+
+
+SNAPSHOT_MODES = ("full", "filesystem")
+
+
+def snapshot_path(snapshot_id: str) -> str:
+    if not snapshot_id or "/" in snapshot_id or snapshot_id in (".", ".."):
+        raise InvalidArgument(f"invalid snapshot id {snapshot_id!r}")
+    return f"/v1/snapshots/{snapshot_id}"
+
+
+def create_snapshot(sandbox_id: str, name: str = "", mode: str | None = None) -> Call[SnapshotInfo]:
+    """``POST /v1/sandboxes/{id}/snapshots``: a named snapshot; the sandbox keeps running."""
+    if mode is not None and mode not in SNAPSHOT_MODES:
+        raise InvalidArgument(f"mode must be one of {', '.join(SNAPSHOT_MODES)}, not {mode!r}")
+    path = sandbox_path(sandbox_id) + "/snapshots"
+    body = compact(name=name or None, mode=mode)
+    return Call(json_request("POST", path, body, timeout=CREATE_TIMEOUT_S), SnapshotInfo.from_wire)
+
+
+def _snapshot_list(obj: JSON) -> list[SnapshotInfo]:
+    return [SnapshotInfo.from_wire(s) for s in obj.get("snapshots") or []]
+
+
+def list_snapshots(
+    project: str = "", sandbox_id: str = "", name: str = ""
+) -> Call[list[SnapshotInfo]]:
+    params = tuple((k, v) for k, v in (("project", project), ("sandbox_id", sandbox_id),
+                                      ("name", name)) if v)  # fmt: skip
+    return Call(json_request("GET", "/v1/snapshots", params=params), _snapshot_list)
+
+
+def get_snapshot(snapshot_id: str) -> Call[SnapshotInfo]:
+    return Call(json_request("GET", snapshot_path(snapshot_id)), SnapshotInfo.from_wire)
+
+
+def delete_snapshot(snapshot_id: str) -> Call[SnapshotInfo]:
+    return Call(json_request("DELETE", snapshot_path(snapshot_id)), SnapshotInfo.from_wire)
+
+
+def create_from_snapshot(
+    snapshot_id: str,
+    timeout_s: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+    project: str | None = None,
+) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes`` with ``snapshot``: a new sandbox from a named snapshot."""
+    snapshot_path(snapshot_id)
+    body = compact(
+        snapshot=snapshot_id,
+        timeout_s=timeout_s,
+        metadata=dict(metadata) if metadata is not None else None,
+        project=project,
+    )
+    req = json_request("POST", "/v1/sandboxes", body, timeout=CREATE_TIMEOUT_S)
+    return Call(req, SandboxInfo.from_wire)
 
 
 def set_timeout(sandbox_id: str, seconds: int) -> Call[SandboxInfo]:

@@ -255,10 +255,13 @@ class CreateSandboxRequest(_message.Message):
     PROJECT_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    FROM_SNAPSHOT_FIELD_NUMBER: _builtins.int
     project: _builtins.str
     owner: _builtins.str
     sandbox_id: _builtins.str
     """chosen by the apiserver (it encodes this edge) and admitted by iam first"""
+    from_snapshot: _builtins.str
+    """start from this edge's named snapshot instead of booting the image"""
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
     def __init__(
@@ -268,10 +271,11 @@ class CreateSandboxRequest(_message.Message):
         project: _builtins.str = ...,
         owner: _builtins.str = ...,
         sandbox_id: _builtins.str = ...,
+        from_snapshot: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "project", b"project", "sandbox_id", b"sandbox_id", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_snapshot", b"from_snapshot", "owner", b"owner", "project", b"project", "sandbox_id", b"sandbox_id", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -971,6 +975,155 @@ class EdgeStatus(_message.Message):
 Global___EdgeStatus: _TypeAlias = EdgeStatus  # noqa: Y015
 
 @_typing.final
+class CreateSnapshotRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    snapshot_id: _builtins.str
+    """chosen by the apiserver (it encodes this edge)"""
+    name: _builtins.str
+    mode: _builtins.str
+    """full (memory + disk) | filesystem; empty: the backend's best"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        snapshot_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        mode: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "name", b"name", "sandbox_id", b"sandbox_id", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSnapshotRequest: _TypeAlias = CreateSnapshotRequest  # noqa: Y015
+
+@_typing.final
+class SnapshotRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    snapshot_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        snapshot_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot_id", b"snapshot_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotRef: _TypeAlias = SnapshotRef  # noqa: Y015
+
+@_typing.final
+class ListSnapshotsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROJECT_FIELD_NUMBER: _builtins.int
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    project: _builtins.str
+    """empty: every project the caller sees"""
+    sandbox_id: _builtins.str
+    """only snapshots of this sandbox"""
+    name: _builtins.str
+    """only snapshots with this name"""
+    def __init__(
+        self,
+        *,
+        project: _builtins.str = ...,
+        sandbox_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "project", b"project", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSnapshotsRequest: _TypeAlias = ListSnapshotsRequest  # noqa: Y015
+
+@_typing.final
+class SnapshotInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    PROJECT_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    SOURCE_SANDBOX_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    EDGE_ID_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    name: _builtins.str
+    project: _builtins.str
+    owner: _builtins.str
+    source_sandbox: _builtins.str
+    backend: _builtins.str
+    mode: _builtins.str
+    size_bytes: _builtins.int
+    created_at: _builtins.float
+    edge_id: _builtins.str
+    @_builtins.property
+    def spec(self) -> Global___SandboxSpec:
+        """of the source sandbox: what a sandbox made from it gets"""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        project: _builtins.str = ...,
+        owner: _builtins.str = ...,
+        source_sandbox: _builtins.str = ...,
+        backend: _builtins.str = ...,
+        mode: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        created_at: _builtins.float = ...,
+        edge_id: _builtins.str = ...,
+        spec: Global___SandboxSpec | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "created_at", b"created_at", "edge_id", b"edge_id", "id", b"id", "mode", b"mode", "name", b"name", "owner", b"owner", "project", b"project", "size_bytes", b"size_bytes", "source_sandbox", b"source_sandbox", "spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotInfo: _TypeAlias = SnapshotInfo  # noqa: Y015
+
+@_typing.final
+class SnapshotList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def snapshots(self) -> _containers.RepeatedCompositeFieldContainer[Global___SnapshotInfo]: ...
+    def __init__(
+        self,
+        *,
+        snapshots: _abc.Iterable[Global___SnapshotInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshots", b"snapshots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotList: _TypeAlias = SnapshotList  # noqa: Y015
+
+@_typing.final
 class BackendCapabilities(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1077,17 +1230,23 @@ class ForkSandboxRequest(_message.Message):
 
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
+    CHILD_IDS_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     count: _builtins.int
+    @_builtins.property
+    def child_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """chosen by the apiserver and admitted by iam first (count of them)"""
+
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         count: _builtins.int = ...,
+        child_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["child_ids", b"child_ids", "count", b"count", "sandbox_id", b"sandbox_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -144,6 +144,26 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ForkSandboxRequest.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxList.FromString,
                 _registered_method=True)
+        self.CreateSnapshot = channel.unary_unary(
+                '/dsec.v1.Edge/CreateSnapshot',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateSnapshotRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
+        self.ListSnapshots = channel.unary_unary(
+                '/dsec.v1.Edge/ListSnapshots',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListSnapshotsRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotList.FromString,
+                _registered_method=True)
+        self.GetSnapshot = channel.unary_unary(
+                '/dsec.v1.Edge/GetSnapshot',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
+        self.DeleteSnapshot = channel.unary_unary(
+                '/dsec.v1.Edge/DeleteSnapshot',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -288,6 +308,31 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSnapshot(self, request, context):
+        """Named snapshots of running sandboxes (issue 6): the sandbox keeps running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSnapshots(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -400,6 +445,26 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.ForkSandbox,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ForkSandboxRequest.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxList.SerializeToString,
+            ),
+            'CreateSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSnapshot,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateSnapshotRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSnapshots,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListSnapshotsRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotList.SerializeToString,
+            ),
+            'GetSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'DeleteSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSnapshot,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -996,6 +1061,114 @@ class Edge:
             '/dsec.v1.Edge/ForkSandbox',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.ForkSandboxRequest.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/CreateSnapshot',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateSnapshotRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/ListSnapshots',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ListSnapshotsRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/GetSnapshot',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/DeleteSnapshot',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.FromString,
             options,
             channel_credentials,
             insecure,

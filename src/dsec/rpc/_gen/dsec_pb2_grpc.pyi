@@ -64,6 +64,11 @@ class EdgeStub:
     """Every backend this edge knows, with what it can do and whether it runs here (issue 7)."""
     ForkSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ForkSandboxRequest, _dsec_pb2.SandboxList]
     """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
+    CreateSnapshot: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.CreateSnapshotRequest, _dsec_pb2.SnapshotInfo]
+    """Named snapshots of running sandboxes (issue 6): the sandbox keeps running."""
+    ListSnapshots: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ListSnapshotsRequest, _dsec_pb2.SnapshotList]
+    GetSnapshot: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.SnapshotInfo]
+    DeleteSnapshot: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.SnapshotInfo]
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -97,6 +102,11 @@ class EdgeAsyncStub(EdgeStub):
     """Every backend this edge knows, with what it can do and whether it runs here (issue 7)."""
     ForkSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ForkSandboxRequest, _dsec_pb2.SandboxList]  # type: ignore[assignment]
     """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
+    CreateSnapshot: _aio.UnaryUnaryMultiCallable[_dsec_pb2.CreateSnapshotRequest, _dsec_pb2.SnapshotInfo]  # type: ignore[assignment]
+    """Named snapshots of running sandboxes (issue 6): the sandbox keeps running."""
+    ListSnapshots: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ListSnapshotsRequest, _dsec_pb2.SnapshotList]  # type: ignore[assignment]
+    GetSnapshot: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.SnapshotInfo]  # type: ignore[assignment]
+    DeleteSnapshot: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.SnapshotInfo]  # type: ignore[assignment]
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -259,6 +269,35 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.SandboxList, _abc.Awaitable[_dsec_pb2.SandboxList]]:
         """Start `count` children from a memory snapshot of a running sandbox (microvm backend)."""
+
+    @_abc_1.abstractmethod
+    def CreateSnapshot(
+        self,
+        request: _dsec_pb2.CreateSnapshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SnapshotInfo, _abc.Awaitable[_dsec_pb2.SnapshotInfo]]:
+        """Named snapshots of running sandboxes (issue 6): the sandbox keeps running."""
+
+    @_abc_1.abstractmethod
+    def ListSnapshots(
+        self,
+        request: _dsec_pb2.ListSnapshotsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SnapshotList, _abc.Awaitable[_dsec_pb2.SnapshotList]]: ...
+
+    @_abc_1.abstractmethod
+    def GetSnapshot(
+        self,
+        request: _dsec_pb2.SnapshotRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SnapshotInfo, _abc.Awaitable[_dsec_pb2.SnapshotInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteSnapshot(
+        self,
+        request: _dsec_pb2.SnapshotRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SnapshotInfo, _abc.Awaitable[_dsec_pb2.SnapshotInfo]]: ...
 
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -44,6 +44,7 @@ from dsec.core.errors import (
     InvalidState,
     SandboxFailed,
     SandboxNotFound,
+    SnapshotNotFound,
 )
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
@@ -70,6 +71,7 @@ RESTORE_TIMEOUT_S = 30.0
 # On top of guest RAM: QEMU itself (~50 MiB resident), its TCG code buffer, page tables.
 VMM_OVERHEAD_MIB = qemu.TCG_TB_MIB + 128
 MAX_FORK = 64
+PINNED = "pinned"  # in a template directory: a named snapshot (holds the source sandbox id)
 
 
 @dataclass
@@ -547,42 +549,8 @@ class MicrovmBackend:
             _check_id(cid)
         vm = await self._need(sandbox_id)
         async with vm.lock:
-            sd = self.sandboxes_dir / sandbox_id
-            meta = await asyncio.to_thread(_load_meta, sd)
-            if meta.get("paused") or not vm.vmm.alive():
-                raise InvalidState(f"microVM {sandbox_id} is not running: cannot fork")
-            if meta.get("net"):
-                raise InvalidArgument(
-                    "fork of a sandbox with a network is not supported yet "
-                    "(the children would wake up with the parent's address)"
-                )
             tid = f"{sandbox_id}-{secrets.token_hex(4)}"
-            tdir = self.templates_dir / tid
-            # Recorded first: whatever happens next, destroying the parent removes it.
-            meta["templates"] = [*meta.get("templates", []), tid]
-            await asyncio.to_thread(_save_meta, sd, meta)
-            paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
-            try:
-                await self._detach(vm)
-                snap = await vm.vmm.snapshot(tdir)
-                await vm.vmm.kill()
-                # The template: RAM file, device state, the disk as it was, config disk.
-                frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
-                scratch = _scratch(_vmm_of(meta))
-                await asyncio.to_thread(_freeze, snap.mem_file, frozen_mem, sd, tdir, scratch)
-                tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
-                await asyncio.to_thread(snapshots.write_manifest, tsnap)
-                # The parent goes on from the template too (its own disk overlay on top).
-                await asyncio.to_thread(
-                    _writable_disk, tdir / scratch, sd / scratch, "qcow2", _vmm_of(meta)
-                )
-            except BaseException:
-                await vm.vmm.kill()
-                await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
-                raise
-            meta["mem_gen"] = f".{secrets.token_hex(3)}"
-            meta["shared_ram"] = False
-            await asyncio.to_thread(_save_meta, sd, meta)
+            paths, meta, tsnap = await self._make_template(sandbox_id, vm, tid)
             # The parent and every child start from the template at the same time.
             results = await asyncio.gather(
                 self._fork_parent(sandbox_id, vm, paths, meta, tsnap),
@@ -603,6 +571,49 @@ class MicrovmBackend:
             raise errors[0]
         return [r for r in results if isinstance(r, Started)]
 
+    async def _make_template(
+        self, sandbox_id: str, vm: _Vm, tid: str
+    ) -> tuple[SandboxPaths, dict[str, Any], Snapshot]:
+        """Snapshot the running ``sandbox_id`` into template ``tid`` (RAM file, device state,
+        its disk as it was, config disk, manifest, the parent's settings) and quit its QEMU;
+        the caller restarts the parent from it. Called with ``vm.lock`` held."""
+        sd = self.sandboxes_dir / sandbox_id
+        meta = await asyncio.to_thread(_load_meta, sd)
+        if meta.get("paused") or not vm.vmm.alive():
+            raise InvalidState(f"microVM {sandbox_id} is not running: cannot snapshot or fork it")
+        _refuse_networked(meta, "fork")
+        tdir = self.templates_dir / tid
+        # Recorded first: whatever happens next, destroying the parent removes it.
+        meta["templates"] = [*meta.get("templates", []), tid]
+        await asyncio.to_thread(_save_meta, sd, meta)
+        paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
+        try:
+            await self._detach(vm)
+            snap = await vm.vmm.snapshot(tdir)
+            await vm.vmm.kill()
+            await asyncio.to_thread(_settle, snap.state)
+            frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
+            # RAM mapped privately from an older template went into the state stream: that
+            # template's file stays its own, this one gets an empty RAM file.
+            ram = snap.mem_file if _ram_in_file(vm.vmm) else None
+            scratch = _scratch(_vmm_of(meta))
+            await asyncio.to_thread(_freeze, ram, frozen_mem, sd, tdir, scratch)
+            tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
+            await asyncio.to_thread(snapshots.write_manifest, tsnap)
+            # The parent goes on from the template too (its own disk overlay on top).
+            await asyncio.to_thread(
+                _writable_disk, tdir / scratch, sd / scratch, "qcow2", _vmm_of(meta)
+            )
+        except BaseException:
+            await vm.vmm.kill()
+            await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
+            raise
+        meta["mem_gen"] = f".{secrets.token_hex(3)}"
+        meta["shared_ram"] = False
+        await asyncio.to_thread(_save_meta, sd, meta)
+        await asyncio.to_thread(_save_meta, tdir, meta)  # what a sandbox made from it gets
+        return paths, meta, tsnap
+
     async def _fork_parent(
         self, sandbox_id: str, vm: _Vm, paths: SandboxPaths, meta: dict[str, Any], tsnap: Snapshot
     ) -> None:
@@ -614,7 +625,14 @@ class MicrovmBackend:
             raise
 
     async def _fork_child(
-        self, parent: str, pmeta: dict[str, Any], tsnap: Snapshot, cid: str, cp: SandboxPaths
+        self,
+        parent: str,
+        pmeta: dict[str, Any],
+        tsnap: Snapshot,
+        cid: str,
+        cp: SandboxPaths,
+        *,
+        verified: bool = True,
     ) -> Started:
         vm = _Vm(vmm=choice.new_vmm(_vmm_of(pmeta)))
         self._vms[cid] = vm
@@ -632,12 +650,83 @@ class MicrovmBackend:
                 "seed": secrets.token_hex(32),
             }
             await self._restore(
-                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=True
+                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=verified
             )
         except BaseException:
             await asyncio.shield(self._rollback(cid, cp))
             raise
         return Started(pid=vm.keeper)
+
+    # --- named snapshots ---------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, snapshot_id: str) -> int:
+        """Take named snapshot ``snapshot_id`` of the running ``sandbox_id``: the guest stops
+        while its device state is written and its RAM file and disk are copied, then goes on
+        in the same QEMU. The snapshot is a template pinned until :meth:`delete_snapshot`.
+        Returns its size in bytes."""
+        _check_id(snapshot_id)
+        vm = await self._need(sandbox_id)
+        async with vm.lock:
+            sd = self.sandboxes_dir / sandbox_id
+            meta = await asyncio.to_thread(_load_meta, sd)
+            if meta.get("paused") or not vm.vmm.alive():
+                raise InvalidState(f"microVM {sandbox_id} is not running: cannot snapshot it")
+            _refuse_networked(meta, "snapshot")
+            tdir = self.templates_dir / snapshot_id
+            tmem = self.mem_dir / f"tpl-{snapshot_id}.mem"
+            tsnap = Snapshot(dir=tdir, mem_file=tmem, state=tdir / "state")
+            # Sandboxes made from it keep it and the templates its disk stands on.
+            tmeta = {**meta, "templates": [*meta.get("templates", []), snapshot_id]}
+            try:
+                try:
+                    snap = await vm.vmm.snapshot(tdir)  # stops the guest
+                    await asyncio.to_thread(
+                        _copy_template, snap, _ram_in_file(vm.vmm), tmem, sd, tdir,
+                        _scratch(_vmm_of(meta)),
+                    )  # fmt: skip
+                finally:
+                    if vm.vmm.alive():
+                        await vm.vmm.resume()
+                await asyncio.to_thread(snapshots.write_manifest, tsnap)
+                await asyncio.to_thread(_save_meta, tdir, tmeta)
+                await asyncio.to_thread((tdir / PINNED).write_text, sandbox_id)
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, tdir, True)
+                tmem.unlink(missing_ok=True)
+                raise
+        log(_log, "microvm snapshot taken", sandbox_id=sandbox_id, snapshot_id=snapshot_id)
+        return await asyncio.to_thread(_tree_bytes, tdir, tmem)
+
+    async def create_from_snapshot(
+        self, snapshot_id: str, sandbox_id: str, paths: SandboxPaths
+    ) -> Started:
+        """Start ``sandbox_id`` from named snapshot ``snapshot_id`` (refused unless every
+        file matches its manifest); its RAM is mapped copy-on-write, as a fork child's."""
+        _check_id(sandbox_id)
+        tsnap = self._named(snapshot_id)
+        try:
+            meta = await asyncio.to_thread(_load_meta, tsnap.dir)
+        except (OSError, ValueError) as exc:
+            raise snapshots.SnapshotCorrupt(f"snapshot {snapshot_id} has no settings") from exc
+        parent = (tsnap.dir / PINNED).read_text().strip()
+        return await self._fork_child(parent, meta, tsnap, sandbox_id, paths, verified=False)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Unpin ``snapshot_id``; its files go once no sandbox started from it remains."""
+        tsnap = self._named(snapshot_id)
+        try:  # it and the templates its disk stands on
+            chain = (await asyncio.to_thread(_load_meta, tsnap.dir)).get("templates", [])
+        except (OSError, ValueError):
+            chain = []
+        (tsnap.dir / PINNED).unlink(missing_ok=True)
+        await asyncio.to_thread(self._drop_unused_templates, [*chain, snapshot_id])
+
+    def _named(self, snapshot_id: str) -> Snapshot:
+        tdir = self.templates_dir / snapshot_id
+        if not SANDBOX_NAME_RE.match(snapshot_id) or not (tdir / PINNED).exists():
+            raise SnapshotNotFound(f"no microVM snapshot {snapshot_id} on edge {self.edge_id}")
+        return Snapshot(dir=tdir, mem_file=self.mem_dir / f"tpl-{snapshot_id}.mem",
+                        state=tdir / "state")  # fmt: skip
 
     @staticmethod
     def _prepare_child(sd: Path, tsnap: Snapshot, meta: dict[str, Any]) -> None:
@@ -696,8 +785,12 @@ class MicrovmBackend:
         for sd in self.sandboxes_dir.iterdir() if self.sandboxes_dir.exists() else ():
             with contextlib.suppress(OSError, ValueError):
                 used.update(_load_meta(sd).get("templates", []))
+        for pin in self.templates_dir.glob(f"*/{PINNED}") if self.templates_dir.exists() else ():
+            with contextlib.suppress(OSError, ValueError):  # a named snapshot's backing disks
+                used.update(t for t in _load_meta(pin.parent).get("templates", [])
+                            if t != pin.parent.name)  # fmt: skip
         for tid in templates:
-            if tid not in used:
+            if tid not in used and not (self.templates_dir / tid / PINNED).exists():
                 shutil.rmtree(self.templates_dir / tid, ignore_errors=True)
                 (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
 
@@ -812,14 +905,89 @@ def _load_meta(sd: Path) -> dict[str, Any]:
     return meta
 
 
-def _freeze(mem: Path, frozen_mem: Path, sd: Path, tdir: Path, scratch: str) -> None:
-    """Move the parent's RAM file and scratch disk into the (read-only from now) template."""
+def _freeze(mem: Path | None, frozen_mem: Path, sd: Path, tdir: Path, scratch: str) -> None:
+    """Move the parent's RAM file (None: its RAM is in the state stream) and scratch disk
+    into the (read-only from now) template."""
     # shutil.move: the sandboxes dir may be a bind mount (the container backend makes it
     # one), and rename(2) across mounts fails even on one filesystem; Firecracker's RAM
     # file is written beside its state, not on the RAM tmpfs.
-    shutil.move(mem, frozen_mem)
+    if mem is not None:
+        shutil.move(mem, frozen_mem)
+    else:
+        frozen_mem.touch()
     shutil.move(sd / scratch, tdir / scratch)
     shutil.copyfile(sd / "config.img", tdir / "config.img")
+
+
+def _copy_template(
+    snap: Snapshot, ram_in_file: bool, tmem: Path, sd: Path, tdir: Path, scratch: str
+) -> None:
+    """Copy a stopped guest's RAM file and disks into template ``tdir`` (data extents
+    only: holes stay holes). When the RAM is in the state stream: an empty RAM file."""
+    _settle(snap.state)
+    with open(tmem, "wb") as dst:
+        if ram_in_file:
+            _copy_extents(snap.mem_file, dst.fileno())
+    with open(tdir / scratch, "wb") as dst:
+        _copy_extents(sd / scratch, dst.fileno())
+    shutil.copyfile(sd / "config.img", tdir / "config.img")
+
+
+def _ram_in_file(vmm: Vmm) -> bool:
+    """Whether a snapshot's guest RAM is in its ``mem_file``: QEMU's shared RAM file, or
+    the file Firecracker writes beside its state. QEMU running copy-on-write from an older
+    template writes its RAM into the state stream instead."""
+    return vmm.shared_ram or vmm.name == "firecracker"
+
+
+def _refuse_networked(meta: dict[str, Any], what: str) -> None:
+    if meta.get("net"):
+        raise InvalidArgument(
+            f"{what} of a microVM with a network is not supported yet "
+            "(sandboxes made from it would wake up with its address)"
+        )
+
+
+def _copy_extents(src: Path, dst: int) -> None:
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        os.ftruncate(dst, size)
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            off = start
+            while off < end:
+                n = os.copy_file_range(fd, dst, end - off, off, off)
+                if n <= 0:
+                    raise OSError(f"short copy of {src} at {off}")
+                off += n
+            pos = end
+    finally:
+        os.close(fd)
+
+
+def _settle(path: Path) -> None:
+    """Write ``path`` out and drop it from the page cache: the state stream is written from
+    inside the VM's memory cgroup, where up to guest-RAM-sized dirty pages (RAM that was
+    mapped privately goes into the stream) would push the restored VM into an OOM kill."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _tree_bytes(d: Path, *files: Path) -> int:
+    """Bytes allocated on disk (sparse files count what they use) by ``d``'s files and
+    ``files``."""
+    paths = [p for p in d.rglob("*") if p.is_file()] + list(files)
+    return sum(p.stat().st_blocks * 512 for p in paths if p.exists())
 
 
 def _start_keeper(sd: Path) -> int:

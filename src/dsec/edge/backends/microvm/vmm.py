@@ -126,6 +126,10 @@ class Vmm(Protocol):
         """Re-attach to the VMM an earlier edge started in ``run_dir``; False when gone."""
         ...
 
+    async def resume(self) -> None:
+        """Let a guest stopped by :meth:`snapshot` run on in the same VMM."""
+        ...
+
     async def kill(self) -> None:
         """Kill the VMM process (by the pid it started) and remove its sockets. Idempotent."""
         ...
