@@ -11,6 +11,7 @@ machine find the API and the admin key with no configuration.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -92,7 +93,9 @@ def healthy(url: str, timeout: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return bool(r.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+        # HTTPException: e.g. a probe of a port nobody listens on yet that connected to
+        # itself (a TCP self-connect in the ephemeral range) reads back its own request
         return False
 
 
