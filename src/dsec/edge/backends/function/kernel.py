@@ -26,11 +26,17 @@ CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-# What a worker unshares itself (it is born in its new pid namespace: see fork_into_new_pidns).
-WORKER_NAMESPACES = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET
+# What a worker unshares once: a network namespace is slow to make and to tear down, and
+# a call (as nobody) can change neither it nor the hostname.
+WORKER_NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWNET
+# What each call's child unshares (it is born in its own new pid namespace, see
+# fork_into_new_pidns): ipc objects (shm, queues) outlive processes, so they must not outlive
+# the call.
+CALL_NAMESPACES = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWCGROUP
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
+PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
@@ -82,6 +88,12 @@ def fork_into_new_pidns(own_pidns_fd: int) -> int:
 
 def prctl(option: int, arg: int) -> None:
     _check(_lib().prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+def set_name(name: bytes) -> None:
+    """Name the calling thread (what ``ps`` and ``/proc/PID/comm`` show, 15 bytes)."""
+    buf = ctypes.create_string_buffer(name[:15])
+    _check(_lib().prctl(PR_SET_NAME, ctypes.addressof(buf), 0, 0, 0), "prctl(name)")
 
 
 def pivot_root(new_root: str) -> None:

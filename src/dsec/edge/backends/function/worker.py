@@ -1,24 +1,34 @@
-"""One function worker: a process in fresh namespaces that serves exactly one ``exec``.
+"""One function worker: a warm process that serves calls, each in a fresh child.
 
-The pool forks it ahead of time (:func:`fork_worker`). The first child joins the worker's
-cgroup, unshares mount, pid, ipc, uts, net and cgroup namespaces and forks the second,
-which is pid 1 of the new pid namespace and exits at once (the pool is a child subreaper,
-so it inherits pid 1). Pid 1 then builds its root:
+The pool's forker forks a worker ahead of time (:func:`fork_worker`). The worker unshares
+its mount, uts and network namespaces (a network namespace is slow to make and to tear
+down, and a call running as ``nobody`` cannot change it), builds a small root and pivots
+into it:
 
-    tmpfs (private, per worker)  ── upper/ work/ ──┐
-    image layers (read-only) ─────────── overlay ──┴─> root/   + /proc (own pid ns)
-                                                                + /dev (tmpfs, 5 nodes)
+    tmpfs (the worker's base)  /l0 /l1 ...  image layers, bind-mounted read-only
+                               /call        where each call mounts its own tmpfs
 
-pivots into it, brings up ``lo`` in its empty network namespace, loads the seccomp filter
-and says ``ready``. When the pool hands it a connection (the request already read), it
-writes the call's files, runs the command with aether's own ``exec`` code as an
-unprivileged user, reads the files asked for, answers, and exits: the kernel kills
-whatever the command left behind with pid 1, and every byte the call wrote lived in the
-tmpfs, so nothing carries over to the next call.
+brings up ``lo`` and says ``ready``. From then on it is a zygote: for each call the pool
+hands it (a connection whose request was already read) it forks a child that is pid 1 of
+a new pid namespace, reports the child's pid, waits for it and says ``done``. The child:
+
+* is born in the worker's cgroup (the pool wrote the call's limits there; the worker's
+  own few pages count too) and unshares new mount, ipc and cgroup namespaces;
+* mounts a FRESH tmpfs on /call, an overlay of the layers with its upper dir on that
+  tmpfs, its own /proc and /dev, pivots into it and loads the seccomp filter;
+* writes the call's files, runs the command with aether's own ``exec`` code as an
+  unprivileged user, reads the files asked for, answers and exits.
+
+When the child exits the kernel kills whatever the command left behind (it was pid 1),
+and its tmpfs, ipc objects and mounts go with its namespaces, so nothing carries over to
+the next call; the worker itself never runs a call's code and never holds its data
+(requests are read into one buffer that is zeroed after each fork).
 """
 
 from __future__ import annotations
 
+import array
+import gc
 import json
 import os
 import signal
@@ -37,7 +47,9 @@ from dsec.edge.backends.function import kernel
 UNPRIVILEGED_UID = 65534  # nobody
 SCRATCH_SIZE_MB = 1024  # the per-call tmpfs (writes are charged to the call's memory limit)
 HOSTNAME = "function"
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_RDONLY = 0x2, 0x4, 0x8, 0x1
+MAX_DISPATCH = 4 * 1024 * 1024 + 65536  # one request (pool.MAX_REQUEST) plus the sandbox
+CALL_DIR = "/call"  # in the worker's root: each call mounts its tmpfs here
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_RDONLY, _MS_REMOUNT = 0x2, 0x4, 0x8, 0x1, 0x20
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +57,19 @@ class WorkerSpec:
     """What a worker is built from (one per image)."""
 
     layers: tuple[str, ...]  # top..bottom, as overlayfs wants them
-    scratch: str  # an empty host directory the worker mounts its tmpfs on
-    oom_file: str  # memory.oom_control (v1) or memory.events (v2) of that cgroup
+    scratch: str  # an empty host directory the worker mounts its base tmpfs on
+    oom_file: str  # memory.oom_control (v1) or memory.events (v2) of the worker's cgroup
 
 
-def fork_worker(
-    spec: WorkerSpec, filt: kernel.SeccompFilter, keep_fd: int, own_pidns_fd: int
-) -> int:
-    """Fork a worker (pid 1 of a new pid namespace) and return its host pid.
+def fork_worker(spec: WorkerSpec, filt: kernel.SeccompFilter, keep_fd: int) -> int:
+    """Fork a worker and return its pid.
 
-    The caller moves it into its cgroup and then sends ``go``; the worker says ``ready``
-    on ``keep_fd`` once its root is built.
+    The caller moves it into its cgroup and then sends ``go`` (moving a process between
+    cgroups waits for an RCU grace period, so it is done once per worker, never per call:
+    the calls' children are born in it); the worker says ``ready`` on ``keep_fd`` once its
+    root is built.
     """
-    pid = kernel.fork_into_new_pidns(own_pidns_fd)
+    pid = os.fork()
     if pid:
         return pid
     code = 1
@@ -74,34 +86,104 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
     os.closerange(3, sock_fd)
     os.closerange(sock_fd + 1, 65536)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the forker ignores it; we wait for ours
+    kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)  # the forker (the pool) is gone
+    kernel.set_name(b"dsec-fn-worker")
     sock = socket.socket(fileno=sock_fd)
     if sock.recv(16) != b"go":  # the pool moved us into our cgroup (or gave up on us)
         return
     oom_fd = os.open(spec.oom_file, os.O_RDONLY | os.O_CLOEXEC) if spec.oom_file else -1
+    pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     kernel.unshare(kernel.WORKER_NAMESPACES)
-    try:  # the OOM killer should take the command, not the worker (needs CAP_SYS_RESOURCE)
+    try:  # the OOM killer must never pick the worker (needs CAP_SYS_RESOURCE)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("-1000")
     except OSError:
         pass
-    _build_root(spec)
-    kernel.prctl(kernel.PR_SET_DUMPABLE, 0)
-    filt.load()
+    _build_base(spec)
+    gc.freeze()  # a collection in a call's child must not copy the worker's every page
     sock.send(b"ready")
-    code = serve_one(sock, oom_fd)
-    os._exit(code)
+    buf = bytearray(MAX_DISPATCH)
+    while True:
+        try:
+            n, anc, _flags, _ = sock.recvmsg_into([buf], socket.CMSG_SPACE(4))
+        except OSError:
+            return
+        fds = _received_fds(anc)
+        if not fds:
+            return  # the pool closed: no more calls for this worker
+        child = kernel.fork_into_new_pidns(pidns)
+        if child == 0:
+            code = 1
+            try:
+                gc.disable()
+                kernel.set_name(b"dsec-fn-call")
+                code = _call_main(spec, filt, bytes(buf[:n]), fds[0], oom_fd)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        buf[:n] = bytes(n)  # the next call's child must not inherit this one's request
+        for fd in fds:
+            os.close(fd)
+        sock.send(f"pid {child}".encode())
+        os.waitpid(child, 0)  # pid 1 of its namespace: everything the call started is gone
+        sock.send(b"done")
 
 
-def _build_root(spec: WorkerSpec) -> None:
+def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
+def _build_base(spec: WorkerSpec) -> None:
+    """Pivot into a tmpfs that holds only the image's layers (read-only) and /call."""
     mounts.mount(None, "/", None, mounts.MS_REC | mounts.MS_PRIVATE)
     base = spec.scratch
+    mounts.mount("tmpfs", base, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=0755")
+    for i, layer in enumerate(spec.layers):
+        d = os.path.join(base, f"l{i}")
+        os.mkdir(d, 0o755)
+        mounts.mount(layer, d, None, mounts.MS_BIND)
+        mounts.mount(None, d, None, mounts.MS_BIND | _MS_REMOUNT | _MS_RDONLY)
+    os.mkdir(base + CALL_DIR, 0o755)
+    socket.sethostname(HOSTNAME)
+    kernel.loopback_up()
+    kernel.pivot_root(base)
+
+
+# ---- the call (in the worker's child) -------------------------------------------------------
+
+
+def _call_main(
+    spec: WorkerSpec,
+    filt: kernel.SeccompFilter,
+    dispatch: bytes,
+    conn_fd: int,
+    oom_fd: int,
+) -> int:
+    kernel.unshare(kernel.CALL_NAMESPACES)
+    _build_root(len(spec.layers))
+    with open("/proc/self/oom_score_adj", "w") as f:  # the worker's -1000 is not the call's
+        f.write("0")
+    kernel.prctl(kernel.PR_SET_DUMPABLE, 0)
+    filt.load()
+    return serve(conn_fd, dispatch, oom_fd)
+
+
+def _build_root(layers: int) -> None:
+    """Mount a fresh tmpfs, the overlay over it, /proc and /dev, and pivot into it."""
+    call = CALL_DIR
     mounts.mount(
-        "tmpfs", base, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SCRATCH_SIZE_MB}m,mode=0755"
+        "tmpfs", call, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SCRATCH_SIZE_MB}m,mode=0755"
     )
     for d in ("upper", "work", "root"):
-        os.mkdir(os.path.join(base, d), 0o755)
-    root = os.path.join(base, "root")
-    data = overlay_options([Path(p) for p in spec.layers], Path(base, "upper"), Path(base, "work"))
+        os.mkdir(os.path.join(call, d), 0o755)
+    root = os.path.join(call, "root")
+    lower = [Path(f"/l{i}") for i in range(layers)]
+    data = overlay_options(lower, Path(call, "upper"), Path(call, "work"))
     mounts.mount("overlay", root, "overlay", _MS_NODEV, data)
     for d in ("proc", "dev", "tmp"):
         os.makedirs(os.path.join(root, d), exist_ok=True)
@@ -110,27 +192,16 @@ def _build_root(spec: WorkerSpec) -> None:
     dev = os.path.join(root, "dev")
     mounts.mount("tmpfs", dev, "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=0755")
     kernel.make_devices(dev)
-    socket.sethostname(HOSTNAME)
-    kernel.loopback_up()
     kernel.pivot_root(root)
 
 
-# ---- the call -----------------------------------------------------------------------------
-
-
-def serve_one(sock: socket.socket, oom_fd: int) -> int:
-    """Wait for the pool's dispatch, run the call, answer it; return the exit code."""
+def serve(conn_fd: int, dispatch: bytes, oom_fd: int) -> int:
+    """Run the call the pool handed over and answer it; return the exit code."""
+    os.set_inheritable(conn_fd, False)
+    conn = Conn(socket.socket(fileno=conn_fd))
     try:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
-    except OSError:
-        return 1
-    if not msg or not fds:
-        return 0  # the pool closed: no call for this worker
-    os.set_inheritable(fds[0], False)
-    conn = Conn(socket.socket(fileno=fds[0]))
-    try:
-        dispatch = _loads(msg)
-        result = run_call(conn, dispatch["request"], dispatch["sandbox"], oom_fd)
+        msg = _loads(dispatch)
+        result = run_call(conn, msg["request"], msg["sandbox"], oom_fd)
         if not conn.answered:
             conn.result(result)
     except AgentError as exc:
@@ -243,13 +314,16 @@ def _forker_main(sock: socket.socket, scratch: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
     filt = kernel.SeccompFilter()
-    pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     while msg := sock.recv(1 << 20):
         req = json.loads(msg)
-        spec = WorkerSpec(layers=tuple(req["layers"]), scratch=scratch, oom_file=req["oom_file"])
+        spec = WorkerSpec(
+            layers=tuple(req["layers"]),
+            scratch=scratch,
+            oom_file=req["oom_file"],
+        )
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            pid = fork_worker(spec, filt, theirs.fileno(), pidns_fd)
+            pid = fork_worker(spec, filt, theirs.fileno())
         except OSError as exc:
             sock.send(json.dumps({"seq": req["seq"], "error": str(exc)}).encode())
             continue
