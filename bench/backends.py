@@ -9,9 +9,10 @@ Starts the real platform in a temp home and measures, in the same run and throug
 * host memory (PSS) per idle instance: containers count their own processes; function
   sandboxes have none, so the pool and its warm workers are divided among them.
 
-    .venv/bin/python -m bench.backends [--quick]
+    .venv/bin/python -m bench.backends [--quick] [--backends function,container]
 
-Prints a Markdown table and writes ``bench/results/backends.json``.
+Prints a Markdown table and the load average (this machine is shared: compare backends
+within one run) and writes ``bench/results/backends.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.foundation import _cgroup_pids, _pss_kib, settle, summary
+from dsec.core.errors import DsecError
 from dsec.sdk import Client, Sandbox
 from dsec.testing.platform import RunningPlatform, running_platform
 
@@ -129,6 +131,20 @@ def idle_memory(plat: RunningPlatform, backend: str, n: int) -> dict[str, Any]:
                 s.kill()
 
 
+def measure(
+    plat: RunningPlatform, name: str, n_create: int, n_calls: int, n_idle: int
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    out["round_trip"] = round_trip(name, n_calls, callers=1)
+    settle(2)
+    out["parallel"] = round_trip(name, n_calls, callers=4)
+    settle(2)
+    out["create_to_first_exec"] = summary(create_to_first_exec(name, n_create))
+    settle(2)
+    out["idle"] = idle_memory(plat, name, n_idle)
+    return out
+
+
 def table(res: dict[str, Any]) -> str:
     rows = [
         "| backend | create → first exec p50 (ms) | exec round trip p50 / p90 / p99 (ms) "
@@ -138,6 +154,9 @@ def table(res: dict[str, Any]) -> str:
     for name, r in res["backends"].items():
         if "skipped" in r:
             rows.append(f"| {name} | not available: {r['skipped']} | | | | |")
+            continue
+        if "failed" in r:
+            rows.append(f"| {name} | failed: {r['failed']} | | | | |")
             continue
         c, rt, par, mem = r["create_to_first_exec"], r["round_trip"], r["parallel"], r["idle"]
         rows.append(
@@ -151,6 +170,9 @@ def table(res: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller samples (smoke run)")
+    ap.add_argument(
+        "--backends", default="", help="comma-separated backends to measure (default: all)"
+    )
     args = ap.parse_args()
     n_create, n_calls, n_idle = (5, 50, 5) if args.quick else (20, 300, 20)
     res: dict[str, Any] = {
@@ -160,32 +182,36 @@ def main() -> None:
             "python": host_platform.python_version(),
         },
         "date": time.strftime("%Y-%m-%d"),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "backends": {},
     }
     with running_platform() as plat:
         os.environ.update(DSEC_API_URL=plat.api_url, DSEC_API_KEY=plat.admin_key)
         with Client() as client:
             edges = client.backends()
+        only = {x for x in args.backends.split(",") if x}
         for b in edges[0]["backends"]:
             name = b["name"]
+            if only and name not in only:
+                continue
             if not b["available"]:
                 res["backends"][name] = {"skipped": b["reason"]}
                 continue
-            out: dict[str, Any] = {}
-            out["round_trip"] = round_trip(name, n_calls, callers=1)
-            settle(2)
-            out["parallel"] = round_trip(name, n_calls, callers=4)
-            settle(2)
-            out["create_to_first_exec"] = summary(create_to_first_exec(name, n_create))
-            settle(2)
-            out["idle"] = idle_memory(plat, name, n_idle)
+            try:
+                res["backends"][name] = measure(plat, name, n_create, n_calls, n_idle)
+            except DsecError as exc:  # one backend failing must not hide the others
+                res["backends"][name] = {"failed": f"{type(exc).__name__}: {exc}"}
             settle(3)
-            res["backends"][name] = out
+    res["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     results = Path(__file__).with_name("results")
     results.mkdir(exist_ok=True)
     path = results / ("backends-quick.json" if args.quick else "backends.json")
     path.write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))
+    print(
+        f"load average (1, 5, 15 min): {res['load_average_before']} before, "
+        f"{res['load_average_after']} after"
+    )
 
 
 if __name__ == "__main__":
