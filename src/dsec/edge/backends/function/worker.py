@@ -8,16 +8,21 @@ into it:
     tmpfs (the worker's base)  /l0 /l1 ...  image layers, bind-mounted read-only
                                /call        where each call mounts its own tmpfs
 
-brings up ``lo`` and says ``ready``. From then on it is a zygote: for each call the pool
-hands it (a connection whose request was already read) it forks a child that is pid 1 of
-a new pid namespace, reports the child's pid, waits for it and says ``done``. The child:
+brings up ``lo`` and says ``ready``. From then on it is a zygote that keeps one child
+prepared for the next call, forked ahead (so building it is not on the call's path). The
+child is pid 1 of a new pid namespace and
 
-* is born in the worker's cgroup (the pool wrote the call's limits there; the worker's
-  own few pages count too) and unshares new mount, ipc and cgroup namespaces;
+* is born in the worker's cgroup (the pool writes each call's limits there; the worker's
+  own few pages and the next prepared child count too) and unshares new mount, ipc and
+  cgroup namespaces;
 * mounts a FRESH tmpfs on /call, an overlay of the layers with its upper dir on that
-  tmpfs, its own /proc and /dev, pivots into it and loads the seccomp filter;
-* writes the call's files, runs the command with aether's own ``exec`` code as an
-  unprivileged user, reads the files asked for, answers and exits.
+  tmpfs, its own /proc and /dev, pivots into it, loads the seccomp filter and waits;
+* when the worker passes it a call (the connection, whose request the pool already
+  read, and the request), writes the call's files, runs the command with aether's own
+  ``exec`` code as an unprivileged user, reads the files asked for, answers and exits.
+
+The worker reports the running child's pid to the pool, prepares the next child, waits
+for the running one and says ``done``. Each child serves exactly one call.
 
 When the child exits the kernel kills whatever the command left behind (it was pid 1),
 and its tmpfs, ipc objects and mounts go with its namespaces, so nothing carries over to
@@ -33,6 +38,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +109,7 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
     gc.freeze()  # a collection in a call's child must not copy the worker's every page
     sock.send(b"ready")
     buf = bytearray(MAX_DISPATCH)
+    child = _prepare(spec, filt, pidns, sock, oom_fd)
     while True:
         try:
             n, anc, _flags, _ = sock.recvmsg_into([buf], socket.CMSG_SPACE(4))
@@ -111,23 +118,54 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
         fds = _received_fds(anc)
         if not fds:
             return  # the pool closed: no more calls for this worker
-        child = kernel.fork_into_new_pidns(pidns)
-        if child == 0:
-            code = 1
-            try:
-                gc.disable()
-                kernel.set_name(b"dsec-fn-call")
-                code = _call_main(spec, filt, bytes(buf[:n]), fds[0], oom_fd)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                os._exit(code)
+        if not _hand(child, memoryview(buf)[:n], fds[0]):  # it died waiting: one more
+            os.waitpid(child[0], 0)
+            child = _prepare(spec, filt, pidns, sock, oom_fd)
+            _hand(child, memoryview(buf)[:n], fds[0])
         buf[:n] = bytes(n)  # the next call's child must not inherit this one's request
         for fd in fds:
             os.close(fd)
-        sock.send(f"pid {child}".encode())
-        os.waitpid(child, 0)  # pid 1 of its namespace: everything the call started is gone
+        running = child[0]
+        sock.send(f"pid {running}".encode())
+        child = _prepare(spec, filt, pidns, sock, oom_fd)  # while this call runs
+        os.waitpid(running, 0)  # pid 1 of its namespace: everything the call started is gone
         sock.send(b"done")
+
+
+def _prepare(
+    spec: WorkerSpec, filt: kernel.SeccompFilter, pidns: int, pool: socket.socket, oom_fd: int
+) -> tuple[int, socket.socket]:
+    """Fork the next call's child; it builds its root and waits for its call on the link."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = kernel.fork_into_new_pidns(pidns)
+    if pid:
+        theirs.close()
+        return pid, ours
+    code = 1
+    try:
+        gc.disable()
+        kernel.set_name(b"dsec-fn-call")
+        kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)  # until it becomes the user
+        pool.close()
+        ours.close()
+        code = _call_main(spec, filt, theirs, oom_fd)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _hand(child: tuple[int, socket.socket], dispatch: memoryview, conn_fd: int) -> bool:
+    """Give the prepared child its call: the connection and the request (length first)."""
+    link = child[1]
+    try:
+        socket.send_fds(link, [struct.pack("!I", len(dispatch))], [conn_fd])
+        link.sendall(dispatch)
+        return True
+    except OSError:
+        return False
+    finally:
+        link.close()
 
 
 def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
@@ -158,11 +196,7 @@ def _build_base(spec: WorkerSpec) -> None:
 
 
 def _call_main(
-    spec: WorkerSpec,
-    filt: kernel.SeccompFilter,
-    dispatch: bytes,
-    conn_fd: int,
-    oom_fd: int,
+    spec: WorkerSpec, filt: kernel.SeccompFilter, link: socket.socket, oom_fd: int
 ) -> int:
     kernel.unshare(kernel.CALL_NAMESPACES)
     _build_root(len(spec.layers))
@@ -170,7 +204,24 @@ def _call_main(
         f.write("0")
     kernel.prctl(kernel.PR_SET_DUMPABLE, 0)
     filt.load()
-    return serve(conn_fd, dispatch, oom_fd)
+    head, fds, _, _ = socket.recv_fds(link, 4, 1)
+    if not fds:
+        return 0  # the worker went away before a call came
+    while len(head) < 4:
+        more = link.recv(4 - len(head))
+        if not more:
+            return 1
+        head += more
+    (size,) = struct.unpack("!I", head)
+    dispatch = bytearray(size)
+    view, got = memoryview(dispatch), 0
+    while got < size:
+        k = link.recv_into(view[got:])
+        if not k:
+            return 1
+        got += k
+    link.close()
+    return serve(fds[0], bytes(dispatch), oom_fd)
 
 
 def _build_root(layers: int) -> None:
