@@ -44,8 +44,9 @@ from typing import Any
 
 from dsec.agent import protocol
 from dsec.edge.backends.container import cgroups
-from dsec.edge.backends.function import kernel, worker
+from dsec.edge.backends.function import kernel, worker, zygote
 from dsec.edge.backends.function.limits import WorkerCgroups
+from dsec.paths import Paths
 
 WARM = int(os.environ.get("DSEC_FUNCTION_WARM", "4"))  # idle workers kept per image
 MAX_WORKERS = max(WARM, int(os.environ.get("DSEC_FUNCTION_MAX_WORKERS", "16")))  # per image
@@ -131,7 +132,8 @@ class Pool:
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.cgroups = WorkerCgroups(cgroups.detect(), cgroup)
         self.spawning: dict[int, tuple[tuple[str, ...], str]] = {}
-        self.forker, self.forker_pid = worker.start_forker(str(self.scratch))
+        exe = zygote.binary(Paths.from_env().data)
+        self.forker, self.forker_pid = worker.start_forker(str(self.scratch), str(exe))
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.forker, selectors.EVENT_READ, ("forker", None))
         self.sandboxes: dict[str, Sandbox] = {}
@@ -259,9 +261,9 @@ class Pool:
             kind, obj = key.data
             if kind == "request" and obj.sandbox is sb:
                 self._drop_half(obj)
-        for w in self.workers.values():
+        for w in list(self.workers.values()):
             if w.phase == "busy" and w.sandbox == sid:
-                self._kill_call(w)
+                self._kill(w)  # the worker holds the call's connection: cut it off too
         pool = self.images[sb.image]
         for call in [c for c in pool.pending if c.sandbox is sb]:
             pool.pending.remove(call)

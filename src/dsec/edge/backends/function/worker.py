@@ -33,29 +33,26 @@ the next call; the worker itself never runs a call's code and never holds its da
 from __future__ import annotations
 
 import array
-import gc
+import contextlib
 import json
 import os
 import signal
 import socket
-import struct
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from dsec.agent import callfiles, execop, users
+from dsec.agent import callfiles, execop, spawn, users
 from dsec.agent.wire import AgentError, Conn
 from dsec.edge.backends.container import mounts
-from dsec.edge.backends.container.overlay import overlay_options
-from dsec.edge.backends.function import kernel
+from dsec.edge.backends.function import kernel, zygote
 
 UNPRIVILEGED_UID = 65534  # nobody
-SCRATCH_SIZE_MB = 1024  # the per-call tmpfs (writes are charged to the call's memory limit)
 HOSTNAME = "function"
 MAX_DISPATCH = 4 * 1024 * 1024 + 65536  # one request (pool.MAX_REQUEST) plus the sandbox
 CALL_DIR = "/call"  # in the worker's root: each call mounts its tmpfs here
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_RDONLY, _MS_REMOUNT = 0x2, 0x4, 0x8, 0x1, 0x20
+_MS_NOSUID, _MS_NODEV, _MS_RDONLY, _MS_REMOUNT = 0x2, 0x4, 0x1, 0x20
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +62,7 @@ class WorkerSpec:
     layers: tuple[str, ...]  # top..bottom, as overlayfs wants them
     scratch: str  # an empty host directory the worker mounts its base tmpfs on
     oom_file: str  # memory.oom_control (v1) or memory.events (v2) of the worker's cgroup
+    zygote: str  # the compiled zygote (zygote.binary)
 
 
 def fork_worker(spec: WorkerSpec, filt: kernel.SeccompFilter, keep_fd: int) -> int:
@@ -72,8 +70,8 @@ def fork_worker(spec: WorkerSpec, filt: kernel.SeccompFilter, keep_fd: int) -> i
 
     The caller moves it into its cgroup and then sends ``go`` (moving a process between
     cgroups waits for an RCU grace period, so it is done once per worker, never per call:
-    the calls' children are born in it); the worker says ``ready`` on ``keep_fd`` once its
-    root is built.
+    the calls' processes are born in it); the worker says ``ready`` on ``keep_fd`` once its
+    root is built and its zygote has the first call's process prepared.
     """
     pid = os.fork()
     if pid:
@@ -91,25 +89,29 @@ def fork_worker(spec: WorkerSpec, filt: kernel.SeccompFilter, keep_fd: int) -> i
 def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> None:
     os.closerange(3, sock_fd)
     os.closerange(sock_fd + 1, 65536)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the forker ignores it; we wait for ours
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the forker ignores it
     kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)  # the forker (the pool) is gone
     kernel.set_name(b"dsec-fn-worker")
     sock = socket.socket(fileno=sock_fd)
     if sock.recv(16) != b"go":  # the pool moved us into our cgroup (or gave up on us)
         return
     oom_fd = os.open(spec.oom_file, os.O_RDONLY | os.O_CLOEXEC) if spec.oom_file else -1
-    pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    proc = os.open("/proc", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # the host's
     kernel.unshare(kernel.WORKER_NAMESPACES)
     try:  # the OOM killer must never pick the worker (needs CAP_SYS_RESOURCE)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("-1000")
     except OSError:
         pass
+    own_mnt = os.open("self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
+    zyg = _start_zygote(spec.zygote, len(spec.layers))  # pivot_root moves it along
+    zyg.expect(b"H")
     _build_base(spec)
-    gc.freeze()  # a collection in a call's child must not copy the worker's every page
+    zyg.sock.send(filt.program())  # the zygote starts preparing once it has the filter
+    zyg.wait_prepared()
+    execop_spawn = _spawner(zyg)
     sock.send(b"ready")
     buf = bytearray(MAX_DISPATCH)
-    child = _prepare(spec, filt, pidns, sock, oom_fd)
     while True:
         try:
             n, anc, _flags, _ = sock.recvmsg_into([buf], socket.CMSG_SPACE(4))
@@ -118,54 +120,76 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
         fds = _received_fds(anc)
         if not fds:
             return  # the pool closed: no more calls for this worker
-        if not _hand(child, memoryview(buf)[:n], fds[0]):  # it died waiting: one more
-            os.waitpid(child[0], 0)
-            child = _prepare(spec, filt, pidns, sock, oom_fd)
-            _hand(child, memoryview(buf)[:n], fds[0])
-        buf[:n] = bytes(n)  # the next call's child must not inherit this one's request
-        for fd in fds:
+        pid = zyg.prepared
+        mnt = os.open(f"{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
+        sock.send(f"pid {pid}".encode())
+        kernel.setns(mnt, kernel.CLONE_NEWNS)  # into the call's root (and cwd "/")
+        os.close(mnt)
+        zyg.used = False
+        try:
+            serve(fds[0], bytes(memoryview(buf)[:n]), oom_fd, execop_spawn)
+        finally:
+            if not zyg.used:  # the call failed before its command started
+                zyg.discard()
+            kernel.setns(own_mnt, kernel.CLONE_NEWNS)
+        buf[:n] = bytes(n)
+        for fd in fds[1:]:
             os.close(fd)
-        running = child[0]
-        sock.send(f"pid {running}".encode())
-        child = _prepare(spec, filt, pidns, sock, oom_fd)  # while this call runs
-        os.waitpid(running, 0)  # pid 1 of its namespace: everything the call started is gone
         sock.send(b"done")
 
 
-def _prepare(
-    spec: WorkerSpec, filt: kernel.SeccompFilter, pidns: int, pool: socket.socket, oom_fd: int
-) -> tuple[int, socket.socket]:
-    """Fork the next call's child; it builds its root and waits for its call on the link."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    pid = kernel.fork_into_new_pidns(pidns)
-    if pid:
-        theirs.close()
-        return pid, ours
-    code = 1
-    try:
-        gc.disable()
-        kernel.set_name(b"dsec-fn-call")
-        kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)  # until it becomes the user
-        pool.close()
-        ours.close()
-        code = _call_main(spec, filt, theirs, oom_fd)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)
+def _start_zygote(exe: str, layers: int) -> zygote.Zygote:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(theirs.fileno(), 3)
+            os.closerange(4, 65536)
+            os.execve(exe, ["dsec-fn-zygote", str(layers)], {})
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(127)
+    theirs.close()
+    return zygote.Zygote(ours, pid)
 
 
-def _hand(child: tuple[int, socket.socket], dispatch: memoryview, conn_fd: int) -> bool:
-    """Give the prepared child its call: the connection and the request (length first)."""
-    link = child[1]
-    try:
-        socket.send_fds(link, [struct.pack("!I", len(dispatch))], [conn_fd])
-        link.sendall(dispatch)
-        return True
-    except OSError:
-        return False
-    finally:
-        link.close()
+def _spawner(zyg: zygote.Zygote) -> execop.Spawner:
+    """``spawn.spawn`` for the worker: the command runs in the zygote's prepared process."""
+
+    def spawn_in_call(
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        stdin: bool,
+        uid: int | None = None,
+        gid: int | None = None,
+        groups: tuple[int, ...] = (),
+    ) -> spawn.Child:
+        if uid is None or gid is None:
+            raise AgentError("permission_denied", "backend 'function' runs calls as a user")
+        path = spawn.which(argv[0], env)
+        cloexec = os.O_CLOEXEC
+        in_r, in_w = os.pipe2(cloexec) if stdin else (os.open(os.devnull, os.O_RDONLY), -1)
+        out_r, out_w = os.pipe2(cloexec)
+        err_r, err_w = os.pipe2(cloexec)
+        pid = zyg.prepared
+        zyg.used = True
+        try:
+            stage, err = zyg.start(path, argv, env, cwd, (uid, gid, *groups), (in_r, out_w, err_w))
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        if stage:
+            for fd in (in_w, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
+            zyg.wait_exit()
+            raise OSError(err, os.strerror(err), cwd if stage == 1 else argv[0])
+        return zygote.ZygoteChild(zyg, pid, in_w, out_r, err_r)
+
+    return spawn_in_call
 
 
 def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
@@ -192,67 +216,13 @@ def _build_base(spec: WorkerSpec) -> None:
     kernel.pivot_root(base)
 
 
-# ---- the call (in the worker's child) -------------------------------------------------------
-
-
-def _call_main(
-    spec: WorkerSpec, filt: kernel.SeccompFilter, link: socket.socket, oom_fd: int
-) -> int:
-    kernel.unshare(kernel.CALL_NAMESPACES)
-    _build_root(len(spec.layers))
-    with open("/proc/self/oom_score_adj", "w") as f:  # the worker's -1000 is not the call's
-        f.write("0")
-    kernel.prctl(kernel.PR_SET_DUMPABLE, 0)
-    filt.load()
-    head, fds, _, _ = socket.recv_fds(link, 4, 1)
-    if not fds:
-        return 0  # the worker went away before a call came
-    while len(head) < 4:
-        more = link.recv(4 - len(head))
-        if not more:
-            return 1
-        head += more
-    (size,) = struct.unpack("!I", head)
-    dispatch = bytearray(size)
-    view, got = memoryview(dispatch), 0
-    while got < size:
-        k = link.recv_into(view[got:])
-        if not k:
-            return 1
-        got += k
-    link.close()
-    return serve(fds[0], bytes(dispatch), oom_fd)
-
-
-def _build_root(layers: int) -> None:
-    """Mount a fresh tmpfs, the overlay over it, /proc and /dev, and pivot into it."""
-    call = CALL_DIR
-    mounts.mount(
-        "tmpfs", call, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SCRATCH_SIZE_MB}m,mode=0755"
-    )
-    for d in ("upper", "work", "root"):
-        os.mkdir(os.path.join(call, d), 0o755)
-    root = os.path.join(call, "root")
-    lower = [Path(f"/l{i}") for i in range(layers)]
-    data = overlay_options(lower, Path(call, "upper"), Path(call, "work"))
-    mounts.mount("overlay", root, "overlay", _MS_NODEV, data)
-    for d in ("proc", "dev", "tmp"):
-        os.makedirs(os.path.join(root, d), exist_ok=True)
-    os.chmod(os.path.join(root, "tmp"), 0o1777)
-    mounts.mount("proc", os.path.join(root, "proc"), "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    dev = os.path.join(root, "dev")
-    mounts.mount("tmpfs", dev, "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=0755")
-    kernel.make_devices(dev)
-    kernel.pivot_root(root)
-
-
-def serve(conn_fd: int, dispatch: bytes, oom_fd: int) -> int:
+def serve(conn_fd: int, dispatch: bytes, oom_fd: int, spawner: execop.Spawner) -> int:
     """Run the call the pool handed over and answer it; return the exit code."""
     os.set_inheritable(conn_fd, False)
     conn = Conn(socket.socket(fileno=conn_fd))
     try:
         msg = _loads(dispatch)
-        result = run_call(conn, msg["request"], msg["sandbox"], oom_fd)
+        result = run_call(conn, msg["request"], msg["sandbox"], oom_fd, spawner)
         if not conn.answered:
             conn.result(result)
     except AgentError as exc:
@@ -276,9 +246,9 @@ def _loads(data: bytes) -> dict[str, Any]:
 
 
 def run_call(
-    conn: Conn, req: dict[str, Any], sandbox: dict[str, Any], oom_fd: int
+    conn: Conn, req: dict[str, Any], sandbox: dict[str, Any], oom_fd: int, spawner: execop.Spawner
 ) -> dict[str, Any] | None:
-    """Run one ``exec`` request in this worker's root as the unprivileged user."""
+    """Run one ``exec`` request in the call's root, its command as the unprivileged user."""
     user = users.resolve(req.get("user", UNPRIVILEGED_UID))
     if user.uid == 0:
         raise AgentError(
@@ -302,26 +272,29 @@ def run_call(
     req.pop("files", None)
     req.pop("outputs", None)
     oom_before = _oom_kills(oom_fd) if oom_fd >= 0 else 0  # the cgroup is reused
-    _become(user, cwd)
-    result = execop.op_exec(conn, req)
+    result = execop.op_exec(conn, req, spawner)
     assert result is not None
     if outputs is not None:  # as the user: the call cannot read more than it could itself
-        result["files"] = callfiles.read_outputs(outputs, cwd, budget)
+        with _as_user(user):
+            result["files"] = callfiles.read_outputs(outputs, cwd, budget)
     if oom_fd >= 0 and _oom_kills(oom_fd) > oom_before:
         result["oom_killed"] = True
     return result
 
 
-def _become(user: users.User, cwd: str) -> None:
-    """Switch to the call's user and directory, so the command starts by vfork (fast)."""
+@contextlib.contextmanager
+def _as_user(user: users.User) -> Iterator[None]:
+    """Access files with the user's rights (the effective ids; the worker stays root)."""
+    groups = os.getgroups()
     os.setgroups(list(user.groups))
-    os.setgid(user.gid)
-    os.setuid(user.uid)
-    kernel.prctl(kernel.PR_SET_DUMPABLE, 0)  # setuid reset it; keep the pool's memory private
+    os.setegid(user.gid)
+    os.seteuid(user.uid)
     try:
-        os.chdir(cwd)
-    except OSError as exc:
-        raise AgentError("not_found", f"working directory {cwd}: {exc.strerror}") from None
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(groups)
 
 
 def _oom_kills(fd: int) -> int:
@@ -336,7 +309,7 @@ def _oom_kills(fd: int) -> int:
     return 0
 
 
-def start_forker(scratch: str) -> tuple[socket.socket, int]:
+def start_forker(scratch: str, zygote_exe: str) -> tuple[socket.socket, int]:
     """Fork the process that forks workers, before any sandbox is registered.
 
     Forking a worker takes milliseconds; doing it here keeps the pool's loop free for
@@ -350,7 +323,7 @@ def start_forker(scratch: str) -> tuple[socket.socket, int]:
     code = 1
     try:
         ours.close()
-        _forker_main(theirs, scratch)
+        _forker_main(theirs, scratch, zygote_exe)
         code = 0
     except BaseException:
         traceback.print_exc()  # to the edge log
@@ -358,7 +331,7 @@ def start_forker(scratch: str) -> tuple[socket.socket, int]:
         os._exit(code)
 
 
-def _forker_main(sock: socket.socket, scratch: str) -> None:
+def _forker_main(sock: socket.socket, scratch: str, zygote_exe: str) -> None:
     os.closerange(3, sock.fileno())  # the edge's control socket above all
     os.closerange(sock.fileno() + 1, 65536)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
@@ -371,6 +344,7 @@ def _forker_main(sock: socket.socket, scratch: str) -> None:
             layers=tuple(req["layers"]),
             scratch=scratch,
             oom_file=req["oom_file"],
+            zygote=zygote_exe,
         )
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
