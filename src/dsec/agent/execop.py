@@ -168,7 +168,7 @@ class _Pump:
         self.outputs = {proc.stdout: KIND_OUT, proc.stderr: KIND_ERR}
         for fd in self.outputs:
             self.poller.register(fd, select.POLLIN)
-        self.pidfd = os.pidfd_open(proc.pid)
+        self.pidfd = proc.exit_fd()
         self.poller.register(self.pidfd, select.POLLIN)
         self.sock = conn.fileno()
         self.sock_registered = False

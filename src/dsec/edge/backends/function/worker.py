@@ -182,7 +182,7 @@ def _spawner(zyg: zygote.Zygote) -> execop.Spawner:
             for fd in (in_r, out_w, err_w):
                 os.close(fd)
         if stage:
-            for fd in (in_w, out_r, err_r):
+            for fd in (in_w, out_r, err_r, zyg.take_pidfd()):
                 if fd >= 0:
                     os.close(fd)
             zyg.wait_exit()

@@ -8,7 +8,8 @@
  *                    NUL-terminated path, cwd, argc argv[], env[] (all u32 little endian),
  *                    with stdin/stdout/stderr as SCM_RIGHTS; or "D" (discard the child).
  * zygote -> worker:  "H"           started (the worker pivots only then)
- *                    "R" pid       the next call's process is prepared (its root is built)
+ *                    "R" pid       the next call's process is prepared (its root is built),
+ *                                  with its pidfd
  *                    "S" stage err the call's process exec'd (stage 0) or failed
  *                                  (1 cwd, 2 exec, 3 other, 4 discarded)
  *                    "X" status    the call's process (pid 1 of its pid namespace) exited
@@ -226,8 +227,27 @@ static pid_t prepare(int *link) {
         return -1;
     }
     *link = sp[0];
+    /* with a pidfd the worker sees the exit even after we reaped the process */
+    int pfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (pfd < 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        close(sp[0]);
+        return fail("pidfd_open");
+    }
+    char r1[1 + sizeof(int32_t)] = {'R'}, cb[CMSG_SPACE(sizeof(int))];
     int32_t p32 = pid;
-    say("R", &p32, sizeof p32);
+    memcpy(r1 + 1, &p32, sizeof p32);
+    struct iovec iov = {r1, sizeof r1};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cb,
+                        .msg_controllen = sizeof cb};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &pfd, sizeof(int));
+    sendmsg(WORKER, &mh, MSG_NOSIGNAL);
+    close(pfd);
     return pid;
 }
 

@@ -54,10 +54,16 @@ class Zygote:
         self.pid = pid
         self.prepared = 0  # pid of the process the next call gets
         self.used = False  # the prepared process got its command (else: discard it)
+        self.pidfd = -1  # of the prepared process
         self.status: int | None = None
 
     def expect(self, kind: bytes) -> bytes:
-        msg = self.sock.recv(512)
+        msg, fds, _, _ = socket.recv_fds(self.sock, 512, 1)
+        for fd in fds:
+            if kind == b"R" and msg[:1] == b"R":
+                self.pidfd = fd
+            else:
+                os.close(fd)
         if not msg:
             raise ZygoteError("the zygote exited")
         if msg[:1] == b"E":
@@ -67,6 +73,8 @@ class Zygote:
         return msg[1:]
 
     def wait_prepared(self) -> int:
+        if (old := self.take_pidfd()) >= 0:
+            os.close(old)
         (self.prepared,) = struct.unpack("=i", self.expect(b"R"))
         return self.prepared
 
@@ -84,9 +92,15 @@ class Zygote:
         socket.send_fds(self.sock, [b"G" + head + b"".join(parts)], list(fds))
         return self._started()
 
+    def take_pidfd(self) -> int:
+        """The prepared process's pidfd, now the caller's to close (or closed here: -1)."""
+        fd, self.pidfd = self.pidfd, -1
+        return fd
+
     def discard(self) -> None:
         """The prepared process was not used (the call failed first): drop it."""
         self.sock.send(b"D")
+        os.close(self.take_pidfd())
         self._started()
         self.wait_exit()
 
@@ -109,6 +123,16 @@ class ZygoteChild(spawn.Child):
     def __init__(self, zyg: Zygote, pid: int, stdin: int, stdout: int, stderr: int) -> None:
         super().__init__(pid, stdin, stdout, stderr)
         self.zygote = zyg
+        self.pidfd = zyg.take_pidfd()
+
+    def exit_fd(self) -> int:
+        return os.dup(self.pidfd)  # the zygote may have reaped it already: no pidfd_open
+
+    def close_pipes(self) -> None:
+        super().close_pipes()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
     def wait(self) -> int:
         if self.returncode is None:
