@@ -120,7 +120,7 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
         fds = _received_fds(anc)
         if not fds:
             return  # the pool closed: no more calls for this worker
-        pid = zyg.prepared
+        pid = zyg.prepared or zyg.wait_prepared()  # built while the previous call ran
         mnt = os.open(f"{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
         sock.send(f"pid {pid}".encode())
         kernel.setns(mnt, kernel.CLONE_NEWNS)  # into the call's root (and cwd "/")
@@ -131,6 +131,7 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
         finally:
             if not zyg.used:  # the call failed before its command started
                 zyg.discard()
+            zyg.prepared = 0
             kernel.setns(own_mnt, kernel.CLONE_NEWNS)
         buf[:n] = bytes(n)
         for fd in fds[1:]:

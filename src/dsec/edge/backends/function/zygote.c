@@ -9,7 +9,7 @@
  *                    with stdin/stdout/stderr as SCM_RIGHTS; or "D" (discard the child).
  * zygote -> worker:  "H"           started (the worker pivots only then)
  *                    "R" pid       the next call's process is prepared (its root is built),
- *                                  with its pidfd
+ *                                  with its pidfd (after the previous call's "X")
  *                    "S" stage err the call's process exec'd (stage 0) or failed
  *                                  (1 cwd, 2 exec, 3 other, 4 discarded)
  *                    "X" status    the call's process (pid 1 of its pid namespace) exited
@@ -191,8 +191,8 @@ out:
     _exit(127);
 }
 
-/* Fork the next call's process; return its pid and its link, or -1. */
-static pid_t prepare(int *link) {
+/* Fork the next call's process (it builds its root on its own); return its pid, or -1. */
+static pid_t spawn_next(int *link) {
     int sp[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp)) return fail("socketpair");
     pid_t pid = (pid_t)syscall(SYS_clone, CALL_NS | SIGCHLD, NULL, NULL, NULL, NULL);
@@ -217,23 +217,23 @@ static pid_t prepare(int *link) {
         _exit(127);
     }
     close(sp[1]);
+    *link = sp[0];
+    return pid;
+}
+
+/* Wait until the next process has built its root; tell the worker ("R" + pidfd or "E"). */
+static pid_t await_ready(pid_t pid, int *link) {
+    if (pid < 0) return pid;
     char r[128];
-    ssize_t n = recv(sp[0], r, sizeof r, 0);
-    if (n != 1 || r[0] != 'R') {
-        close(sp[0]);
+    ssize_t n = recv(*link, r, sizeof r, 0);
+    int pfd = n == 1 && r[0] == 'R' ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
+    if (pfd < 0) {  /* the pidfd lets the worker see the exit even after we reaped it */
+        kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
+        close(*link);
         if (n > 1) say("E", r + 1, (size_t)n - 1);
         else say("E", "prepare: the process died", 25);
         return -1;
-    }
-    *link = sp[0];
-    /* with a pidfd the worker sees the exit even after we reaped the process */
-    int pfd = (int)syscall(SYS_pidfd_open, pid, 0);
-    if (pfd < 0) {
-        kill(pid, SIGKILL);
-        waitpid(pid, NULL, 0);
-        close(sp[0]);
-        return fail("pidfd_open");
     }
     char r1[1 + sizeof(int32_t)] = {'R'}, cb[CMSG_SPACE(sizeof(int))];
     int32_t p32 = pid;
@@ -265,7 +265,8 @@ int main(int argc, char **argv) {
     filter.len = (unsigned short)(n / sizeof(struct sock_filter));
     filter.filter = (struct sock_filter *)prog;
     int link = -1;
-    pid_t next = prepare(&link);
+    pid_t next = spawn_next(&link);
+    next = await_ready(next, &link);
     for (;;) {
         char cbuf[CMSG_SPACE(3 * sizeof(int))];
         struct iovec iov = {msg, MAX_MSG};
@@ -299,11 +300,12 @@ int main(int argc, char **argv) {
         close(link);
         say2("S", rep[0], rep[1]);
         pid_t running = next;
-        next = prepare(&link);  /* while the call runs */
+        next = spawn_next(&link);  /* it builds its root while the call runs */
         int status = 0;
         while (waitpid(running, &status, 0) < 0 && errno == EINTR) {
         }
         say2("X", status, 0);
+        next = await_ready(next, &link);
     }
     if (next > 0) {
         kill(next, SIGKILL);

@@ -110,8 +110,7 @@ class Zygote:
         return stage, err
 
     def wait_exit(self) -> int:
-        """After a start: the next process is prepared, then the call's exits (wait status)."""
-        self.wait_prepared()
+        """After a start: the call's process exited (its wait status)."""
         status: int = struct.unpack("=ii", self.expect(b"X"))[0]
         self.status = status
         return status
