@@ -166,6 +166,25 @@ async def test_stdin_env_cwd_and_files_in_and_out(fn: Fn) -> None:
 
 
 @pytest.mark.asyncio
+async def test_calls_that_fail_before_their_command_runs_leave_the_worker_usable(
+    fn_one_worker: Fn,
+) -> None:
+    fn = fn_one_worker  # one worker: each failure must leave its zygote in step
+    res, out = await fn.run(["/no/such/program"])
+    assert out["exit_code"] == 127
+    assert b"/no/such/program" in res.stderr
+    res, out = await fn.run(["/etc/passwd"])  # not executable
+    assert out["exit_code"] == 126
+    with pytest.raises(Exception, match="working directory"):
+        await fn.run(["true"], cwd="/no/such/dir")
+    with pytest.raises(Exception, match="unprivileged"):
+        await fn.run(["true"], user=0)
+    res, out = await fn.run("echo ok")
+    assert out["exit_code"] == 0
+    assert res.stdout == b"ok\n"
+
+
+@pytest.mark.asyncio
 async def test_call_over_its_time_limit_is_killed(fn: Fn) -> None:
     t0 = time.monotonic()
     _, out = await fn.run("sleep 30", timeout=1)
