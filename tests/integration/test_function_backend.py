@@ -46,6 +46,22 @@ class Fn:
 
 @pytest_asyncio.fixture
 async def fn(cenv: ContainerTestEnv) -> AsyncIterator[Fn]:
+    async for f in _fn(cenv):
+        yield f
+
+
+@pytest_asyncio.fixture
+async def fn_one_worker(
+    cenv: ContainerTestEnv, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Fn]:
+    """A pool that keeps exactly one worker, so consecutive calls share it."""
+    monkeypatch.setenv("DSEC_FUNCTION_WARM", "1")
+    monkeypatch.setenv("DSEC_FUNCTION_MAX_WORKERS", "1")
+    async for f in _fn(cenv):
+        yield f
+
+
+async def _fn(cenv: ContainerTestEnv) -> AsyncIterator[Fn]:
     backend = FunctionBackend(
         cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
     )
@@ -92,13 +108,36 @@ async def test_exec_runs_unprivileged_in_fresh_namespaces(fn: Fn) -> None:
     assert int(lines[8]) <= 5  # pid 1, the shell, ls, grep: nothing of the host
 
 
+# Call 1 leaves a file in /tmp and /dev/shm, a SysV shared memory segment and a background
+# process; call 2, served by the same worker, must see none of them.
+SHMGET = "import ctypes; print(ctypes.CDLL(None).shmget(0x5eed, 4096, {flags}))"
+
+
 @pytest.mark.asyncio
-async def test_state_does_not_leak_between_calls(fn: Fn) -> None:
-    _, out = await fn.run("echo secret > /tmp/left; sleep 300 & echo started")
-    assert out["exit_code"] == 0
-    res, out = await fn.run("cat /tmp/left; pgrep -c sleep; ls -A /tmp | wc -l")
-    assert res.stdout.decode().split() == ["0", "0"]
-    assert b"No such file" in res.stderr
+async def test_state_does_not_leak_between_calls(fn_one_worker: Fn) -> None:
+    fn = fn_one_worker
+    leave = (
+        "echo secret > /tmp/left; echo secret > /dev/shm/left; "
+        f"python3 -c '{SHMGET.format(flags=0o1600)}'; "
+        "setsid sleep 300 < /dev/null > /dev/null 2>&1 & echo started"
+    )
+    res, out = await fn.run(leave)
+    assert out["exit_code"] == 0, res.stderr
+    shmid, started = res.stdout.decode().split()
+    assert int(shmid) >= 0
+    assert started == "started"
+    (first,) = (await fn.backend.stats())["workers"]
+    look = (
+        "cat /tmp/left /dev/shm/left; pgrep -c sleep; ls -A /tmp /dev/shm | wc -l; "
+        f"python3 -c '{SHMGET.format(flags=0)}'; ls /proc | grep -c '^[0-9]'"
+    )
+    res, out = await fn.run(look)
+    sleeps, entries, shmid, procs = res.stdout.decode().split()
+    assert (sleeps, entries, shmid) == ("0", "3", "-1"), res.stderr  # 3: two headers, a gap
+    assert int(procs) <= 4  # pid 1, the shell, ls, grep
+    assert res.stderr.count(b"No such file") == 2
+    (worker,) = (await fn.backend.stats())["workers"]
+    assert worker["pid"] == first["pid"]  # the same worker served both calls
 
 
 @pytest.mark.asyncio
@@ -124,6 +163,25 @@ async def test_stdin_env_cwd_and_files_in_and_out(fn: Fn) -> None:
     assert res.stdout == b"hello\n"
     assert [f["path"] for f in out["files"]] == ["/tmp/out/r.txt"]
     assert base64.b64decode(out["files"][0]["data"]) == b"hi world\n"
+
+
+@pytest.mark.asyncio
+async def test_calls_that_fail_before_their_command_runs_leave_the_worker_usable(
+    fn_one_worker: Fn,
+) -> None:
+    fn = fn_one_worker  # one worker: each failure must leave its zygote in step
+    res, out = await fn.run(["/no/such/program"])
+    assert out["exit_code"] == 127
+    assert b"/no/such/program" in res.stderr
+    res, out = await fn.run(["/etc/passwd"])  # not executable
+    assert out["exit_code"] == 126
+    with pytest.raises(Exception, match="working directory"):
+        await fn.run(["true"], cwd="/no/such/dir")
+    with pytest.raises(Exception, match="unprivileged"):
+        await fn.run(["true"], user=0)
+    res, out = await fn.run("echo ok")
+    assert out["exit_code"] == 0
+    assert res.stdout == b"ok\n"
 
 
 @pytest.mark.asyncio

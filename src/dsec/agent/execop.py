@@ -29,7 +29,16 @@ from dsec.agent.wire import (
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Protocol
+
+    class Spawner(Protocol):
+        """Starts a command like :func:`spawn.spawn` (the function backend has its own)."""
+
+        def __call__(
+            self, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bool,
+            uid: int | None = None, gid: int | None = None, groups: tuple[int, ...] = (),
+        ) -> spawn.Child: ...  # fmt: skip
+
 
 DRAIN_AFTER_EXIT_S = 0.5  # output still arriving from leftovers after the command exited
 STDIN_HIGH_WATER = 1 << 20  # stop reading the client while this much stdin is pending
@@ -38,7 +47,7 @@ STDIN_HIGH_WATER = 1 << 20  # stop reading the client while this much stdin is p
 SIGKILL = 9
 
 
-def start(req: dict[str, Any], *, stdin: bool) -> spawn.Child:
+def start(req: dict[str, Any], *, stdin: bool, spawner: Spawner | None = None) -> spawn.Child:
     """Start the command of ``req`` (``cmd, env, cwd, user``) in its own session."""
     argv, _ = args.cmd(req)
     spec = args.user(req)
@@ -48,7 +57,7 @@ def start(req: dict[str, Any], *, stdin: bool) -> spawn.Child:
     args.check_text(cwd, "'cwd'")
     ids = users.spawn_kwargs(user, spec is not None)
     try:
-        return spawn.spawn(
+        return (spawner or spawn.spawn)(
             argv,
             env=env,
             cwd=cwd,
@@ -93,7 +102,9 @@ def _files_in(req: dict[str, Any], budget: list[int]) -> str:
     return cwd
 
 
-def op_exec(conn: Conn, req: dict[str, Any]) -> dict[str, Any] | None:
+def op_exec(
+    conn: Conn, req: dict[str, Any], spawner: Spawner | None = None
+) -> dict[str, Any] | None:
     timeout = args.opt_timeout(req)
     want_stdin = args.opt_bool(req, "stdin")
     outputs = callfiles.check_outputs(req)
@@ -101,7 +112,7 @@ def op_exec(conn: Conn, req: dict[str, Any]) -> dict[str, Any] | None:
     cwd = _files_in(req, budget) if req.get("files") is not None or outputs else ""
     started = time.monotonic()
     try:
-        proc = start(req, stdin=want_stdin)
+        proc = start(req, stdin=want_stdin, spawner=spawner)
     except _NotStarted as exc:
         if want_stdin:
             _discard_input(conn)
@@ -157,7 +168,7 @@ class _Pump:
         self.outputs = {proc.stdout: KIND_OUT, proc.stderr: KIND_ERR}
         for fd in self.outputs:
             self.poller.register(fd, select.POLLIN)
-        self.pidfd = os.pidfd_open(proc.pid)
+        self.pidfd = proc.exit_fd()
         self.poller.register(self.pidfd, select.POLLIN)
         self.sock = conn.fileno()
         self.sock_registered = False

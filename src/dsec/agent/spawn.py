@@ -36,6 +36,10 @@ class Child:
             self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
+    def exit_fd(self) -> int:
+        """A new fd that polls readable once the command exited (the caller closes it)."""
+        return os.pidfd_open(self.pid)
+
     def close_pipes(self) -> None:
         for fd in (self.stdin, self.stdout, self.stderr):
             if fd >= 0:

@@ -51,8 +51,17 @@ def _setup(paths: Paths, *, quiet: bool = False, vm_image: bool = False) -> None
         build_bundle(paths.agent_bundle, progress=progress)
         st.update("preparing the base image (Debian bookworm minbase + python3)")
         build_base_image(ImageStore(paths.images), progress=progress)
+        _setup_function(paths, progress)
         _setup_microvm(paths, progress)
         _setup_vm_image(paths, progress, build=vm_image)
+
+
+def _setup_function(paths: Paths, progress: Callable[[str], None]) -> None:
+    """The function workers' zygote (a small C program; the pool also builds it if missing)."""
+    from dsec.edge.backends.function import zygote
+
+    progress("building the function zygote")
+    zygote.binary(paths.data)
 
 
 def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:

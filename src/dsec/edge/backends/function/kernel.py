@@ -1,8 +1,8 @@
 """The syscalls a function worker needs that Python's ``os`` lacks (through ctypes).
 
-unshare(2), pivot_root(2), prctl(2), mknod of device nodes, bringing ``lo`` up with an
+unshare(2), setns(2), pivot_root(2), prctl(2), bringing ``lo`` up with an
 ioctl, and the container backend's seccomp profile (:mod:`..container.seccomp`) compiled
-with libseccomp (the library crun links too) into a filter a worker loads on itself.
+with libseccomp (the library crun links too) into the BPF program the zygote loads per call.
 Everything here is blocking and only meant for the pool process and its workers.
 """
 
@@ -21,17 +21,14 @@ from typing import Any
 from dsec.edge.backends.container import seccomp
 
 CLONE_NEWNS = 0x00020000
-CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
-CLONE_NEWIPC = 0x08000000
-CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-# What a worker unshares itself (it is born in its new pid namespace: see fork_into_new_pidns).
-WORKER_NAMESPACES = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET
+# What a worker unshares once: a network namespace is slow to make and to tear down, and
+# a call (as nobody) can change neither it nor the hostname.
+WORKER_NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWNET
 
 PR_SET_PDEATHSIG = 1
-PR_SET_DUMPABLE = 4
-PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NAME = 15
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
 _libc: ctypes.CDLL | None = None
@@ -63,25 +60,14 @@ def setns(fd: int, nstype: int) -> None:
     _check(_lib().setns(fd, nstype), "setns")
 
 
-def fork_into_new_pidns(own_pidns_fd: int) -> int:
-    """``os.fork()`` a child that is pid 1 of a new pid namespace (one fork, not two).
-
-    unshare(CLONE_NEWPID) only changes the namespace of later children, and only once;
-    setns() back to our own namespace re-arms it for the next worker.
-    """
-    unshare(CLONE_NEWPID)
-    try:
-        pid = os.fork()
-    except BaseException:
-        setns(own_pidns_fd, CLONE_NEWPID)
-        raise
-    if pid:
-        setns(own_pidns_fd, CLONE_NEWPID)
-    return pid
-
-
 def prctl(option: int, arg: int) -> None:
     _check(_lib().prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+def set_name(name: bytes) -> None:
+    """Name the calling thread (what ``ps`` and ``/proc/PID/comm`` show, 15 bytes)."""
+    buf = ctypes.create_string_buffer(name[:15])
+    _check(_lib().prctl(PR_SET_NAME, ctypes.addressof(buf), 0, 0, 0), "prctl(name)")
 
 
 def pivot_root(new_root: str) -> None:
@@ -108,29 +94,6 @@ def loopback_up() -> None:
         req = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, req))[1]
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
-
-
-# Character devices of a worker's /dev: (name, major, minor).
-DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9))
-
-
-def make_devices(dev: str) -> None:
-    """Create the usual device nodes and links in ``dev`` (a fresh tmpfs)."""
-    import stat
-
-    for name, major, minor in DEVICES:
-        path = os.path.join(dev, name)
-        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
-        os.chmod(path, 0o666)  # mknod applies the umask
-    for name, target in (
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ):
-        os.symlink(target, os.path.join(dev, name))
-    os.mkdir(os.path.join(dev, "shm"), 0o1777)
-    os.chmod(os.path.join(dev, "shm"), 0o1777)
 
 
 # ---- seccomp ----------------------------------------------------------------------------
@@ -230,19 +193,6 @@ class SeccompFilter:
         data = b"".join(chunks)
         return ctypes.create_string_buffer(data, len(data))
 
-    def load(self) -> None:
-        """Set no_new_privs and install the filter on the calling thread (inherited)."""
-        prog = self._program
-        fprog = _SockFprog(len(prog) // 8, ctypes.cast(prog, ctypes.c_void_p))
-        _check(_lib().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(no_new_privs)")
-        rc = _lib().prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0)
-        _check(rc, "prctl(seccomp)")
-
-
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_SET_SECCOMP = 22
-_SECCOMP_MODE_FILTER = 2
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+    def program(self) -> bytes:
+        """The BPF program (``struct sock_filter`` entries) for a zygote to load."""
+        return bytes(self._program)

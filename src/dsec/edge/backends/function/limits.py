@@ -1,9 +1,10 @@
 """The cgroups of function workers: one per worker, reused, limits written per call.
 
 Each worker gets ``<parent>/w<n>`` in the memory, pids and cpu hierarchies (v1, hybrid or
-v2, as :mod:`dsec.edge.backends.container.cgroups` detects them). The pool writes the
-call's limits just before it hands the call over; once a worker has exited and its cgroup
-is empty the cgroup serves the next worker, so a call costs no mkdir/rmdir.
+v2, as :mod:`dsec.edge.backends.container.cgroups` detects them); each call's child is
+born in it. The pool writes the call's limits just before it hands the call over; once a
+worker has exited and its cgroup is empty the cgroup serves the next worker, so starting
+a worker costs no mkdir/rmdir.
 """
 
 from __future__ import annotations

@@ -11,14 +11,18 @@ protocol on it, so the edge relays calls exactly as it does for containers:
   ``backend_unavailable`` error naming the backend to use instead;
 * an ``exec`` goes, with the connection, to a ready worker of the sandbox's image after
   the call's memory, CPU and pids limits are written to that worker's cgroup. The worker
-  answers on the connection itself and exits; the pool then removes its cgroup and forks
-  a fresh worker, so every call starts from a clean root in fresh namespaces.
+  forks a fresh child for the call (new pid, mount, ipc and cgroup namespaces, a new
+  tmpfs under its root: see :mod:`.worker`), which answers on the connection itself; the
+  worker reports the child's pid and then ``done``, and serves the next call.
+
+Workers are long-lived: ``WARM`` idle ones per image, more while calls queue (up to
+``MAX_WORKERS``), the extra ones retired when they fall idle.
 
 One thread, one ``selectors`` loop: control messages, listening sockets, half-read
-requests, worker sockets (``pid``/``ready``), worker pidfds (exit) and call deadlines.
-The pool is a child subreaper (it inherits each worker's pid 1) and gets SIGTERM when the
-edge dies; on SIGTERM or a closed control socket it kills every worker, removes their
-cgroups and exits.
+requests, worker sockets (``ready``/``pid N``/``done``), worker pidfds (exit) and call
+deadlines (a call over its deadline has its child killed). The pool gets SIGTERM when the
+edge dies; on SIGTERM or a closed control socket it kills every worker and call, removes
+their cgroups and exits.
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ from typing import Any
 
 from dsec.agent import protocol
 from dsec.edge.backends.container import cgroups
-from dsec.edge.backends.function import kernel, worker
+from dsec.edge.backends.function import kernel, worker, zygote
 from dsec.edge.backends.function.limits import WorkerCgroups
+from dsec.paths import Paths
 
-WARM = int(os.environ.get("DSEC_FUNCTION_WARM", "4"))  # ready workers kept per image
+WARM = int(os.environ.get("DSEC_FUNCTION_WARM", "4"))  # idle workers kept per image
+MAX_WORKERS = max(WARM, int(os.environ.get("DSEC_FUNCTION_MAX_WORKERS", "16")))  # per image
 DEFAULT_CALL_TIMEOUT_S = 300.0
 DEADLINE_GRACE_S = 2.0  # the worker enforces the timeout; the pool kills it after this
 MAX_REQUEST = 4 * 1024 * 1024
@@ -87,9 +93,11 @@ class Worker:
     cgroup: str
     pid: int
     pidfd: int = -1
-    phase: str = "starting"  # starting | ready | busy
+    phase: str = "starting"  # starting | ready | busy | retiring
     sandbox: str = ""
     deadline: float = 0.0
+    call_pid: int = 0  # the busy call's child (pid 1 of its pid namespace)
+    calls: int = 0  # calls served
 
 
 @dataclass(eq=False)
@@ -111,6 +119,7 @@ class ImagePool:
     users: int = 0
     ready: collections.deque[Worker] = field(default_factory=collections.deque)
     starting: int = 0
+    busy: int = 0
     pending: collections.deque[PendingCall] = field(default_factory=collections.deque)
     failures: int = 0
 
@@ -123,7 +132,8 @@ class Pool:
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.cgroups = WorkerCgroups(cgroups.detect(), cgroup)
         self.spawning: dict[int, tuple[tuple[str, ...], str]] = {}
-        self.forker, self.forker_pid = worker.start_forker(str(self.scratch))
+        exe = zygote.binary(Paths.from_env().data)
+        self.forker, self.forker_pid = worker.start_forker(str(self.scratch), str(exe))
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.forker, selectors.EVENT_READ, ("forker", None))
         self.sandboxes: dict[str, Sandbox] = {}
@@ -161,9 +171,8 @@ class Pool:
         now = time.monotonic()
         for w in list(self.workers.values()):
             if w.phase == "busy" and w.deadline <= now:
-                _log(f"worker {w.pid} overran its call's deadline; killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, signal.SIGKILL)
+                _log(f"the call in worker {w.pid} overran its deadline; killing it")
+                self._kill_call(w)
                 w.deadline = now + 3600
 
     def _on_wakeup(self, _: None) -> None:
@@ -201,7 +210,14 @@ class Pool:
                 "pid": os.getpid(),
                 "sandboxes": sorted(self.sandboxes),
                 "workers": [
-                    {"pid": w.pid, "state": w.phase, "sandbox": w.sandbox, "cgroup": w.cgroup}
+                    {
+                        "pid": w.pid,
+                        "state": w.phase,
+                        "sandbox": w.sandbox,
+                        "cgroup": w.cgroup,
+                        "calls": w.calls,
+                        "call_pid": w.call_pid,
+                    }
                     for w in self.workers.values()
                 ],
             }
@@ -245,10 +261,9 @@ class Pool:
             kind, obj = key.data
             if kind == "request" and obj.sandbox is sb:
                 self._drop_half(obj)
-        for w in self.workers.values():
+        for w in list(self.workers.values()):
             if w.phase == "busy" and w.sandbox == sid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, signal.SIGKILL)
+                self._kill(w)  # the worker holds the call's connection: cut it off too
         pool = self.images[sb.image]
         for call in [c for c in pool.pending if c.sandbox is sb]:
             pool.pending.remove(call)
@@ -339,7 +354,7 @@ class Pool:
         if pool is None:
             return
         while pool.pending and pool.ready:
-            call, w = pool.pending.popleft(), pool.ready.popleft()
+            call, w = pool.pending.popleft(), pool.ready.pop()  # the warmest worker
             try:
                 self._hand_over(w, call)
             except OSError as exc:
@@ -361,7 +376,8 @@ class Pool:
         ).encode()
         socket.send_fds(w.sock, [msg], [call.conn.fileno()])
         call.conn.close()
-        w.phase, w.sandbox = "busy", sb.id
+        w.phase, w.sandbox, w.call_pid = "busy", sb.id, 0
+        self.images[w.image].busy += 1
         w.deadline = time.monotonic() + float(timeout) + DEADLINE_GRACE_S
 
     # ---- workers -----------------------------------------------------------------------
@@ -375,7 +391,12 @@ class Pool:
                     msg = "function workers fail to start on this edge (see the edge log)"
                     _send_and_close(call.conn, protocol.error("sandbox_failed", msg))
             return
-        while len(pool.ready) + pool.starting < WARM + len(pool.pending):
+
+        def short() -> bool:  # calls wait, or fewer than WARM workers are up
+            spare = len(pool.ready) + pool.starting
+            return spare < len(pool.pending) or spare + pool.busy < WARM
+
+        while short() and len(pool.ready) + pool.starting + pool.busy < MAX_WORKERS:
             self._start_worker(image)
             pool.starting += 1
 
@@ -386,7 +407,11 @@ class Pool:
             rel = self.free_cgroups.pop()
         else:
             rel = self.cgroups.make(f"w{os.getpid()}-{self.seq}")
-        spec = {"seq": self.seq, "layers": list(image), "oom_file": self.cgroups.oom_file(rel)}
+        spec = {
+            "seq": self.seq,
+            "layers": list(image),
+            "oom_file": self.cgroups.oom_file(rel),
+        }
         self.spawning[self.seq] = (image, rel)
         self.forker.send(json.dumps(spec).encode())
 
@@ -429,18 +454,29 @@ class Pool:
             msg = w.sock.recv(64)
         except OSError:
             msg = b""
-        if msg == b"ready":
-            pool = self.images.get(w.image)
-            if pool is None:
-                self._kill(w)
-                return
-            pool.starting -= 1
-            pool.failures = 0
-            w.phase = "ready"
-            pool.ready.append(w)
-            self._dispatch(w.image)
+        if msg.startswith(b"pid ") and w.phase == "busy":
+            w.call_pid = int(msg[4:])
             return
-        self.sel.unregister(w.sock)  # closed: it exited; its pidfd reports that
+        pool = self.images.get(w.image)
+        if msg == b"ready" and w.phase == "starting":
+            if pool is not None:
+                pool.starting -= 1
+                pool.failures = 0
+        elif msg == b"done" and w.phase == "busy":
+            w.calls += 1
+            w.call_pid, w.sandbox = 0, ""
+            if pool is not None:
+                pool.busy -= 1
+        else:  # closed: it exited; its pidfd reports that
+            self.sel.unregister(w.sock)
+            return
+        if pool is None or (len(pool.ready) >= WARM and not pool.pending):
+            w.phase = "retiring"  # an idle worker more than needed (or its image is gone)
+            self._kill(w)
+            return
+        w.phase = "ready"
+        pool.ready.append(w)
+        self._dispatch(w.image)
 
     def _on_exit(self, w: Worker) -> None:
         self._reap(w)  # the forker (its parent) reaps it
@@ -448,6 +484,7 @@ class Pool:
     def _reap(self, w: Worker) -> None:
         if self.workers.pop(w.seq, None) is None:
             return
+        self._kill_call(w)
         if w.pidfd >= 0:
             self.sel.unregister(w.pidfd)
             os.close(w.pidfd)
@@ -466,13 +503,22 @@ class Pool:
                 pool.starting -= 1
                 pool.failures += 1
                 _log(f"a function worker failed to start ({pool.failures} in a row)")
+            elif w.phase == "busy":
+                pool.busy -= 1
             elif w in pool.ready:
                 pool.ready.remove(w)
             self._refill(w.image)
 
     def _kill(self, w: Worker) -> None:
+        self._kill_call(w)
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, signal.SIGKILL)
+
+    def _kill_call(self, w: Worker) -> None:
+        """Kill the worker's call: its child is pid 1 of the call's pid namespace."""
+        if w.call_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.call_pid, signal.SIGKILL)
 
     # ---- shutdown ----------------------------------------------------------------------
 

@@ -1,43 +1,58 @@
-"""One function worker: a process in fresh namespaces that serves exactly one ``exec``.
+"""One function worker: a warm process that serves calls, each in a fresh child.
 
-The pool forks it ahead of time (:func:`fork_worker`). The first child joins the worker's
-cgroup, unshares mount, pid, ipc, uts, net and cgroup namespaces and forks the second,
-which is pid 1 of the new pid namespace and exits at once (the pool is a child subreaper,
-so it inherits pid 1). Pid 1 then builds its root:
+The pool's forker forks a worker ahead of time (:func:`fork_worker`). The worker unshares
+its mount, uts and network namespaces (a network namespace is slow to make and to tear
+down, and a call running as ``nobody`` cannot change it), builds a small root and pivots
+into it:
 
-    tmpfs (private, per worker)  ── upper/ work/ ──┐
-    image layers (read-only) ─────────── overlay ──┴─> root/   + /proc (own pid ns)
-                                                                + /dev (tmpfs, 5 nodes)
+    tmpfs (the worker's base)  /l0 /l1 ...  image layers, bind-mounted read-only
+                               /call        where each call mounts its own tmpfs
 
-pivots into it, brings up ``lo`` in its empty network namespace, loads the seccomp filter
-and says ``ready``. When the pool hands it a connection (the request already read), it
-writes the call's files, runs the command with aether's own ``exec`` code as an
-unprivileged user, reads the files asked for, answers, and exits: the kernel kills
-whatever the command left behind with pid 1, and every byte the call wrote lived in the
-tmpfs, so nothing carries over to the next call.
+brings up ``lo`` and says ``ready``. From then on it is a zygote that keeps one child
+prepared for the next call, forked ahead (so building it is not on the call's path). The
+child is pid 1 of a new pid namespace and
+
+* is born in the worker's cgroup (the pool writes each call's limits there; the worker's
+  own few pages and the next prepared child count too) and unshares new mount, ipc and
+  cgroup namespaces;
+* mounts a FRESH tmpfs on /call, an overlay of the layers with its upper dir on that
+  tmpfs, its own /proc and /dev, pivots into it, loads the seccomp filter and waits;
+* when the worker passes it a call (the connection, whose request the pool already
+  read, and the request), writes the call's files, runs the command with aether's own
+  ``exec`` code as an unprivileged user, reads the files asked for, answers and exits.
+
+The worker reports the running child's pid to the pool, prepares the next child, waits
+for the running one and says ``done``. Each child serves exactly one call.
+
+When the child exits the kernel kills whatever the command left behind (it was pid 1),
+and its tmpfs, ipc objects and mounts go with its namespaces, so nothing carries over to
+the next call; the worker itself never runs a call's code and never holds its data
+(requests are read into one buffer that is zeroed after each fork).
 """
 
 from __future__ import annotations
 
+import array
+import contextlib
 import json
 import os
 import signal
 import socket
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from dsec.agent import callfiles, execop, users
+from dsec.agent import callfiles, execop, spawn, users
 from dsec.agent.wire import AgentError, Conn
 from dsec.edge.backends.container import mounts
-from dsec.edge.backends.container.overlay import overlay_options
-from dsec.edge.backends.function import kernel
+from dsec.edge.backends.function import kernel, zygote
 
 UNPRIVILEGED_UID = 65534  # nobody
-SCRATCH_SIZE_MB = 1024  # the per-call tmpfs (writes are charged to the call's memory limit)
 HOSTNAME = "function"
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_RDONLY = 0x2, 0x4, 0x8, 0x1
+MAX_DISPATCH = 4 * 1024 * 1024 + 65536  # one request (pool.MAX_REQUEST) plus the sandbox
+CALL_DIR = "/call"  # in the worker's root: each call mounts its tmpfs here
+_MS_NOSUID, _MS_NODEV, _MS_RDONLY, _MS_REMOUNT = 0x2, 0x4, 0x1, 0x20
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +60,20 @@ class WorkerSpec:
     """What a worker is built from (one per image)."""
 
     layers: tuple[str, ...]  # top..bottom, as overlayfs wants them
-    scratch: str  # an empty host directory the worker mounts its tmpfs on
-    oom_file: str  # memory.oom_control (v1) or memory.events (v2) of that cgroup
+    scratch: str  # an empty host directory the worker mounts its base tmpfs on
+    oom_file: str  # memory.oom_control (v1) or memory.events (v2) of the worker's cgroup
+    zygote: str  # the compiled zygote (zygote.binary)
 
 
-def fork_worker(
-    spec: WorkerSpec, filt: kernel.SeccompFilter, keep_fd: int, own_pidns_fd: int
-) -> int:
-    """Fork a worker (pid 1 of a new pid namespace) and return its host pid.
+def fork_worker(spec: WorkerSpec, filt: kernel.SeccompFilter, keep_fd: int) -> int:
+    """Fork a worker and return its pid.
 
-    The caller moves it into its cgroup and then sends ``go``; the worker says ``ready``
-    on ``keep_fd`` once its root is built.
+    The caller moves it into its cgroup and then sends ``go`` (moving a process between
+    cgroups waits for an RCU grace period, so it is done once per worker, never per call:
+    the calls' processes are born in it); the worker says ``ready`` on ``keep_fd`` once its
+    root is built and its zygote has the first call's process prepared.
     """
-    pid = kernel.fork_into_new_pidns(own_pidns_fd)
+    pid = os.fork()
     if pid:
         return pid
     code = 1
@@ -73,64 +89,141 @@ def fork_worker(
 def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> None:
     os.closerange(3, sock_fd)
     os.closerange(sock_fd + 1, 65536)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the forker ignores it; we wait for ours
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the forker ignores it
+    kernel.prctl(kernel.PR_SET_PDEATHSIG, signal.SIGKILL)  # the forker (the pool) is gone
+    kernel.set_name(b"dsec-fn-worker")
     sock = socket.socket(fileno=sock_fd)
     if sock.recv(16) != b"go":  # the pool moved us into our cgroup (or gave up on us)
         return
     oom_fd = os.open(spec.oom_file, os.O_RDONLY | os.O_CLOEXEC) if spec.oom_file else -1
+    proc = os.open("/proc", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # the host's
     kernel.unshare(kernel.WORKER_NAMESPACES)
-    try:  # the OOM killer should take the command, not the worker (needs CAP_SYS_RESOURCE)
+    try:  # the OOM killer must never pick the worker (needs CAP_SYS_RESOURCE)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("-1000")
     except OSError:
         pass
-    _build_root(spec)
-    kernel.prctl(kernel.PR_SET_DUMPABLE, 0)
-    filt.load()
+    own_mnt = os.open("self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
+    zyg = _start_zygote(spec.zygote, len(spec.layers))  # pivot_root moves it along
+    zyg.expect(b"H")
+    _build_base(spec)
+    zyg.sock.send(filt.program())  # the zygote starts preparing once it has the filter
+    zyg.wait_prepared()
+    execop_spawn = _spawner(zyg)
     sock.send(b"ready")
-    code = serve_one(sock, oom_fd)
-    os._exit(code)
+    buf = bytearray(MAX_DISPATCH)
+    while True:
+        try:
+            n, anc, _flags, _ = sock.recvmsg_into([buf], socket.CMSG_SPACE(4))
+        except OSError:
+            return
+        fds = _received_fds(anc)
+        if not fds:
+            return  # the pool closed: no more calls for this worker
+        pid = zyg.prepared or zyg.wait_prepared()  # built while the previous call ran
+        mnt = os.open(f"{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
+        sock.send(f"pid {pid}".encode())
+        kernel.setns(mnt, kernel.CLONE_NEWNS)  # into the call's root (and cwd "/")
+        os.close(mnt)
+        zyg.used = False
+        try:
+            serve(fds[0], bytes(memoryview(buf)[:n]), oom_fd, execop_spawn)
+        finally:
+            if not zyg.used:  # the call failed before its command started
+                zyg.discard()
+            zyg.prepared = 0
+            kernel.setns(own_mnt, kernel.CLONE_NEWNS)
+        buf[:n] = bytes(n)
+        for fd in fds[1:]:
+            os.close(fd)
+        sock.send(b"done")
 
 
-def _build_root(spec: WorkerSpec) -> None:
+def _start_zygote(exe: str, layers: int) -> zygote.Zygote:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(theirs.fileno(), 3)
+            os.closerange(4, 65536)
+            os.execve(exe, ["dsec-fn-zygote", str(layers)], {})
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(127)
+    theirs.close()
+    return zygote.Zygote(ours, pid)
+
+
+def _spawner(zyg: zygote.Zygote) -> execop.Spawner:
+    """``spawn.spawn`` for the worker: the command runs in the zygote's prepared process."""
+
+    def spawn_in_call(
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        stdin: bool,
+        uid: int | None = None,
+        gid: int | None = None,
+        groups: tuple[int, ...] = (),
+    ) -> spawn.Child:
+        if uid is None or gid is None:
+            raise AgentError("permission_denied", "backend 'function' runs calls as a user")
+        path = spawn.which(argv[0], env)
+        cloexec = os.O_CLOEXEC
+        in_r, in_w = os.pipe2(cloexec) if stdin else (os.open(os.devnull, os.O_RDONLY), -1)
+        out_r, out_w = os.pipe2(cloexec)
+        err_r, err_w = os.pipe2(cloexec)
+        pid = zyg.prepared
+        zyg.used = True
+        try:
+            stage, err = zyg.start(path, argv, env, cwd, (uid, gid, *groups), (in_r, out_w, err_w))
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        if stage:
+            for fd in (in_w, out_r, err_r, zyg.take_pidfd()):
+                if fd >= 0:
+                    os.close(fd)
+            zyg.wait_exit()
+            raise OSError(err, os.strerror(err), cwd if stage == 1 else argv[0])
+        return zygote.ZygoteChild(zyg, pid, in_w, out_r, err_r)
+
+    return spawn_in_call
+
+
+def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds = array.array("i")
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
+def _build_base(spec: WorkerSpec) -> None:
+    """Pivot into a tmpfs that holds only the image's layers (read-only) and /call."""
     mounts.mount(None, "/", None, mounts.MS_REC | mounts.MS_PRIVATE)
     base = spec.scratch
-    mounts.mount(
-        "tmpfs", base, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SCRATCH_SIZE_MB}m,mode=0755"
-    )
-    for d in ("upper", "work", "root"):
-        os.mkdir(os.path.join(base, d), 0o755)
-    root = os.path.join(base, "root")
-    data = overlay_options([Path(p) for p in spec.layers], Path(base, "upper"), Path(base, "work"))
-    mounts.mount("overlay", root, "overlay", _MS_NODEV, data)
-    for d in ("proc", "dev", "tmp"):
-        os.makedirs(os.path.join(root, d), exist_ok=True)
-    os.chmod(os.path.join(root, "tmp"), 0o1777)
-    mounts.mount("proc", os.path.join(root, "proc"), "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    dev = os.path.join(root, "dev")
-    mounts.mount("tmpfs", dev, "tmpfs", _MS_NOSUID | _MS_NOEXEC, "size=64k,mode=0755")
-    kernel.make_devices(dev)
+    mounts.mount("tmpfs", base, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k,mode=0755")
+    for i, layer in enumerate(spec.layers):
+        d = os.path.join(base, f"l{i}")
+        os.mkdir(d, 0o755)
+        mounts.mount(layer, d, None, mounts.MS_BIND)
+        mounts.mount(None, d, None, mounts.MS_BIND | _MS_REMOUNT | _MS_RDONLY)
+    os.mkdir(base + CALL_DIR, 0o755)
     socket.sethostname(HOSTNAME)
     kernel.loopback_up()
-    kernel.pivot_root(root)
+    kernel.pivot_root(base)
 
 
-# ---- the call -----------------------------------------------------------------------------
-
-
-def serve_one(sock: socket.socket, oom_fd: int) -> int:
-    """Wait for the pool's dispatch, run the call, answer it; return the exit code."""
+def serve(conn_fd: int, dispatch: bytes, oom_fd: int, spawner: execop.Spawner) -> int:
+    """Run the call the pool handed over and answer it; return the exit code."""
+    os.set_inheritable(conn_fd, False)
+    conn = Conn(socket.socket(fileno=conn_fd))
     try:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
-    except OSError:
-        return 1
-    if not msg or not fds:
-        return 0  # the pool closed: no call for this worker
-    os.set_inheritable(fds[0], False)
-    conn = Conn(socket.socket(fileno=fds[0]))
-    try:
-        dispatch = _loads(msg)
-        result = run_call(conn, dispatch["request"], dispatch["sandbox"], oom_fd)
+        msg = _loads(dispatch)
+        result = run_call(conn, msg["request"], msg["sandbox"], oom_fd, spawner)
         if not conn.answered:
             conn.result(result)
     except AgentError as exc:
@@ -154,9 +247,9 @@ def _loads(data: bytes) -> dict[str, Any]:
 
 
 def run_call(
-    conn: Conn, req: dict[str, Any], sandbox: dict[str, Any], oom_fd: int
+    conn: Conn, req: dict[str, Any], sandbox: dict[str, Any], oom_fd: int, spawner: execop.Spawner
 ) -> dict[str, Any] | None:
-    """Run one ``exec`` request in this worker's root as the unprivileged user."""
+    """Run one ``exec`` request in the call's root, its command as the unprivileged user."""
     user = users.resolve(req.get("user", UNPRIVILEGED_UID))
     if user.uid == 0:
         raise AgentError(
@@ -180,26 +273,29 @@ def run_call(
     req.pop("files", None)
     req.pop("outputs", None)
     oom_before = _oom_kills(oom_fd) if oom_fd >= 0 else 0  # the cgroup is reused
-    _become(user, cwd)
-    result = execop.op_exec(conn, req)
+    result = execop.op_exec(conn, req, spawner)
     assert result is not None
     if outputs is not None:  # as the user: the call cannot read more than it could itself
-        result["files"] = callfiles.read_outputs(outputs, cwd, budget)
+        with _as_user(user):
+            result["files"] = callfiles.read_outputs(outputs, cwd, budget)
     if oom_fd >= 0 and _oom_kills(oom_fd) > oom_before:
         result["oom_killed"] = True
     return result
 
 
-def _become(user: users.User, cwd: str) -> None:
-    """Switch to the call's user and directory, so the command starts by vfork (fast)."""
+@contextlib.contextmanager
+def _as_user(user: users.User) -> Iterator[None]:
+    """Access files with the user's rights (the effective ids; the worker stays root)."""
+    groups = os.getgroups()
     os.setgroups(list(user.groups))
-    os.setgid(user.gid)
-    os.setuid(user.uid)
-    kernel.prctl(kernel.PR_SET_DUMPABLE, 0)  # setuid reset it; keep the pool's memory private
+    os.setegid(user.gid)
+    os.seteuid(user.uid)
     try:
-        os.chdir(cwd)
-    except OSError as exc:
-        raise AgentError("not_found", f"working directory {cwd}: {exc.strerror}") from None
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(groups)
 
 
 def _oom_kills(fd: int) -> int:
@@ -214,7 +310,7 @@ def _oom_kills(fd: int) -> int:
     return 0
 
 
-def start_forker(scratch: str) -> tuple[socket.socket, int]:
+def start_forker(scratch: str, zygote_exe: str) -> tuple[socket.socket, int]:
     """Fork the process that forks workers, before any sandbox is registered.
 
     Forking a worker takes milliseconds; doing it here keeps the pool's loop free for
@@ -228,7 +324,7 @@ def start_forker(scratch: str) -> tuple[socket.socket, int]:
     code = 1
     try:
         ours.close()
-        _forker_main(theirs, scratch)
+        _forker_main(theirs, scratch, zygote_exe)
         code = 0
     except BaseException:
         traceback.print_exc()  # to the edge log
@@ -236,20 +332,24 @@ def start_forker(scratch: str) -> tuple[socket.socket, int]:
         os._exit(code)
 
 
-def _forker_main(sock: socket.socket, scratch: str) -> None:
+def _forker_main(sock: socket.socket, scratch: str, zygote_exe: str) -> None:
     os.closerange(3, sock.fileno())  # the edge's control socket above all
     os.closerange(sock.fileno() + 1, 65536)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
     filt = kernel.SeccompFilter()
-    pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     while msg := sock.recv(1 << 20):
         req = json.loads(msg)
-        spec = WorkerSpec(layers=tuple(req["layers"]), scratch=scratch, oom_file=req["oom_file"])
+        spec = WorkerSpec(
+            layers=tuple(req["layers"]),
+            scratch=scratch,
+            oom_file=req["oom_file"],
+            zygote=zygote_exe,
+        )
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            pid = fork_worker(spec, filt, theirs.fileno(), pidns_fd)
+            pid = fork_worker(spec, filt, theirs.fileno())
         except OSError as exc:
             sock.send(json.dumps({"seq": req["seq"], "error": str(exc)}).encode())
             continue
