@@ -949,24 +949,19 @@ def _refuse_networked(meta: dict[str, Any], what: str) -> None:
 
 
 def _copy_extents(src: Path, dst: int) -> None:
+    """Copy ``src``'s data runs into the open file ``dst`` at the same offsets (holes stay
+    holes)."""
     fd = os.open(src, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         os.ftruncate(dst, size)
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: only a hole is left
-                break
-            end = os.lseek(fd, start, os.SEEK_HOLE)
+        for start, end in snapshots.data_extents(fd, size):
             off = start
             while off < end:
                 n = os.copy_file_range(fd, dst, end - off, off, off)
                 if n <= 0:
                     raise OSError(f"short copy of {src} at {off}")
                 off += n
-            pos = end
     finally:
         os.close(fd)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from dsec.core.errors import SandboxFailed
@@ -34,13 +35,7 @@ def sparse_digest(path: Path) -> str:
     try:
         size = os.fstat(fd).st_size
         h.update(size.to_bytes(8, "big"))
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: only a hole is left
-                break
-            end = os.lseek(fd, start, os.SEEK_HOLE)
+        for start, end in data_extents(fd, size):
             os.lseek(fd, start, os.SEEK_SET)
             off = start
             while off < end:
@@ -49,10 +44,23 @@ def sparse_digest(path: Path) -> str:
                     break
                 _hash_nonzero_pages(h, off, data)
                 off += len(data)
-            pos = end
     finally:
         os.close(fd)
     return h.hexdigest()
+
+
+def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each run of data in the open file ``fd`` of ``size`` bytes; holes
+    are skipped without reading them."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole is left
+            return
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, end
+        pos = end
 
 
 def _hash_nonzero_pages(h: hashlib._Hash, off: int, data: bytes) -> None:
