@@ -98,7 +98,7 @@ def build_kernel(data: Path, progress: Callable[[str], None] = lambda _: None) -
         raise KernelBuildError(f"kernel config lost fragment lines: {', '.join(lost)}")
     jobs = str(os.cpu_count() or 1)
     t0 = time.monotonic()
-    progress(f"guest kernel: make -j{jobs} vmlinux (about 5 min on 2 cores the first time)")
+    progress(f"guest kernel: make -j{jobs} vmlinux (about 11 min on 2 cores the first time)")
     proc = subprocess.Popen(
         ["nice", "-n", "10", "make", f"-j{jobs}", "vmlinux"],
         cwd=src,
