@@ -114,7 +114,7 @@ async def test_async_watch_dir_reports_create_write_remove(e2b_env: str) -> None
         await asyncio.sleep(0.6)
         await sbx.files.remove("/tmp/w/f.txt")
         for _ in range(50):
-            if any(e.type == FilesystemEventType.REMOVE for e in seen):
+            if ("f.txt", FilesystemEventType.REMOVE) in [(e.name, e.type) for e in seen]:
                 break
             await asyncio.sleep(0.1)
         await handle.stop()  # type: ignore[no-untyped-call]
@@ -122,6 +122,7 @@ async def test_async_watch_dir_reports_create_write_remove(e2b_env: str) -> None
         assert ("f.txt", FilesystemEventType.CREATE) in kinds
         assert ("f.txt", FilesystemEventType.WRITE) in kinds
         assert ("f.txt", FilesystemEventType.REMOVE) in kinds
+        assert all(name == "f.txt" for name, _ in kinds), kinds  # no write temporaries
     finally:
         await sbx.kill()
 
