@@ -402,6 +402,17 @@ class AsyncSandbox:
             network=network,
             extra=tc.policy_body(trajectory, on_mismatch, checkpoint_every),
         )
+        return await cls._start(call, client, api_url, api_key)
+
+    @classmethod
+    async def _start(
+        cls,
+        call: wire.Call[SandboxInfo],
+        client: AsyncClient | None,
+        api_url: str | None,
+        api_key: str | None,
+    ) -> AsyncSandbox:
+        """Send a create ``call`` (on ``client``, or a client of our own, closed on failure)."""
         owned = client is None
         c = client or AsyncClient(api_url, api_key)
         try:
@@ -428,15 +439,7 @@ class AsyncSandbox:
         snapshot's edge: a ``full`` snapshot resumes its processes and memory, a
         ``filesystem`` one boots with its files. ``timeout`` is the new sandbox's lifetime."""
         call = wire.create_from_snapshot(snapshot_id, timeout, metadata, project)
-        owned = client is None
-        c = client or AsyncClient(api_url, api_key)
-        try:
-            info = await c.transport.call(call)
-        except BaseException:
-            if owned:
-                await c.aclose()
-            raise
-        return cls(info.id, c, owns_client=owned)
+        return await cls._start(call, client, api_url, api_key)
 
     @classmethod
     async def connect(

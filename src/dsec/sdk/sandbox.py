@@ -395,6 +395,17 @@ class Sandbox:
             network=network,
             extra=tc.policy_body(trajectory, on_mismatch, checkpoint_every),
         )
+        return cls._start(call, client, api_url, api_key)
+
+    @classmethod
+    def _start(
+        cls,
+        call: wire.Call[SandboxInfo],
+        client: Client | None,
+        api_url: str | None,
+        api_key: str | None,
+    ) -> Sandbox:
+        """Send a create ``call`` (on ``client``, or a client of our own, closed on failure)."""
         owned = client is None
         c = client or Client(api_url, api_key)
         try:
@@ -421,15 +432,7 @@ class Sandbox:
         snapshot's edge: a ``full`` snapshot resumes its processes and memory, a
         ``filesystem`` one boots with its files. ``timeout`` is the new sandbox's lifetime."""
         call = wire.create_from_snapshot(snapshot_id, timeout, metadata, project)
-        owned = client is None
-        c = client or Client(api_url, api_key)
-        try:
-            info = c.transport.call(call)
-        except BaseException:
-            if owned:
-                c.close()
-            raise
-        return cls(info.id, c, owns_client=owned)
+        return cls._start(call, client, api_url, api_key)
 
     @classmethod
     def connect(
