@@ -124,7 +124,8 @@ class Supervisor:
         if component == "iam":
             return [*common, "--listen", lay.iam, "--metrics-listen", lay.iam_metrics]
         if component == "watcher":
-            return [*common, "--listen", lay.watcher, "--metrics-listen", lay.watcher_metrics]
+            watcher = [*common, "--listen", lay.watcher, "--metrics-listen", lay.watcher_metrics]
+            return [*watcher, "--iam", lay.iam]  # renews its certificate there (CA rotation)
         if component == "edge":
             argv = [
                 *common,

@@ -43,6 +43,7 @@ from dsec.apiserver.upstream import Upstream
 from dsec.core.errors import DsecError, Internal, InvalidArgument, NotFound
 from dsec.obs import Metrics, log
 from dsec.paths import Paths
+from dsec.rpc.renewal import renew_forever
 from dsec.rpc.tls import web_ssl_context
 from dsec.trajectory.log import TrajectoryLog
 from dsec.trajectory.retention import Retention, run_sweeper
@@ -232,9 +233,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         ssl_ctx = web_ssl_context(paths.pki, args.domain)
         await web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True).start()
         log(_log, "apiserver listening (TLS)", address=args.tls_listen, domain=args.domain)
+    renewer = asyncio.create_task(renew_forever(paths.pki, "apiserver", args.iam, stop))
     try:
         await stop.wait()
     finally:
+        await renewer
         await runner.cleanup()
         await upstream.aclose()
         await tlog.store.aclose()

@@ -16,6 +16,7 @@ import click
 from dsec import __version__
 from dsec.cli.audit import audit_group
 from dsec.cli.backends import backends
+from dsec.cli.ca import ca_group
 from dsec.cli.cluster import cluster_group, edge_group, iam_command
 from dsec.cli.e2b import e2b_group
 from dsec.cli.images import image_group, registry_group
@@ -79,6 +80,7 @@ cli.add_command(trajectory_group)
 cli.add_command(cluster_group)
 cli.add_command(edge_group)
 cli.add_command(iam_command)
+cli.add_command(ca_group)
 
 
 def _register_platform_commands(group: click.Group) -> None:

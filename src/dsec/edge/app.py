@@ -145,6 +145,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     from dsec.daemon import serve_metrics
     from dsec.rpc.client import secure_channel
     from dsec.rpc.errors import translated
+    from dsec.rpc.renewal import renew_forever
     from dsec.rpc.server import make_server
     from dsec.rpc.tls import ensure_edge_id
 
@@ -240,6 +241,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         asyncio.ensure_future(_every(HEARTBEAT_S, heartbeat, stop, "heartbeat")),
         asyncio.ensure_future(_every(REAP_S, manager.reap_expired, stop, "reaper")),
         asyncio.ensure_future(_every(RECONCILE_S, reconcile, stop, "reconcile")),
+        asyncio.ensure_future(renew_forever(paths.pki, edge_id, args.iam, stop)),
     ]
     if network is not None:
 

@@ -17,12 +17,15 @@ import grpc
 from aiohttp import web
 
 from dsec.daemon import bound_port, parse_hostport, serve_metrics
+from dsec.iam.ca_rpcs import CA_ALLOWED_ROLES, CaService
 from dsec.iam.join_rpcs import JoinService, join_server
 from dsec.iam.service import ALLOWED_ROLES, DEFAULT_RECONCILE_GRACE_S, IamService
 from dsec.iam.signing import load_or_create
 from dsec.iam.state import open_state
 from dsec.obs import Metrics, log
+from dsec.rpc._gen import ca_pb2_grpc
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+from dsec.rpc.renewal import check_interval
 from dsec.rpc.server import make_server, server_port
 from dsec.rpc.tls import Identity, ensure_pki
 from dsec.store.api import StateStore
@@ -92,9 +95,13 @@ class IamApp:
         )  # fmt: skip
         if await state.bootstrap(self._write_admin_key):
             log(_log, "bootstrapped: created project 'default' and an admin key")
-        server = make_server(cfg.pki_dir, "iam", cfg.listen, ALLOWED_ROLES, metrics=self.metrics)
+        roles = {**ALLOWED_ROLES, **CA_ALLOWED_ROLES}
+        server = make_server(cfg.pki_dir, "iam", cfg.listen, roles, metrics=self.metrics)
         self.port = server_port(server)
         pb_grpc.add_IamServicer_to_server(self._service, server)
+        ca_pb2_grpc.add_CaServicer_to_server(
+            CaService(cfg.pki_dir, self.metrics, check_interval()), server
+        )
         await server.start()
         self._server = server
         if cfg.join_listen:

@@ -18,6 +18,7 @@ from dsec.rpc import join
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.errors import status_for, trailers_for
+from dsec.rpc.reload import PkiFiles, dynamic_credentials
 from dsec.rpc.tls import Identity
 
 _log = logging.getLogger("dsec.iam")
@@ -76,12 +77,19 @@ class JoinService(pb_grpc.JoinServicer):
 
 
 def join_server(pki_dir: Path, listen: str, service: JoinService) -> tuple[grpc.aio.Server, int]:
-    """A server-authenticated TLS server for ``Join`` only (chain: iam leaf + CA)."""
-    ca = (pki_dir / "ca.crt").read_bytes()
-    key = (pki_dir / "iam.key").read_bytes()
-    cert = (pki_dir / "iam.crt").read_bytes()
+    """A server-authenticated TLS server for ``Join`` only (chain: iam leaf + CA bundle).
+
+    The chain is re-read when the files change (a CA rotation), so tokens naming the new CA
+    find it in the chain."""
+    files = PkiFiles(pki_dir, "iam")
+
+    def config() -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(files.key, files.cert + files.ca)])
+
     server = grpc.aio.server()
-    creds = grpc.ssl_server_credentials([(key, cert + ca)], require_client_auth=False)
+    creds = dynamic_credentials(
+        config(), lambda: config() if files.changed() else None, client_auth=False
+    )
     port = server.add_secure_port(listen, creds)
     pb_grpc.add_JoinServicer_to_server(service, server)
     return server, port

@@ -24,7 +24,8 @@ import grpc
 
 from dsec.rpc.errors import error_from_rpc
 from dsec.rpc.options import CLIENT_OPTIONS
-from dsec.rpc.tls import Identity, channel_credentials
+from dsec.rpc.reload import PkiFiles, ReloadingChannel
+from dsec.rpc.tls import Identity
 
 
 class TranslateErrors(grpc.aio.UnaryUnaryClientInterceptor):
@@ -68,14 +69,17 @@ def secure_channel(
 
     Returns:
         A ``grpc.aio`` channel; close it with ``await channel.close()`` or ``async with``.
+        It moves to new certificates when the PKI files change (see :mod:`dsec.rpc.reload`).
     """
     options: list[tuple[str, Any]] = list(CLIENT_OPTIONS)
     if server is not None:
         options.append(("grpc.ssl_target_name_override", server.dns_name))
     who = component or (server.role if server is not None else target)
-    return grpc.aio.secure_channel(
-        target,
-        channel_credentials(pki_dir, name),
-        options=options,
-        interceptors=[TranslateErrors(f"{who} ({target})")],
-    )
+
+    def make(files: PkiFiles) -> grpc.aio.Channel:
+        creds = grpc.ssl_channel_credentials(files.ca, files.key, files.cert)
+        return grpc.aio.secure_channel(
+            target, creds, options=options, interceptors=[TranslateErrors(f"{who} ({target})")]
+        )
+
+    return ReloadingChannel(PkiFiles(pki_dir, name), make)

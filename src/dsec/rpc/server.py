@@ -9,6 +9,8 @@ certificate of our CA. Its interceptor wraps every handler so that, per call:
 2. a :class:`~dsec.core.errors.DsecError` raised by the handler becomes its gRPC status plus
    the ``x-dsec-code`` trailer (:mod:`dsec.rpc.errors`); any other exception is logged with
    its traceback and becomes ``INTERNAL``;
+   (before that, the caller's certificate must still be issued by a CA of the current trust
+   bundle: a connection made before a CA rotation finished is refused from then on);
 3. the call is counted and timed in the daemon's metrics, when given.
 
 Handlers learn who called with :func:`peer_identity`.
@@ -37,7 +39,8 @@ from dsec.core.errors import (
 from dsec.obs import Metrics, log
 from dsec.rpc.errors import status_for, trailers_for
 from dsec.rpc.options import SERVER_OPTIONS
-from dsec.rpc.tls import Identity, parse_spiffe_id, server_credentials
+from dsec.rpc.reload import ServerPki
+from dsec.rpc.tls import Identity, parse_spiffe_id
 
 _log = logging.getLogger("dsec.rpc.server")
 _PORTS: weakref.WeakKeyDictionary[grpc.aio.Server, int] = weakref.WeakKeyDictionary()
@@ -85,9 +88,15 @@ def require_peer(context: HasAuthContext, role: str, name: str) -> Identity:
 class GuardInterceptor(grpc.aio.ServerInterceptor):
     """Authorizes each call by the caller's role and maps handler errors to statuses."""
 
-    def __init__(self, allowed_roles: AllowedRoles, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        allowed_roles: AllowedRoles,
+        metrics: Metrics | None = None,
+        trust: ServerPki | None = None,
+    ) -> None:
         self._rules = {k: frozenset(v) for k, v in allowed_roles.items()}
         self._metrics = metrics
+        self._trust = trust
         # method -> (the servicer's handler, our wrapper of it): wrap once, not per call
         self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
 
@@ -109,7 +118,8 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = _wrap_handler(handler, _Guard(method, self.roles_for(method), self._metrics))
+        guard = _Guard(method, self.roles_for(method), self._metrics, self._trust)
+        wrapped = _wrap_handler(handler, guard)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
@@ -117,13 +127,20 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
 class _Guard:
     """Per-method state shared by the wrappers: who may call, and how failures look."""
 
-    def __init__(self, method: str, roles: frozenset[str], metrics: Metrics | None) -> None:
+    def __init__(
+        self, method: str, roles: frozenset[str], metrics: Metrics | None, trust: ServerPki | None
+    ) -> None:
         self.method = method
         self.label = method.lstrip("/").removeprefix("dsec.v1.")
         self.roles = roles
         self.metrics = metrics
+        self.trust = trust
 
     def authorize(self, context: HasAuthContext) -> None:
+        if self.trust is not None:
+            pem = next(iter(context.auth_context().get("x509_pem_cert", ())), b"")
+            if not self.trust.accepts(pem):  # e.g. issued by a CA a rotation has dropped
+                raise Unauthenticated("peer certificate is not issued by a CA this server trusts")
         peer = peer_identity(context)
         if peer.role not in self.roles:
             raise PermissionDenied(f"{peer.spiffe_id} may not call {self.method}")
@@ -242,12 +259,13 @@ def make_server(
     Raises:
         Unavailable: the address cannot be bound.
     """
+    pki = ServerPki(pki_dir, name)
     server = grpc.aio.server(
-        interceptors=[GuardInterceptor(allowed_roles, metrics), *interceptors],
+        interceptors=[GuardInterceptor(allowed_roles, metrics, pki), *interceptors],
         options=SERVER_OPTIONS,
     )
     try:
-        port = server.add_secure_port(listen, server_credentials(pki_dir, name))
+        port = server.add_secure_port(listen, pki.credentials())
     except RuntimeError as e:
         raise Unavailable(f"cannot listen on {listen}: {e}") from e
     if port == 0:

@@ -170,7 +170,7 @@ def ensure_pki(
             raise InvalidArgument(f"two identities named {ident.name!r} with different roles")
     pki_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(pki_dir, 0o700)
-    with _locked(pki_dir / ".lock"):
+    with locked(pki_dir / ".lock"):
         now = dt.datetime.now(dt.UTC)
         ca = _load_ca(pki_dir, now, renew_before)
         if ca is None and (pki_dir / "ca.crt").exists() and not (pki_dir / "ca.key").exists():
@@ -185,9 +185,9 @@ def ensure_pki(
 
 
 def _check_member(pki_dir: Path, identities: Sequence[Identity], now: dt.datetime) -> None:
-    ca_cert = _load_cert(pki_dir / "ca.crt")
+    cas = load_bundle(pki_dir / "ca.crt")  # two during a CA rotation: either may have signed
     for ident in identities:
-        if ca_cert is None or not _leaf_ok(pki_dir, ident, ca_cert, now, dt.timedelta(0)):
+        if not any(_leaf_ok(pki_dir, ident, ca, now, dt.timedelta(0)) for ca in cas):
             raise Unavailable(
                 f"no valid certificate {ident.name!r} in {pki_dir} and no CA key to issue one: "
                 "get it from the cluster's CA (dsec edge join, or copy it from the iam)"
@@ -227,7 +227,7 @@ def channel_credentials(pki_dir: Path, name: str) -> grpc.ChannelCredentials:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -236,7 +236,7 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+def write_atomic(path: Path, data: bytes, mode: int) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
@@ -252,7 +252,7 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -260,7 +260,7 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def _load_key(path: Path) -> ec.EllipticCurvePrivateKey | None:
+def load_key(path: Path) -> ec.EllipticCurvePrivateKey | None:
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     except (OSError, ValueError, TypeError):
@@ -268,7 +268,7 @@ def _load_key(path: Path) -> ec.EllipticCurvePrivateKey | None:
     return key if isinstance(key, ec.EllipticCurvePrivateKey) else None
 
 
-def _load_cert(path: Path) -> x509.Certificate | None:
+def load_cert(path: Path) -> x509.Certificate | None:
     try:
         return x509.load_pem_x509_certificate(path.read_bytes())
     except (OSError, ValueError):
@@ -281,12 +281,22 @@ def _same_key(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> bool:
     return cert.public_key().public_bytes(enc, fmt) == key.public_key().public_bytes(enc, fmt)
 
 
+def load_bundle(path: Path) -> list[x509.Certificate]:
+    """Every certificate in a PEM trust bundle (empty if missing or unreadable)."""
+    try:
+        return x509.load_pem_x509_certificates(path.read_bytes())
+    except (OSError, ValueError):
+        return []
+
+
 def _load_ca(
     pki_dir: Path, now: dt.datetime, renew_before: dt.timedelta
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate] | None:
-    key = _load_key(pki_dir / "ca.key")
-    cert = _load_cert(pki_dir / "ca.crt")
-    if key is None or cert is None or not _same_key(cert, key):
+    # During a rotation ca.crt holds two CAs; the one ca.key belongs to signs (dsec.rpc.trust).
+    key = load_key(pki_dir / "ca.key")
+    certs = load_bundle(pki_dir / "ca.crt")
+    cert = next((c for c in certs if key is not None and _same_key(c, key)), None)
+    if key is None or cert is None:
         return None
     if cert.not_valid_after_utc - now < renew_before:
         return None
@@ -294,6 +304,14 @@ def _load_ca(
 
 
 def _new_ca(pki_dir: Path, now: dt.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key, cert = make_ca(now)
+    write_atomic(pki_dir / "ca.key", key_pem(key), 0o600)
+    write_atomic(pki_dir / "ca.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return key, cert
+
+
+def make_ca(now: dt.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A new self-signed CA key and certificate (nothing is written)."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name(
         [
@@ -315,8 +333,6 @@ def _new_ca(pki_dir: Path, now: dt.datetime) -> tuple[ec.EllipticCurvePrivateKey
         .add_extension(ski, critical=False)
         .sign(key, hashes.SHA256())
     )
-    _write_atomic(pki_dir / "ca.key", _key_pem(key), 0o600)
-    _write_atomic(pki_dir / "ca.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return key, cert
 
 
@@ -357,8 +373,8 @@ def _leaf_ok(
     now: dt.datetime,
     renew_before: dt.timedelta,
 ) -> bool:
-    key = _load_key(pki_dir / f"{ident.name}.key")
-    cert = _load_cert(pki_dir / f"{ident.name}.crt")
+    key = load_key(pki_dir / f"{ident.name}.key")
+    cert = load_cert(pki_dir / f"{ident.name}.crt")
     if key is None or cert is None or not _same_key(cert, key):
         return False
     try:
@@ -384,8 +400,8 @@ def _issue_leaf(
 ) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = leaf_certificate(key.public_key(), ident, ca_key, ca_cert, now, lifetime)
-    _write_atomic(pki_dir / f"{ident.name}.key", _key_pem(key), 0o600)
-    _write_atomic(
+    write_atomic(pki_dir / f"{ident.name}.key", key_pem(key), 0o600)
+    write_atomic(
         pki_dir / f"{ident.name}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644
     )
 
@@ -452,9 +468,9 @@ def write_leaf(pki_dir: Path, name: str, key_pem: bytes, cert_pem: bytes, ca_pem
     """Store a leaf obtained elsewhere (e.g. by joining a cluster) and the CA it chains to."""
     pki_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(pki_dir, 0o700)
-    _write_atomic(pki_dir / "ca.crt", ca_pem, 0o644)
-    _write_atomic(pki_dir / f"{name}.key", key_pem, 0o600)
-    _write_atomic(pki_dir / f"{name}.crt", cert_pem, 0o644)
+    write_atomic(pki_dir / "ca.crt", ca_pem, 0o644)
+    write_atomic(pki_dir / f"{name}.key", key_pem, 0o600)
+    write_atomic(pki_dir / f"{name}.crt", cert_pem, 0o644)
 
 
 # -- web certificates (host-style routing over HTTPS) -----------------------------------------
@@ -487,7 +503,7 @@ def ensure_web_cert(pki_dir: Path, domain: str) -> tuple[Path, Path]:
     names = web_names(domain)
     cert_path, key_path = pki_dir / f"{WEB_CERT}.crt", pki_dir / f"{WEB_CERT}.key"
     pki_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(pki_dir / ".lock"):
+    with locked(pki_dir / ".lock"):
         now = dt.datetime.now(dt.UTC)
         ca = _load_ca(pki_dir, now, dt.timedelta(0))
         if ca is None:
@@ -501,7 +517,7 @@ def ensure_web_cert(pki_dir: Path, domain: str) -> tuple[Path, Path]:
 def _web_ok(
     cert_path: Path, key_path: Path, names: list[str], ca: x509.Certificate, now: dt.datetime
 ) -> bool:
-    key, cert = _load_key(key_path), _load_cert(cert_path)
+    key, cert = load_key(key_path), load_cert(cert_path)
     if key is None or cert is None or not _same_key(cert, key):
         return False
     try:
@@ -526,8 +542,8 @@ def _issue_web(
     sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
     usages = [ExtendedKeyUsageOID.SERVER_AUTH]  # never a mesh identity: no client auth
     cert = _sign_leaf(key.public_key(), names[0], sans, usages, ca_key, ca_cert, now, LEAF_LIFETIME)
-    _write_atomic(key_path, _key_pem(key), 0o600)
-    _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(key_path, key_pem(key), 0o600)
+    write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
 
 def web_ssl_context(pki_dir: Path, domain: str) -> ssl.SSLContext:

@@ -21,12 +21,16 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds without a report before an edge is unhealthy ({DEFAULT_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--iam", default="", help="the iam's HOST:PORT, to renew our certificate (CA rotation)"
+    )
     args = parser.parse_args(argv)
     config = WatcherConfig(
         home=resolve_home(args.home),
         listen=args.listen,
         metrics_listen=args.metrics_listen,
         health_timeout_s=args.health_timeout,
+        iam=args.iam,
     )
 
     async def body(stop: asyncio.Event) -> None:

@@ -22,6 +22,7 @@ from aiohttp import web
 from dsec.daemon import bound_port, parse_hostport, serve_metrics
 from dsec.obs import Metrics, log
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+from dsec.rpc.renewal import renew_forever
 from dsec.rpc.server import make_server, server_port
 from dsec.rpc.tls import Identity, ensure_pki
 from dsec.watcher.registry import DEFAULT_TIMEOUT_S, EdgeRegistry
@@ -44,6 +45,7 @@ class WatcherConfig:
     listen: str = DEFAULT_LISTEN
     metrics_listen: str = DEFAULT_METRICS_LISTEN
     health_timeout_s: float = DEFAULT_TIMEOUT_S
+    iam: str = ""  # where to renew our certificate during a CA rotation (empty: never)
 
     @property
     def state_path(self) -> Path:
@@ -136,8 +138,15 @@ class WatcherApp:
 async def serve(config: WatcherConfig, stop: asyncio.Event) -> None:
     """Run the watcher until ``stop`` is set."""
     app = WatcherApp(config)
+    renewer: asyncio.Task[None] | None = None
     try:
         await app.start()
+        if config.iam:
+            renewer = asyncio.create_task(
+                renew_forever(config.pki_dir, "watcher", config.iam, stop)
+            )
         await stop.wait()
     finally:
+        if renewer is not None:
+            await renewer
         await app.stop()
