@@ -117,6 +117,8 @@ class ServerPki:
         self._lock = threading.Lock()  # gRPC calls the fetcher on its own threads
         self._cas = load_bundle(pki_dir / "ca.crt")
         self._verdicts: dict[bytes, bool] = {}
+        self._generation = 0  # bumped at each reload
+        self._served = 0  # the generation gRPC was last given
 
     def credentials(self) -> grpc.ServerCredentials:
         return dynamic_credentials(self._config(), self._fetch, client_auth=True)
@@ -125,18 +127,26 @@ class ServerPki:
         f = self.files
         return grpc.ssl_server_certificate_configuration([(f.key, f.cert)], root_certificates=f.ca)
 
-    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+    def _refresh(self) -> None:
         with self._lock:
-            if not self.files.changed():
+            if self.files.changed():
+                self._cas = load_bundle(self.files.pki_dir / "ca.crt")
+                self._verdicts = {}
+                self._generation += 1
+                log(_log, "server certificate reloaded", name=self.files.name, cas=len(self._cas))
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's fetcher: a new configuration if the files changed since it last got one."""
+        self._refresh()
+        with self._lock:
+            if self._served == self._generation:
                 return None
-            self._cas = load_bundle(self.files.pki_dir / "ca.crt")
-            self._verdicts = {}
-            log(_log, "server certificate reloaded", name=self.files.name, cas=len(self._cas))
+            self._served = self._generation
             return self._config()
 
     def accepts(self, peer_pem: bytes) -> bool:
         """Whether a CA of the current bundle issued ``peer_pem`` (cached per certificate)."""
-        self._fetch()  # a rotation with no new connection must still be noticed
+        self._refresh()  # a rotation with no new connection must still be noticed
         verdicts = self._verdicts
         verdict = verdicts.get(peer_pem)
         if verdict is None:

@@ -149,7 +149,7 @@ def local_cluster(
         watcher = _spawn("watcher", w_home, f"127.0.0.1:{watcher_port}", [
             sys.executable, "-m", "dsec.watcher", "--home", str(w_home),
             "--listen", f"127.0.0.1:{watcher_port}", "--metrics-listen", "",
-            "--health-timeout", str(health_timeout_s),
+            "--health-timeout", str(health_timeout_s), "--iam", iam.address,
         ], _env(w_home, root))  # fmt: skip
         procs.append(watcher)
         _wait_port(watcher_port, watcher.proc, watcher.log)
