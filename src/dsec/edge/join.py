@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
+from cryptography import x509
 
 from dsec.core.errors import InvalidArgument
-from dsec.rpc import join
+from dsec.rpc import join, trust
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.errors import translated
@@ -51,10 +52,13 @@ async def join_cluster(
         )
         async with translated("iam"):
             reply = await pb_grpc.JoinStub(ch).Join(req, timeout=30)
-    if reply.ca_pem.strip() != ca_pem.strip():
+    bundle = x509.load_pem_x509_certificates(reply.ca_pem)  # two CAs during a CA rotation
+    if fingerprint not in [trust.fingerprint(c) for c in bundle]:
         raise InvalidArgument("the iam answered with a different CA than the token names")
     join.verify_chain(reply.cert_pem, ca_pem)
-    await asyncio.to_thread(write_leaf, home / "pki", edge_id, key_pem, reply.cert_pem, ca_pem)
+    await asyncio.to_thread(
+        write_leaf, home / "pki", edge_id, key_pem, reply.cert_pem, reply.ca_pem
+    )
     return edge_id
 
 

@@ -100,7 +100,7 @@ class CaService(pb_grpc.CaServicer):
             seen.trusts_since = {ca: seen.trusts_since.get(ca, now) for ca in seen.trusted}
             self._forget(now)
         renew = self._renew_allowed(state, now)
-        if renew:
+        if renew and state.rotating:
             await self._reissue_own()
         return pb.CaBundle(bundle_pem=state.bundle, signing=state.signing_fingerprint, renew=renew)
 

@@ -14,7 +14,7 @@ from dsec.core.errors import DsecError, InvalidArgument
 from dsec.iam.audit_rpcs import actor_of
 from dsec.iam.state import IamState
 from dsec.obs import Metrics, log
-from dsec.rpc import join
+from dsec.rpc import join, trust
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.errors import status_for, trailers_for
@@ -65,7 +65,8 @@ class JoinService(pb_grpc.JoinServicer):
         try:
             ident = Identity.edge(request.edge_id, tuple(request.sans))
             await self._state.redeem_join_token(request.token_id, request.secret, ident.name)
-            cert, ca = await asyncio.to_thread(join.sign_csr, self._pki, request.csr_pem, ident)
+            cert, _ = await asyncio.to_thread(join.sign_csr, self._pki, request.csr_pem, ident)
+            ca = (await asyncio.to_thread(trust.ca_state, self._pki)).bundle  # 2 CAs mid-rotation
         except DsecError as exc:
             self._metrics.inc("joins", result=exc.code)
             log(_log, "join refused", logging.WARNING, edge_id=request.edge_id, error=exc.message)
