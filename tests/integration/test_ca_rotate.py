@@ -159,10 +159,6 @@ def test_rotate_under_load_then_old_certificates_are_refused(cluster: LocalClust
     assert f"edge/{edge_ids[1]}" in early.stderr
     assert mid["phase"] == "ready"
     assert len(mid["old"]) == 1
-    if load.failures:  # DEBUG
-        for p in [c.iam, c.watcher, *c.apiservers, *c.edges]:
-            shutil.copy2(p.log, f"/tmp/ca-debug-{p.home.name}.log")
-            print(p.name, p.address, p.home.name)
     assert load.failures == [], "\n".join(load.failures)
     assert load.calls >= calls_at_finish + 6, (calls_at_finish, load.calls)
     if _REAL is None:

@@ -199,9 +199,16 @@ class CaService(pb_grpc.CaServicer):
             )
             for s in sorted(self._seen.values(), key=lambda s: (s.identity, s.instance))
         ]  # fmt: skip
+        own = await asyncio.to_thread(trust.local_view, self._pki, "iam")
+        me = pb.CaComponent(
+            identity="spiffe://dsec/iam/iam", instance="this iam", presented_issuer=own.leaf_issuer,
+            serving_issuer=own.leaf_issuer, trusts_signing=ca in own.trusted, last_seen=now,
+            live=True, on_signing=own.leaf_issuer == ca,
+        )  # fmt: skip
+        comps.insert(0, me)
         if not state.rotating:
             phase = "idle"
-        elif all(self._on(s, ca) for s in live):
+        elif me.on_signing and all(self._on(s, ca) for s in live):
             phase = "ready"
         elif self._renew_allowed(state, now):
             phase = "reissuing"

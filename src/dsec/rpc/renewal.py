@@ -4,13 +4,15 @@ Every ``check_s`` seconds (``DSEC_CERT_CHECK_S``, default 30) a component calls
 ``Ca.Bundle`` on the iam over its existing mTLS channel, reporting which CAs it trusts and
 which issued its certificate. It stores the bundle it gets back; when the iam says
 ``renew`` and our certificate is not from the signing CA, it makes a new key (which never
-leaves this machine), sends a CSR (``Ca.Renew``) and stores the certificate. The running
+leaves this machine), sends a CSR (``Ca.Renew``) and stores the certificate. A certificate
+due to expire (within ``RENEW_BEFORE``) is renewed the same way outside rotations. The running
 servers and channels pick the files up themselves (:mod:`dsec.rpc.reload`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import os
 import socket
@@ -25,7 +27,7 @@ from dsec.rpc import join, trust
 from dsec.rpc._gen import ca_pb2 as pb
 from dsec.rpc._gen import ca_pb2_grpc as pb_grpc
 from dsec.rpc.errors import translated
-from dsec.rpc.tls import write_atomic
+from dsec.rpc.tls import RENEW_BEFORE, load_cert, write_atomic
 
 _log = logging.getLogger("dsec.rpc.renewal")
 DEFAULT_CHECK_S = 30.0
@@ -77,10 +79,15 @@ class CertRenewer:
                 ) from exc
             raise
         changed = await asyncio.to_thread(self._store_bundle, reply.bundle_pem)
-        if reply.renew and view.leaf_issuer != reply.signing:
+        if reply.renew and (view.leaf_issuer != reply.signing or self._expiring()):
             await self._renew(reply.signing)
             changed = True
         return changed
+
+    def _expiring(self) -> bool:
+        cert = load_cert(self.pki_dir / f"{self.name}.crt")
+        now = dt.datetime.now(dt.UTC)
+        return cert is None or cert.not_valid_after_utc - now < RENEW_BEFORE
 
     def _store_bundle(self, bundle: bytes) -> bool:
         path = self.pki_dir / "ca.crt"
