@@ -61,7 +61,10 @@ def peer_identity(context: HasAuthContext) -> Identity:
     Raises:
         Unauthenticated: the connection carries no dsec SPIFFE identity.
     """
-    auth = context.auth_context()
+    return _identity_in(context.auth_context())
+
+
+def _identity_in(auth: Mapping[str, Iterable[bytes]]) -> Identity:
     candidates = [*auth.get("peer_spiffe_id", ()), *auth.get("x509_subject_alternative_name", ())]
     for raw in candidates:
         uri = raw.decode(errors="replace")
@@ -137,11 +140,12 @@ class _Guard:
         self.trust = trust
 
     def authorize(self, context: HasAuthContext) -> None:
+        auth = context.auth_context()
         if self.trust is not None:
-            pem = next(iter(context.auth_context().get("x509_pem_cert", ())), b"")
+            pem = next(iter(auth.get("x509_pem_cert", ())), b"")
             if not self.trust.accepts(pem):  # e.g. issued by a CA a rotation has dropped
                 raise Unauthenticated("peer certificate is not issued by a CA this server trusts")
-        peer = peer_identity(context)
+        peer = _identity_in(auth)
         if peer.role not in self.roles:
             raise PermissionDenied(f"{peer.spiffe_id} may not call {self.method}")
 
