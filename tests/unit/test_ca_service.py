@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from cryptography import x509
 
-from dsec.core.errors import InvalidState, PermissionDenied
+from dsec.core.errors import InvalidState, PermissionDenied, Unauthenticated
 from dsec.iam import ca_rpcs
 from dsec.iam.app import IamApp, IamConfig
 from dsec.rpc import reload, trust
@@ -115,3 +115,7 @@ async def test_members_may_not_rotate_and_force_finishes_past_laggards(setup: Se
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await dpb_grpc.IamStub(ch).Release(dpb.ReleaseRequest(sandbox_id="x"), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # the TLS handshake fails
+    # Its renewer says what to do about it.
+    async with secure_channel(s.edge_pki, "ed01", s.target, server=Identity.singleton("iam")) as ch:
+        with pytest.raises(Unauthenticated, match="join again"):
+            await CertRenewer(s.edge_pki, "ed01", ch).check()

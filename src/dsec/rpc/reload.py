@@ -187,27 +187,27 @@ class ReloadingChannel(grpc.aio.Channel):
         self._files = files
         self._make = make
         self._inner = make(files)
-        self._old: set[asyncio.Task[None]] = set()
+        self._old: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
 
     def current(self) -> grpc.aio.Channel:
         if self._files.changed():
             old, self._inner = self._inner, self._make(self._files)
             log(_log, "client certificate reloaded", name=self._files.name)
-            task = asyncio.ensure_future(self._retire(old))
-            self._old.add(task)
-            task.add_done_callback(self._old.discard)
+            self._old[old] = asyncio.ensure_future(self._retire(old))
         return self._inner
 
-    @staticmethod
-    async def _retire(old: grpc.aio.Channel) -> None:
+    async def _retire(self, old: grpc.aio.Channel) -> None:
         await asyncio.sleep(OLD_CHANNEL_GRACE_S)
+        self._old.pop(old, None)
         await old.close(grace=600.0)
 
     async def close(self, grace: float | None = None) -> None:
-        for task in list(self._old):
+        for old, task in list(self._old.items()):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await old.close(grace)
+        self._old.clear()
         await self._inner.close(grace)
 
     async def __aenter__(self) -> ReloadingChannel:

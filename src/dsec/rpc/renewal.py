@@ -72,7 +72,7 @@ class CertRenewer:
             async with translated("iam"):
                 reply = await self._ca.Bundle(req, timeout=10)
         except Unavailable as exc:
-            if "handshake" in exc.message.lower() or "ssl" in exc.message.lower():
+            if any(w in exc.message.lower() for w in ("handshake", "ssl", "socket closed")):
                 raise Unauthenticated(
                     "the cluster refused our certificate (its CA was rotated out?): join again "
                     f"with a new bootstrap token ({exc.message})"
