@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import ssl
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from dsec.rpc.tls import (
     ensure_pki,
     load_bundle,
     load_ca,
+    web_ssl_context,
     write_leaf,
 )
 
@@ -173,3 +176,35 @@ def test_server_refuses_a_dropped_ca_on_existing_connections(
     assert server.accepts(new_leaf)
     assert not server.accepts(old_leaf)
     assert not server.accepts(b"not a certificate")
+
+
+def test_the_web_certificate_follows_a_rotation_without_restart(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    ensure_pki(pki, [Identity.singleton("apiserver")])
+    server_ctx = web_ssl_context(pki, "dsec.test")
+
+    async def issuer(port: int) -> str:
+        client = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        _, w = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=client, server_hostname="api.dsec.test"
+        )
+        der = w.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        w.close()
+        cert = x509.load_der_x509_certificate(der)
+        ca = trust.issuer_of(cert, load_bundle(pki / "ca.crt"))
+        return trust.fingerprint(ca) if ca is not None else ""
+
+    async def main() -> None:
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ctx)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            old = _fp(pki / "ca.crt")
+            assert await issuer(port) == old
+            state = trust.begin_rotation(pki)
+            await asyncio.sleep(1.1)  # the files are checked at most once a second
+            assert await issuer(port) == state.signing_fingerprint
+
+    asyncio.run(main())

@@ -26,10 +26,12 @@ import contextlib
 import datetime as dt
 import fcntl
 import ipaddress
+import logging
 import os
 import secrets
 import ssl
 import string
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -547,10 +549,46 @@ def _issue_web(
 
 
 def web_ssl_context(pki_dir: Path, domain: str) -> ssl.SSLContext:
-    """A TLS server context with the web certificate for ``domain`` (HTTP/1.1 via ALPN)."""
-    cert, key = ensure_web_cert(pki_dir, domain)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cert, key)
-    ctx.set_alpn_protocols(["http/1.1"])
-    return ctx
+    """A TLS server context with the web certificate for ``domain`` (HTTP/1.1 via ALPN).
+
+    The certificate follows CA rotations without a restart: at a handshake (at most once a
+    second) the files are checked and, if the CA changed, the certificate is re-issued and the
+    connection gets a context holding the new one (see :class:`_WebCert`).
+    """
+    return _WebCert(pki_dir, domain).ctx
+
+
+class _WebCert:
+    def __init__(self, pki_dir: Path, domain: str) -> None:
+        self.pki_dir, self.domain = pki_dir, domain
+        self.ctx = self._make()
+        self._stamp = self._stat()
+        self._checked = time.monotonic()
+
+    def _make(self) -> ssl.SSLContext:
+        cert, key = ensure_web_cert(self.pki_dir, self.domain)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(cert, key)
+        ctx.set_alpn_protocols(["http/1.1"])
+        ctx.sni_callback = self._on_hello
+        return ctx
+
+    def _stat(self) -> tuple[int, ...]:
+        names = ("ca.crt", "ca.key", f"{WEB_CERT}.crt", f"{WEB_CERT}.key")
+        with contextlib.suppress(OSError):
+            return tuple((self.pki_dir / n).stat().st_mtime_ns for n in names)
+        return ()
+
+    def _on_hello(self, conn: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
+        now = time.monotonic()
+        if now - self._checked >= 1.0:
+            self._checked = now
+            if self._stat() != self._stamp:
+                try:
+                    self.ctx = self._make()
+                except Exception:
+                    logging.getLogger("dsec.rpc.tls").exception("web certificate reload failed")
+                self._stamp = self._stat()
+        if conn.context is not self.ctx:
+            conn.context = self.ctx
