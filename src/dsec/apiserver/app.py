@@ -237,7 +237,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     try:
         await stop.wait()
     finally:
-        await renewer
+        renewer.cancel()
+        await asyncio.gather(renewer, return_exceptions=True)
         await runner.cleanup()
         await upstream.aclose()
         await tlog.store.aclose()

@@ -148,5 +148,6 @@ async def serve(config: WatcherConfig, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         if renewer is not None:
-            await renewer
+            renewer.cancel()
+            await asyncio.gather(renewer, return_exceptions=True)
         await app.stop()
