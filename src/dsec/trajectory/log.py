@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -238,7 +239,10 @@ class TrajectoryLog:
         extra: tuple[TxnOp, ...] = (Put(_bind_key(sandbox_id), json.dumps({"id": tid}).encode()),)
         if t.sandbox_id and t.sandbox_id != sandbox_id:
             extra += (Delete(_bind_key(t.sandbox_id)),)
-        return await self.update(tid, lambda t: replace(t, sandbox_id=sandbox_id), extra)
+        epoch = secrets.token_hex(8)
+        return await self.update(
+            tid, lambda t: replace(t, sandbox_id=sandbox_id, epoch=epoch), extra
+        )
 
     async def for_sandbox(self, sandbox_id: str) -> Trajectory | None:
         found = await self.lookup(sandbox_id)
@@ -360,12 +364,26 @@ class TrajectoryLog:
     ) -> Step:
         """Record ``make(n)`` as the next step n; the log advances past it (record mode).
         ``known``: the record as last read, tried first."""
+        return (await self.append_known(tid, make, known=known))[0]
+
+    async def append_known(
+        self,
+        tid: str,
+        make: Callable[[int], Step],
+        *,
+        known: KeyValue | None = None,
+        record: Trajectory | None = None,
+    ) -> tuple[Step, Trajectory, KeyValue]:
+        """:meth:`append`, answering the record as written too (the next call's ``known``
+        and ``record``, so a writer that keeps them reads nothing per step); ``record``:
+        ``known`` decoded."""
         while True:
             if known is not None:
-                t, meta = Trajectory.from_json(json.loads(known.value)), known
+                t = record or Trajectory.from_json(json.loads(known.value))
+                meta = known
             else:
                 t, meta = await self._read(tid)
-            known = None
+            known = record = None
             step = make(t.steps)
             raw = step.encode()
             size = len(raw)
@@ -382,12 +400,16 @@ class TrajectoryLog:
                 mode="record",
                 updated_at=self.clock(),
             )
+            put = _record_put(new)
             res = await self.store.txn(
-                [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), _record_put(new)]
+                [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), put]
             )
             if res.succeeded:
                 self._count(t.project, size)
-                return step
+                # (every key a transaction puts gets its revision: etcd's rule, kept by all)
+                version = meta.version + 1
+                kv = KeyValue(put.key, put.value, meta.create_revision, res.revision, version)
+                return step, new, kv
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:
         res = await self.store.range(_steps_prefix(tid))
