@@ -108,12 +108,22 @@ def _int(kv: KeyValue | None) -> int:
     return int(kv.value) if kv else 0
 
 
-def _bytes_by_project(kvs: tuple[KeyValue, ...]) -> dict[str, int]:
+_Sized = dict[bytes, tuple[int, str, int]]  # record key -> (mod_revision, project, bytes)
+
+
+def _bytes_by_project(kvs: tuple[KeyValue, ...], known: _Sized) -> tuple[dict[str, int], _Sized]:
+    """Bytes per project, and each record's size; only records written since ``known``
+    (the last sum's sizes) are decoded: most are idle."""
     sums: dict[str, int] = {}
+    sized: _Sized = {}
     for kv in kvs:
-        d = json.loads(kv.value)
-        sums[d["project"]] = sums.get(d["project"], 0) + int(d.get("bytes", 0))
-    return sums
+        got = known.get(kv.key)
+        if got is None or got[0] != kv.mod_revision:
+            d = json.loads(kv.value)
+            got = (kv.mod_revision, str(d["project"]), int(d.get("bytes", 0)))
+        sized[kv.key] = got
+        sums[got[1]] = sums.get(got[1], 0) + got[2]
+    return sums, sized
 
 
 class TrajectoryLog:
@@ -133,6 +143,7 @@ class TrajectoryLog:
         self.clock = clock
         self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
         self._bytes: dict[str, int] = {}  # project (exact) -> log bytes, summed at _summed
+        self._sized: _Sized = {}  # each record's size at _summed
         self._summed = -float("inf")
         self._summing: asyncio.Task[None] | None = None
 
@@ -326,7 +337,7 @@ class TrajectoryLog:
             if quiet:
                 return  # (the store is down or closing: the next call tries again)
             raise
-        self._bytes = await asyncio.to_thread(_bytes_by_project, res.kvs)
+        self._bytes, self._sized = await asyncio.to_thread(_bytes_by_project, res.kvs, self._sized)
         self._summed = summed
 
     def _count(self, project: str, delta: int) -> None:
