@@ -12,8 +12,9 @@ seen the sandbox: ``trajectory_bindings.py``). For a bound one:
   the end of the log ends replay the same way.
 - record mode: the call runs; its result is appended to the log (durably: the store's
   transaction committed) before it is answered. The next call of the sandbox runs and
-  appends from the record that append wrote, reading nothing (``trajectory_bindings.py``). Errors the sandbox answered (4xx) are
-  results too; platform failures (5xx) are not recorded and may be retried.
+  appends from the record that append wrote, reading nothing (``trajectory_bindings.py``).
+  Errors the sandbox answered (4xx) are results too; platform failures (5xx) are not
+  recorded and may be retried.
 """
 
 from __future__ import annotations
