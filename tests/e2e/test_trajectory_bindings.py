@@ -93,3 +93,34 @@ def test_binding_through_another_apiserver_is_recorded(
     finally:
         sbx.kill()
         other.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_trajectory_reopened_through_another_apiserver_is_replayed(
+    platform: RunningPlatform, api: Client, second_apiserver: str
+) -> None:
+    """The first apiserver records from its cached record (no store read); the task restarts
+    through the second, which re-opens the trajectory: the first must replay, not run."""
+    other = Client(api_url=second_apiserver, api_key=platform.admin_key)
+    name = f"two-apis/{uuid.uuid4().hex[:8]}"
+    cmd = "echo x >> /tmp/f && wc -l < /tmp/f"
+    sbx = Sandbox.create(memory_mb=256, timeout=300, trajectory=name, client=api)
+    try:
+        outs = [sbx.exec(cmd).stdout for _ in range(3)]  # the 2nd and 3rd from the cache
+        assert outs == ["1\n", "2\n", "3\n"]
+        refused = _metric(platform.api_url, "trajectory_record_cache_refused")
+        again = Sandbox.create(memory_mb=256, timeout=300, trajectory=name, client=other)
+        assert again.id == sbx.id  # re-attached; replay from step 0
+        assert sbx.exec(cmd).stdout == "1\n", "a call the log holds ran again"
+        assert _metric(platform.api_url, "trajectory_record_cache_refused") == refused + 1
+        status = sbx.trajectory_status()
+        assert (status["mode"], status["cursor"], status["replayed"]) == ("replay", 1, 1)
+        assert [sbx.exec(cmd).stdout for _ in range(3)] == ["2\n", "3\n", "4\n"]  # 4: real
+        assert sbx.trajectory_status()["steps"] == 4
+        for t in other.list_trajectories(name=name):
+            other.remove_trajectory(t["id"])
+        assert sbx.exec(cmd).stdout == "5\n"  # removed elsewhere: runs, unrecorded
+        assert _metric(platform.api_url, "trajectory_record_cache_refused") == refused + 2
+    finally:
+        sbx.kill()
+        other.close()

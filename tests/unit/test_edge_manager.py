@@ -220,3 +220,20 @@ async def test_trajectory_mark_refuses_unbound_calls_and_survives_a_restart(env:
     env.manager.mark_trajectory(sid, "", ALICE)
     env.manager.check_unbound(sid, ALICE)
     assert "dsec.trajectory" not in env.manager.get(sid, ALICE).spec.metadata
+
+
+@pytest.mark.asyncio
+async def test_trajectory_epoch_refuses_calls_of_an_earlier_binding(env: Env) -> None:
+    sid = await env.create()
+    env.manager.mark_trajectory(sid, "t1", ALICE, "e1")
+    env.manager.check_epoch(sid, "e1", ALICE)  # the apiserver's cached record is current
+    env.manager.mark_trajectory(sid, "t1", ALICE, "e2")  # re-opened (or rebound) elsewhere
+    with pytest.raises(errors.TrajectoryBound):
+        env.manager.check_epoch(sid, "e1", ALICE)
+    env.manager.check_epoch(sid, "e2", ALICE)
+    with pytest.raises(errors.SandboxNotFound):
+        env.manager.check_epoch(sid, "e2", BOB)
+    env.manager.mark_trajectory(sid, "", ALICE)  # removed: no epoch is current
+    with pytest.raises(errors.TrajectoryBound):
+        env.manager.check_epoch(sid, "e2", ALICE)
+    assert "dsec.trajectory.epoch" not in env.manager.get(sid, ALICE).spec.metadata

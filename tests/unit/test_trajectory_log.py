@@ -3,6 +3,7 @@ tests/integration/test_trajectory_etcd.py), and the canonical form of requests."
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,13 +12,14 @@ import pytest
 import pytest_asyncio
 
 from dsec.core.errors import InvalidArgument
+from dsec.store.api import KeyValue
 from dsec.store.etcd import EtcdStore
 from dsec.store.memory import MemoryStore
 from dsec.store.sqlite import SqliteStore
 from dsec.testing.trajectory_checks import CHECKS
 from dsec.trajectory.blobs import FileBlobStore
 from dsec.trajectory.canon import canonical, field_at, first_difference
-from dsec.trajectory.log import TrajectoryLog
+from dsec.trajectory.log import TrajectoryLog, _bytes_by_project
 from dsec.trajectory.setup import open_log, open_store
 
 
@@ -107,3 +109,18 @@ async def test_open_store_urls(tmp_path: Path) -> None:
     for bad in ("", "sqlite:", "redis:x", "etcd:"):
         with pytest.raises(InvalidArgument):
             await open_store(bad)
+
+
+def test_usage_sums_decode_only_records_written_since_the_last_sum() -> None:
+    def rec(key: bytes, project: str, size: int, rev: int) -> KeyValue:
+        return KeyValue(key, json.dumps({"project": project, "bytes": size}).encode(), 1, rev, 1)
+
+    first = (rec(b"t/a", "p", 10, 5), rec(b"t/b", "p/q", 7, 6))
+    sums, sized = _bytes_by_project(first, {})
+    assert sums == {"p": 10, "p/q": 7}
+    # b is unchanged (same mod_revision): its size comes from the last sum, not its value
+    idle_b = KeyValue(b"t/b", b"not json", 1, 6, 1)
+    sums, sized = _bytes_by_project((rec(b"t/a", "p", 25, 9), idle_b), sized)
+    assert sums == {"p": 25, "p/q": 7}
+    sums, _ = _bytes_by_project((rec(b"t/b", "p/q", 3, 11),), sized)  # a removed, b written
+    assert sums == {"p/q": 3}

@@ -44,8 +44,10 @@ async def call(
     *,
     deadline_s: float = 3600,
     unbound: bool = False,
+    trajectory_epoch: str = "",
 ) -> Reply:
-    """``unbound``: refuse (TrajectoryBound) if the sandbox is bound to a trajectory."""
+    """``unbound``: refuse (TrajectoryBound) if the sandbox is bound to a trajectory;
+    ``trajectory_epoch``: unless it is bound at that epoch (``trajectory_bindings.py``)."""
     stub = await c.upstream.edge_for(sandbox_id)
     reply = await rpc(
         "edge",
@@ -56,6 +58,7 @@ async def call(
                 stdin=stdin or b"",
                 has_stdin=stdin is not None,
                 unbound=unbound,
+                trajectory_epoch=trajectory_epoch,
             ),
             metadata=p.metadata(),
             timeout=deadline_s,

@@ -139,15 +139,15 @@ async def create(request: web.Request, project: str, body: dict[str, Any]) -> we
     return ok(out, status=201 if how != "reattached" else 200)
 
 
-async def _mark(request: web.Request, sid: str, tid: str) -> None:
-    """Tell the sandbox's edge it is bound to ``tid`` ("": no longer): see
+async def _mark(request: web.Request, sid: str, tid: str, epoch: str = "") -> None:
+    """Tell the sandbox's edge it is bound to ``tid`` ("": no longer) at ``epoch``: see
     ``trajectory_bindings.py``."""
     c, p = ctx(request), principal(request)
     stub = await c.upstream.edge_for(sid)
     await rpc(
         "edge",
         stub.MarkTrajectory(
-            pb.MarkTrajectoryRequest(sandbox_id=sid, trajectory_id=tid),
+            pb.MarkTrajectoryRequest(sandbox_id=sid, trajectory_id=tid, epoch=epoch),
             metadata=p.metadata(),
             timeout=10,
         ),
@@ -167,7 +167,7 @@ async def _bind(request: web.Request, tlog: TrajectoryLog, t: Trajectory, sid: s
     """Bind ``sid`` to ``t`` in the log, then mark it bound at its edge before answering."""
     previous = t.sandbox_id
     t = await tlog.bind(t.id, sid)
-    await _mark(request, sid, t.id)
+    await _mark(request, sid, t.id, t.epoch)
     ctx(request).bindings.saw(sid, t.id)
     if previous and previous != sid:
         await _unmark(request, previous)

@@ -11,8 +11,10 @@ seen the sandbox: ``trajectory_bindings.py``). For a bound one:
   (``on_mismatch="fail"``) or the log is cut there and the call runs for real (``diverge``);
   the end of the log ends replay the same way.
 - record mode: the call runs; its result is appended to the log (durably: the store's
-  transaction committed) before it is answered. Errors the sandbox answered (4xx) are
-  results too; platform failures (5xx) are not recorded and may be retried.
+  transaction committed) before it is answered. The next call of the sandbox runs and
+  appends from the record that append wrote, reading nothing (``trajectory_bindings.py``).
+  Errors the sandbox answered (4xx) are results too; platform failures (5xx) are not
+  recorded and may be retried.
 """
 
 from __future__ import annotations
@@ -196,8 +198,9 @@ async def record(
 
     t = b.t
     start = time.perf_counter()
-    step = await c.trajectories.append(t.id, make, known=b.meta)
+    step, now, kv = await c.trajectories.append_known(t.id, make, known=b.meta, record=t)
     c.metrics.observe("trajectory_append", time.perf_counter() - start)
+    c.bindings.wrote(sandbox_id, now, kv)
     _set_headers(request, t, "diverged" if mode == "mismatch" else "recorded", step.n)
     c.metrics.inc("trajectory_steps_recorded")
     if t.checkpoint_every and (step.n + 1) % t.checkpoint_every == 0:
@@ -253,6 +256,17 @@ async def call(
         except TrajectoryBound:  # bound since this apiserver looked: look again
             c.bindings.refused(sandbox_id)
             c.metrics.inc("trajectory_binding_cache_refused")
+    cached = c.bindings.recording(sandbox_id)
+    if cached is not None:  # recording: no store read (``trajectory_bindings.py``)
+        was = Bound(*cached)
+        await c.trajectories.check_quota(was.t.project)
+        try:
+            return await _recorded(
+                request, c, p, was, sandbox_id, req, stdin, canonical(req, stdin), deadline_s
+            )
+        except TrajectoryBound:  # re-opened, rebound or removed elsewhere: look again
+            c.bindings.stale(sandbox_id)
+            c.metrics.inc("trajectory_record_cache_refused")
     b = await bound(c, sandbox_id)
     if b is None:
         return await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
@@ -262,10 +276,34 @@ async def call(
         c.metrics.inc("trajectory_steps_replayed")
         return _unpack(step)
     b = await _for_recording(c.trajectories, b)
+    return await _recorded(request, c, p, b, sandbox_id, req, stdin, canon, deadline_s, epoch="")
+
+
+async def _recorded(
+    request: web.Request,
+    c: Ctx,
+    p: Principal,
+    b: Bound,
+    sandbox_id: str,
+    req: dict[str, Any],
+    stdin: bytes | None,
+    canon: dict[str, Any],
+    deadline_s: float,
+    *,
+    epoch: str | None = None,
+) -> relay.Reply:
+    """Run the call and record it before answering. ``epoch`` (default: the record's): the
+    edge runs it only if the sandbox is still bound at that epoch, else refuses it
+    (TrajectoryBound) before it runs; "": no such check (the record was just read)."""
+    epoch = b.t.epoch if epoch is None else epoch
 
     async def run() -> relay.Reply:
         try:
-            reply = await relay.call(c, p, sandbox_id, req, stdin, deadline_s=deadline_s)
+            reply = await relay.call(
+                c, p, sandbox_id, req, stdin, deadline_s=deadline_s, trajectory_epoch=epoch
+            )
+        except TrajectoryBound:
+            raise  # refused before it ran: nothing to record
         except DsecError as exc:
             if exc.http_status >= 500:
                 raise

@@ -50,6 +50,7 @@ _log = logging.getLogger("dsec.edge")
 AGENT_READY_TIMEOUT_S = 15.0
 TERMINAL_RETENTION_S = 3600.0
 TRAJECTORY_MARK = "dsec.trajectory"  # spec metadata: the trajectory the sandbox is bound to
+TRAJECTORY_EPOCH = "dsec.trajectory.epoch"  # ... and the epoch of that binding
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,16 +345,24 @@ class SandboxManager:
         self._save(rec)
         return rec
 
-    def mark_trajectory(self, sandbox_id: str, trajectory_id: str, caller: Caller) -> SandboxRecord:
-        """Mark a live sandbox as bound to a trajectory ("": unmark it). Its calls sent as
-        for an unbound sandbox are then refused (``check_unbound``), so an apiserver that
-        cached "not bound" cannot run one unrecorded."""
+    def mark_trajectory(
+        self, sandbox_id: str, trajectory_id: str, caller: Caller, epoch: str = ""
+    ) -> SandboxRecord:
+        """Mark a live sandbox as bound to a trajectory ("": unmark it) at a binding
+        ``epoch``. Its calls sent as for an unbound sandbox are then refused
+        (``check_unbound``), so an apiserver that cached "not bound" cannot run one
+        unrecorded; and so are calls sent from a cached record of another epoch
+        (``check_epoch``), so one that cached "recording" cannot run a call a re-opened
+        trajectory should replay."""
         rec = self.get(sandbox_id, caller)
         if not rec.live:
             raise InvalidState(f"sandbox {sandbox_id} is {rec.state.value}")
-        meta = {k: v for k, v in rec.spec.metadata.items() if k != TRAJECTORY_MARK}
+        marks = (TRAJECTORY_MARK, TRAJECTORY_EPOCH)
+        meta = {k: v for k, v in rec.spec.metadata.items() if k not in marks}
         if trajectory_id:
             meta[TRAJECTORY_MARK] = trajectory_id
+            if epoch:
+                meta[TRAJECTORY_EPOCH] = epoch
         rec = replace(rec, spec=replace(rec.spec, metadata=meta))
         self._save(rec)
         return rec
@@ -362,6 +371,11 @@ class SandboxManager:
         rec = self.get(sandbox_id, caller)
         if rec.spec.metadata.get(TRAJECTORY_MARK):
             raise TrajectoryBound(f"sandbox {sandbox_id} is bound to a trajectory")
+
+    def check_epoch(self, sandbox_id: str, epoch: str, caller: Caller) -> None:
+        rec = self.get(sandbox_id, caller)
+        if rec.spec.metadata.get(TRAJECTORY_EPOCH) != epoch:
+            raise TrajectoryBound(f"sandbox {sandbox_id}: its trajectory binding changed")
 
     async def set_network(
         self, sandbox_id: str, policy: NetworkPolicy, caller: Caller

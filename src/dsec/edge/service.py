@@ -307,7 +307,9 @@ class EdgeService(pb_grpc.EdgeServicer):
     async def MarkTrajectory(
         self, request: pb.MarkTrajectoryRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SandboxInfo:
-        rec = self._m.mark_trajectory(request.sandbox_id, request.trajectory_id, caller_of(context))
+        rec = self._m.mark_trajectory(
+            request.sandbox_id, request.trajectory_id, caller_of(context), request.epoch
+        )
         return info_to_pb(rec, self._m.edge_id)
 
     async def Call(
@@ -316,6 +318,8 @@ class EdgeService(pb_grpc.EdgeServicer):
         caller = caller_of(context)
         if request.unbound:
             self._m.check_unbound(request.sandbox_id, caller)
+        if request.trajectory_epoch:
+            self._m.check_epoch(request.sandbox_id, request.trajectory_epoch, caller)
         sock = self._m.agent_socket(request.sandbox_id, caller)
         req = _parse_request(request.request)
         remaining = context.time_remaining()

@@ -104,8 +104,9 @@ class SqliteStore(StoreHelpers):
         self._retain = retain_revisions
         self._compact_every_s = compact_every_s
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store")
-        # Single-key reads: a connection and thread of their own, so they never wait for a
-        # commit's fsync (WAL: a read sees every transaction committed before it began).
+        # Reads: a connection and thread of their own, so they never wait for a commit's
+        # fsync, nor commits for a long range (WAL: a read sees every transaction committed
+        # before it began).
         self._read_pool = ThreadPoolExecutor(1, thread_name_prefix="dsec-store-read")
         self._reader: sqlite3.Connection | None = None
         self._db: sqlite3.Connection | None = None
@@ -146,13 +147,17 @@ class SqliteStore(StoreHelpers):
         db.executescript(SCHEMA)
         self._db = db
 
-    def _read_one(self, key: bytes) -> KeyValue | None:
+    def _reading(self) -> sqlite3.Connection:
         if self._reader is None:
             self._reader = sqlite3.connect(self._path, isolation_level=None, timeout=5.0)
+        return self._reader
+
+    def _read_one(self, key: bytes) -> KeyValue | None:
         # fetchall: run the statement to its end, so no read transaction stays open (it
         # would keep WAL checkpoints from restarting the log).
-        rows = self._reader.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchall()
-        return _kv(rows[0]) if rows else None
+        rows = self._reading().execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,))
+        found = rows.fetchall()
+        return _kv(found[0]) if found else None
 
     async def _run(self, fn: Callable[..., T], *args: Any, reader: bool = False) -> T:
         if self._closed:
@@ -165,9 +170,10 @@ class SqliteStore(StoreHelpers):
 
     # all of the below runs on the store thread
 
-    def _meta(self, name: str) -> int:
-        assert self._db is not None
-        row = self._db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+    def _meta(self, name: str, db: sqlite3.Connection | None = None) -> int:
+        db = db or self._db
+        assert db is not None
+        row = db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
         return int(row[0])
 
     def _write(self, body: Callable[[sqlite3.Connection], T]) -> T:
@@ -193,16 +199,17 @@ class SqliteStore(StoreHelpers):
         return _kv(row) if row else None
 
     def _range(self, prefix: bytes, revision: int, limit: int, start: bytes) -> RangeResult:
-        assert self._db is not None
-        db = self._db
+        """(On the reading thread: a long range never holds up commits. Its transaction
+        reads one snapshot, the revision and the rows alike.)"""
+        db = self._reading()
         db.execute("BEGIN")
         try:
-            now = self._meta("rev")
+            now = self._meta("rev", db)
             where, args = _where_range("key", prefix, True)
             if start > prefix:
                 where, args = f"{where} AND key >= ?", [*args, start]
             if revision and revision != now:
-                if revision < (compact := self._meta("compact_rev")):
+                if revision < (compact := self._meta("compact_rev", db)):
                     raise Compacted(f"revision {revision} is compacted", compact)
                 if revision > now:
                     raise InvalidArgument(f"revision {revision} is in the future (now {now})")
@@ -410,7 +417,7 @@ class SqliteStore(StoreHelpers):
     async def range(
         self, prefix: bytes, *, revision: int = 0, limit: int = 0, start: bytes = b""
     ) -> RangeResult:
-        return await self._run(self._range, prefix, revision, limit, start)
+        return await self._run(self._range, prefix, revision, limit, start, reader=True)
 
     async def txn(
         self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()

@@ -202,6 +202,30 @@ async def check_bindings(tlog: TrajectoryLog, project: str) -> None:
 
 
 @check
+async def check_append_known(tlog: TrajectoryLog, project: str) -> None:
+    """The record an append answers is the one stored (a writer appends from it without a
+    read), a stale one still numbers steps right, and each bind has a new epoch."""
+    t, _ = await tlog.open(project, "known", spec={})
+    bound = await tlog.bind(t.id, f"sbx-k-{t.id[:6]}")
+    assert bound.epoch
+    again = await tlog.bind(t.id, f"sbx-k-{t.id[:6]}")
+    assert again.epoch != bound.epoch, "a bind kept the epoch"
+    found = await tlog.lookup(f"sbx-k-{t.id[:6]}", t.id)
+    assert found is not None
+    rec, kv = found
+    for i in range(3):
+        s, rec, kv = await tlog.append_known(t.id, step(f"k{i}"), known=kv, record=rec)
+        assert s.n == i
+        fresh = await tlog.store.get(kv.key)
+        assert fresh == kv, f"append answered {kv}, the store holds {fresh}"
+        assert rec == await tlog.get(t.id)
+    await tlog.append(t.id, step("elsewhere"))  # another writer: kv is stale now
+    s, rec, kv = await tlog.append_known(t.id, step("k3"), known=kv, record=rec)
+    assert (s.n, rec.steps) == (4, 5)
+    assert await tlog.store.get(kv.key) == kv
+
+
+@check
 async def check_concurrent_appends(tlog: TrajectoryLog, project: str) -> None:
     t, _ = await tlog.open(project, "par", spec={})
     got = await asyncio.gather(*(tlog.append(t.id, step(f"c{i}")) for i in range(12)))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -107,12 +108,22 @@ def _int(kv: KeyValue | None) -> int:
     return int(kv.value) if kv else 0
 
 
-def _bytes_by_project(kvs: tuple[KeyValue, ...]) -> dict[str, int]:
+_Sized = dict[bytes, tuple[int, str, int]]  # record key -> (mod_revision, project, bytes)
+
+
+def _bytes_by_project(kvs: tuple[KeyValue, ...], known: _Sized) -> tuple[dict[str, int], _Sized]:
+    """Bytes per project, and each record's size; only records written since ``known``
+    (the last sum's sizes) are decoded: most are idle."""
     sums: dict[str, int] = {}
+    sized: _Sized = {}
     for kv in kvs:
-        d = json.loads(kv.value)
-        sums[d["project"]] = sums.get(d["project"], 0) + int(d.get("bytes", 0))
-    return sums
+        got = known.get(kv.key)
+        if got is None or got[0] != kv.mod_revision:
+            d = json.loads(kv.value)
+            got = (kv.mod_revision, str(d["project"]), int(d.get("bytes", 0)))
+        sized[kv.key] = got
+        sums[got[1]] = sums.get(got[1], 0) + got[2]
+    return sums, sized
 
 
 class TrajectoryLog:
@@ -132,6 +143,7 @@ class TrajectoryLog:
         self.clock = clock
         self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
         self._bytes: dict[str, int] = {}  # project (exact) -> log bytes, summed at _summed
+        self._sized: _Sized = {}  # each record's size at _summed
         self._summed = -float("inf")
         self._summing: asyncio.Task[None] | None = None
 
@@ -238,7 +250,10 @@ class TrajectoryLog:
         extra: tuple[TxnOp, ...] = (Put(_bind_key(sandbox_id), json.dumps({"id": tid}).encode()),)
         if t.sandbox_id and t.sandbox_id != sandbox_id:
             extra += (Delete(_bind_key(t.sandbox_id)),)
-        return await self.update(tid, lambda t: replace(t, sandbox_id=sandbox_id), extra)
+        epoch = secrets.token_hex(8)
+        return await self.update(
+            tid, lambda t: replace(t, sandbox_id=sandbox_id, epoch=epoch), extra
+        )
 
     async def for_sandbox(self, sandbox_id: str) -> Trajectory | None:
         found = await self.lookup(sandbox_id)
@@ -322,7 +337,7 @@ class TrajectoryLog:
             if quiet:
                 return  # (the store is down or closing: the next call tries again)
             raise
-        self._bytes = await asyncio.to_thread(_bytes_by_project, res.kvs)
+        self._bytes, self._sized = await asyncio.to_thread(_bytes_by_project, res.kvs, self._sized)
         self._summed = summed
 
     def _count(self, project: str, delta: int) -> None:
@@ -360,12 +375,26 @@ class TrajectoryLog:
     ) -> Step:
         """Record ``make(n)`` as the next step n; the log advances past it (record mode).
         ``known``: the record as last read, tried first."""
+        return (await self.append_known(tid, make, known=known))[0]
+
+    async def append_known(
+        self,
+        tid: str,
+        make: Callable[[int], Step],
+        *,
+        known: KeyValue | None = None,
+        record: Trajectory | None = None,
+    ) -> tuple[Step, Trajectory, KeyValue]:
+        """:meth:`append`, answering the record as written too (the next call's ``known``
+        and ``record``, so a writer that keeps them reads nothing per step); ``record``:
+        ``known`` decoded."""
         while True:
             if known is not None:
-                t, meta = Trajectory.from_json(json.loads(known.value)), known
+                t = record or Trajectory.from_json(json.loads(known.value))
+                meta = known
             else:
                 t, meta = await self._read(tid)
-            known = None
+            known = record = None
             step = make(t.steps)
             raw = step.encode()
             size = len(raw)
@@ -382,12 +411,16 @@ class TrajectoryLog:
                 mode="record",
                 updated_at=self.clock(),
             )
+            put = _record_put(new)
             res = await self.store.txn(
-                [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), _record_put(new)]
+                [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), put]
             )
             if res.succeeded:
                 self._count(t.project, size)
-                return step
+                # (every key a transaction puts gets its revision: etcd's rule, kept by all)
+                version = meta.version + 1
+                kv = KeyValue(put.key, put.value, meta.create_revision, res.revision, version)
+                return step, new, kv
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:
         res = await self.store.range(_steps_prefix(tid))

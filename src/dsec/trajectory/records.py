@@ -35,6 +35,7 @@ class Trajectory:
     created_at: float
     updated_at: float
     sandbox_id: str = ""
+    epoch: str = ""  # new at each bind: calls sent from a cached record name it to the edge
     steps: int = 0
     bytes: int = 0
     mode: str = "record"  # "replay": calls are matched against steps[cursor:]

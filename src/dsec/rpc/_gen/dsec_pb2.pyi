@@ -379,6 +379,7 @@ class RuntimeCall(_message.Message):
     STDIN_FIELD_NUMBER: _builtins.int
     HAS_STDIN_FIELD_NUMBER: _builtins.int
     UNBOUND_FIELD_NUMBER: _builtins.int
+    TRAJECTORY_EPOCH_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     request: _builtins.bytes
     stdin: _builtins.bytes
@@ -386,6 +387,10 @@ class RuntimeCall(_message.Message):
     unbound: _builtins.bool
     """The apiserver took the sandbox to be bound to no trajectory from its cache: refuse
     (trajectory_bound) if it is, so the call is not run unrecorded.
+    """
+    trajectory_epoch: _builtins.str
+    """The apiserver sent the call from its cached record of the sandbox's trajectory, as of
+    this binding epoch: refuse (trajectory_bound) unless the sandbox is marked with it.
     """
     def __init__(
         self,
@@ -395,10 +400,11 @@ class RuntimeCall(_message.Message):
         stdin: _builtins.bytes = ...,
         has_stdin: _builtins.bool = ...,
         unbound: _builtins.bool = ...,
+        trajectory_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_stdin", b"has_stdin", "request", b"request", "sandbox_id", b"sandbox_id", "stdin", b"stdin", "unbound", b"unbound"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_stdin", b"has_stdin", "request", b"request", "sandbox_id", b"sandbox_id", "stdin", b"stdin", "trajectory_epoch", b"trajectory_epoch", "unbound", b"unbound"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -448,17 +454,21 @@ class MarkTrajectoryRequest(_message.Message):
 
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     TRAJECTORY_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     sandbox_id: _builtins.str
     trajectory_id: _builtins.str
+    epoch: _builtins.str
+    """the binding's epoch (see RuntimeCall.trajectory_epoch)"""
     def __init__(
         self,
         *,
         sandbox_id: _builtins.str = ...,
         trajectory_id: _builtins.str = ...,
+        epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sandbox_id", b"sandbox_id", "trajectory_id", b"trajectory_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "sandbox_id", b"sandbox_id", "trajectory_id", b"trajectory_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
