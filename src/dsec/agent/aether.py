@@ -10,6 +10,7 @@ through to chronus unchanged.
 from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # no stub; `signal` would import enum
+import _thread
 import os
 import time
 
@@ -74,9 +75,26 @@ def _load(module: str, func: str) -> Handler:
     return handler
 
 
+LAZY_CHRONUS_ENV = "DSEC_AGENT_LAZY_CHRONUS"
+
+
+def start_chronus() -> None:
+    """Start chronus now (if none runs), so the first ``process.*`` call finds it up.
+
+    Run in a thread beside the accept loop; a failure is left to that first call, which
+    starts chronus itself and reports why it cannot.
+    """
+    try:
+        __import__("dsec.agent.relay", fromlist=["connect_chronus"]).connect_chronus().close()
+    except Exception:
+        pass
+
+
 def main() -> None:
     """Serve forever on the inherited listening socket."""
     listener = server.listener_from_env()
+    if not os.environ.get(LAZY_CHRONUS_ENV):  # host-run agents of tests start it on use
+        _thread.start_new_thread(start_chronus, ())
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # never pass an ignored SIGINT on
     try:  # commands default to the home directory; starting there lets exec use vfork
         os.chdir(os.environ.get("HOME") or "/")

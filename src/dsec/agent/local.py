@@ -164,6 +164,7 @@ class LocalAgent:
         env.update(
             DSEC_LISTEN_FD=str(self.listener.fileno()),
             DSEC_AGENT_RUN_DIR=str(self.run_dir),
+            DSEC_AGENT_LAZY_CHRONUS="1",  # started on first use: stop() then always finds it
             PYTHONDONTWRITEBYTECODE="1",
         )
         if self.bundle is None:
