@@ -28,7 +28,7 @@ from dsec.core.errors import (
     SandboxNotFound,
     Unavailable,
 )
-from dsec.gateway import filesystem, lifecycle, process, userports
+from dsec.gateway import filesystem, lifecycle, process, signing, userports
 from dsec.gateway.connect import (
     STREAM_TYPE,
     ConnectError,
@@ -320,8 +320,8 @@ async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.St
 async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
     """Serve one sandbox-bound request."""
     token = request.headers.get("X-Access-Token", "").strip()
-    if token:
-        gw(request).tokens.add(token)  # remembered after a gateway restart too
+    if signing.sandbox_of(token) == sandbox_id:  # a token it handed out (before a restart)
+        gw(request).tokens.add(token)
     if port != ENVD_PORT:
         try:
             if upgrade.is_upgrade(request):
