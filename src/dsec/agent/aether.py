@@ -10,7 +10,6 @@ through to chronus unchanged.
 from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # no stub; `signal` would import enum
-import _thread
 import os
 import time
 
@@ -78,28 +77,51 @@ def _load(module: str, func: str) -> Handler:
 LAZY_CHRONUS_ENV = "DSEC_AGENT_LAZY_CHRONUS"
 
 
-def start_chronus() -> None:
-    """Start chronus now (if none runs), so the first ``process.*`` call finds it up.
+def fork_chronus(listen_fd: int) -> None:
+    """Start chronus as a fork of this interpreter (still one thread: nothing is locked),
+    so no second interpreter has to start; it imports its modules while aether serves.
 
-    Run in a thread beside the accept loop; a failure is left to that first call, which
-    starts chronus itself and reports why it cannot.
+    The child detaches (a second fork, reaped here at once), so chronus is a child of init,
+    as when started on first use. If another chronus serves, the new one just exits.
     """
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        return
+    code = 1
     try:
-        __import__("dsec.agent.relay", fromlist=["connect_chronus"]).connect_chronus().close()
-    except Exception:
-        pass
+        os.close(listen_fd)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.setsid()
+        if os.fork():
+            code = 0
+        else:
+            os.environ.pop("DSEC_LISTEN_FD", None)
+            try:  # ps tells it from aether at once
+                with open("/proc/self/comm", "w") as f:
+                    f.write("chronus")
+            except OSError:
+                pass
+            from dsec.agent import chronus
+
+            chronus.main(detach=False)
+            code = 0
+    finally:
+        os._exit(code)
 
 
 def main() -> None:
     """Serve forever on the inherited listening socket."""
     listener = server.listener_from_env()
-    if not os.environ.get(LAZY_CHRONUS_ENV):  # host-run agents of tests start it on use
-        _thread.start_new_thread(start_chronus, ())
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # never pass an ignored SIGINT on
     try:  # commands default to the home directory; starting there lets exec use vfork
         os.chdir(os.environ.get("HOME") or "/")
     except OSError:
         pass
+    if not os.environ.get(LAZY_CHRONUS_ENV):  # host-run agents of tests start it on use
+        fork_chronus(listener.fileno())
     server.serve(listener, resolve, NAME)
 
 

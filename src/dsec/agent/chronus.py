@@ -225,6 +225,11 @@ def main(detach: bool = True) -> None:
     sock = listen()
     if sock is None:
         return
+    try:  # its name in ps (when forked from aether, its command line is aether's)
+        with open("/proc/self/comm", "w") as f:
+            f.write(NAME)
+    except OSError:
+        pass
     signal.signal(signal.SIGTERM, _stop)
     # Handled (not ignored) so that the commands chronus starts get the default back at exec;
     # an ignored SIGINT could not even be trapped by a shell session.

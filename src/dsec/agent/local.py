@@ -321,7 +321,8 @@ def _alive(pid: int) -> bool:
 
 
 def _is_chronus(pid: int) -> bool:
+    """Whether ``pid`` is a chronus (it names itself so; a forked one has aether's cmdline)."""
     try:
-        return b"dsec.agent.chronus" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "chronus"
     except OSError:
         return False
