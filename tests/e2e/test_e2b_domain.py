@@ -144,9 +144,13 @@ def test_files_pty_commands_and_errors_by_domain(proxy: ConnectProxy) -> None:
             proxy=proxy.url,
         )
         assert (r.status_code, r.json()["code"]) == (401, "unauthenticated")
+        # a signed URL names its sandbox by host; no headers needed
         r = httpx.get(sbx.download_url("/tmp/d/a.txt"), proxy=proxy.url)
-        assert r.status_code == 401
-        assert "signed file URLs are not supported" in r.text
+        assert (r.status_code, r.text) == (200, "by host")
+        r = httpx.get(
+            sbx.download_url("/tmp/d/a.txt", use_signature_expiration=-1), proxy=proxy.url
+        )
+        assert (r.status_code, r.json()["message"]) == (401, "signature is already expired")
     finally:
         sbx.kill()
     with pytest.raises(NotFoundException):

@@ -416,12 +416,19 @@ def test_metrics_are_one_sample_of_the_sandbox(e2b_env: str, sbx: Sandbox) -> No
         Sandbox.get_metrics("sbx-none-aaaaaaaaaaaaaaaaaaaa")
 
 
-def test_auto_pause_and_open_ports_are_refused_and_leave_nothing(e2b_env: str) -> None:
+def test_unsupported_options_are_refused_and_leave_nothing(e2b_env: str) -> None:
     from e2b import SandboxException
 
     tag = uuid.uuid4().hex[:8]
-    with pytest.raises(SandboxException, match="autoPause"):
-        Sandbox.create(timeout=60, metadata={"ap": tag}, lifecycle={"on_timeout": "pause"})
+    # function sandboxes cannot pause, so they cannot pause at their timeout either
+    with pytest.raises(SandboxException, match="cannot pause"):
+        Sandbox.create("function", metadata={"ap": tag}, lifecycle={"on_timeout": "pause"})
+    with pytest.raises(SandboxException, match="filesystem"):
+        Sandbox.create(
+            timeout=60,
+            metadata={"ap": tag},
+            lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}},
+        )
     with pytest.raises(SandboxException, match="allowPublicTraffic"):
         Sandbox.create(timeout=60, metadata={"ap": tag}, network={"allow_public_traffic": True})
     with pytest.raises(SandboxException, match="reopens"):
@@ -433,7 +440,51 @@ def test_auto_pause_and_open_ports_are_refused_and_leave_nothing(e2b_env: str) -
     assert Sandbox.list(query=SandboxQuery(metadata={"ap": tag})).next_items() == []
     # an explicit on_timeout="kill" is what OpenDsec does anyway
     s = Sandbox.create(timeout=60, metadata={"ap": tag}, lifecycle={"on_timeout": "kill"})
+    assert s.get_info().lifecycle == {"on_timeout": "kill", "auto_resume": False}
     s.kill()
+
+
+def _wait_paused(sandbox_id: str, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while Sandbox.get_info(sandbox_id).state != "paused":
+        assert time.monotonic() < deadline, "the sandbox was not paused at its timeout"
+        time.sleep(0.5)
+
+
+def test_auto_pause_at_the_timeout_keeps_state_and_connect_resumes(e2b_env: str) -> None:
+    s = Sandbox.create(timeout=8, lifecycle={"on_timeout": "pause"})
+    try:
+        s.files.write("/tmp/kept.txt", "kept")
+        sleeper = s.commands.run("sleep 600", background=True)
+        assert s.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        _wait_paused(s.sandbox_id)  # paused, not killed, when its 8 s are up
+        time.sleep(2)
+        assert Sandbox.get_info(s.sandbox_id).state == "paused"  # and kept paused
+        again = Sandbox.connect(s.sandbox_id, timeout=120)  # resumes it, as on E2B
+        info = again.get_info()
+        assert info.state == "running"
+        assert info.end_at.timestamp() > time.time() + 60  # a new timeout
+        assert again.files.read("/tmp/kept.txt") == "kept"
+        assert sleeper.pid in [p.pid for p in again.commands.list()]  # processes survived
+    finally:
+        s.kill()
+
+
+def test_auto_resume_on_sandbox_calls(e2b_env: str) -> None:
+    s = Sandbox.create(timeout=8, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        assert s.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        assert s.get_info().metadata == {}  # the gateway's flag is not the user's metadata
+        _wait_paused(s.sandbox_id)
+        assert s.commands.run("echo back").stdout == "back\n"  # resumed by the call
+        assert s.get_info().state == "running"
+        assert s.pause() is True
+        s.files.write("/tmp/w.txt", "written while paused")  # an upload resumes it too
+        assert s.get_info().state == "running"
+        assert s.pause() is True
+        assert s.files.read("/tmp/w.txt") == "written while paused"
+    finally:
+        s.kill()
 
 
 def test_malformed_connect_frames_get_errors_and_start_nothing(e2b_env: str, sbx: Sandbox) -> None:
@@ -482,11 +533,36 @@ def test_malformed_connect_frames_get_errors_and_start_nothing(e2b_env: str, sbx
     assert not any("e2b-malformed" in " ".join(p.args) for p in sbx.commands.list())
 
 
-def test_download_and_upload_urls_are_refused_clearly(sbx: Sandbox) -> None:
+def test_signed_download_and_upload_urls(sbx: Sandbox) -> None:
+    import urllib.parse
+
     import httpx
 
-    sbx.files.write("/tmp/url.txt", "x")
-    for url in (sbx.download_url("/tmp/url.txt"), sbx.upload_url("/tmp/url.txt")):
-        r = httpx.get(url, timeout=30)
-        assert r.status_code == 401
-        assert "signed file URLs are not supported" in r.text
+    sbx.files.write("/tmp/url.txt", "signed content")
+    # plain HTTP, no headers: the signature is the only credential
+    r = httpx.get(sbx.download_url("/tmp/url.txt"), timeout=30)
+    assert (r.status_code, r.content) == (200, b"signed content")
+    r = httpx.get(sbx.download_url("/tmp/url.txt", use_signature_expiration=120), timeout=30)
+    assert (r.status_code, r.content) == (200, b"signed content")
+    up = sbx.upload_url("/tmp/up.txt")
+    r = httpx.post(up, files={"file": ("up.txt", b"uploaded")}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("/tmp/up.txt") == "uploaded"
+
+    good = sbx.download_url("/tmp/url.txt")
+    tampered = good.replace(urllib.parse.quote("/tmp/url.txt", safe=""), "%2Fetc%2Fpasswd")
+    tampered = tampered.replace("/tmp/url.txt", "/etc/passwd")
+    assert tampered != good
+    for bad in (
+        tampered,  # another path under the same signature
+        good[:-3] + ("AAA" if not good.endswith("AAA") else "BBB"),  # another signature
+    ):
+        r = httpx.get(bad, timeout=30)
+        assert r.status_code == 401, bad
+    r = httpx.post(good, files={"file": ("x", b"x")}, timeout=30)  # a read URL cannot write
+    assert r.status_code == 401
+    expired = sbx.download_url("/tmp/url.txt", use_signature_expiration=-10)
+    r = httpx.get(expired, timeout=30)
+    assert r.status_code == 401
+    assert r.json() == {"code": 401, "message": "signature is already expired"}
+    assert sbx.files.read("/tmp/url.txt") == "signed content"

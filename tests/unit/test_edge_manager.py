@@ -143,6 +143,50 @@ async def test_expired_sandboxes_are_stopped(env: Env) -> None:
 
 
 @pytest.mark.asyncio
+async def test_on_timeout_pause_pauses_keeps_and_resume_restarts_the_timeout(env: Env) -> None:
+    from dsec.edge.manager import PAUSED_KEEP_S
+
+    sid = new_sandbox_id("e0a1", os.urandom(13))
+    spec = SandboxSpec(memory_mb=64, timeout_s=10, on_timeout="pause")
+    await env.manager.create(sid, spec, project="alice", owner="alice", caller=ALICE)
+    env.now += 11
+    await env.manager.reap_expired()
+    rec = env.manager.get(sid, ALICE)
+    assert rec.state is State.PAUSED
+    assert env.backend.states[sid].value == "paused"
+    assert rec.expires_at == env.now + PAUSED_KEEP_S
+    env.now += 3600  # paused: its timeout no longer ends it
+    await env.manager.reap_expired()
+    assert env.manager.get(sid, ALICE).state is State.PAUSED
+    rec = await env.manager.resume(sid, ALICE)
+    assert rec.state is State.RUNNING
+    assert rec.expires_at == env.now + 10
+    env.now += PAUSED_KEEP_S + 11  # paused again at the new timeout, ended after the keep
+    await env.manager.reap_expired()
+    assert env.manager.get(sid, ALICE).state is State.PAUSED
+    env.now += PAUSED_KEEP_S + 1
+    await env.manager.reap_expired()
+    assert env.manager.get(sid, ALICE).state is State.STOPPED
+
+
+@pytest.mark.asyncio
+async def test_on_timeout_pause_is_refused_by_a_backend_that_cannot_pause(env: Env) -> None:
+    from dsec.edge.backends.api import Capabilities
+
+    env.backend.capabilities = lambda: Capabilities(pause=False)  # type: ignore[method-assign]
+    sid = new_sandbox_id("e0a1", os.urandom(13))
+    spec = SandboxSpec(memory_mb=64, on_timeout="pause")
+    with pytest.raises(errors.InvalidArgument, match="cannot pause"):
+        await env.manager.create(sid, spec, project="alice", owner="alice", caller=ALICE)
+    assert env.manager.live_records() == []
+    assert not env.backend.states
+    with pytest.raises(errors.SandboxNotFound):
+        env.manager.get(sid, ALICE)
+    with pytest.raises(errors.InvalidArgument, match="on_timeout"):
+        SandboxSpec(on_timeout="hibernate")
+
+
+@pytest.mark.asyncio
 async def test_a_dying_init_fails_the_sandbox_and_releases_it(env: Env) -> None:
     sid = await env.create()
     env.backend.inits[sid].kill()

@@ -74,6 +74,44 @@ def _load(module: str, func: str) -> Handler:
     return handler
 
 
+LAZY_CHRONUS_ENV = "DSEC_AGENT_LAZY_CHRONUS"
+
+
+def fork_chronus(listen_fd: int) -> None:
+    """Start chronus as a fork of this interpreter (still one thread: nothing is locked),
+    so no second interpreter has to start; it imports its modules while aether serves.
+
+    The child detaches (a second fork, reaped here at once), so chronus is a child of init,
+    as when started on first use. If another chronus serves, the new one just exits.
+    """
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        return
+    code = 1
+    try:
+        os.close(listen_fd)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.setsid()
+        if os.fork():
+            code = 0
+        else:
+            os.environ.pop("DSEC_LISTEN_FD", None)
+            try:  # ps tells it from aether at once
+                with open("/proc/self/comm", "w") as f:
+                    f.write("chronus")
+            except OSError:
+                pass
+            from dsec.agent import chronus
+
+            chronus.main(detach=False)
+            code = 0
+    finally:
+        os._exit(code)
+
+
 def main() -> None:
     """Serve forever on the inherited listening socket."""
     listener = server.listener_from_env()
@@ -82,6 +120,8 @@ def main() -> None:
         os.chdir(os.environ.get("HOME") or "/")
     except OSError:
         pass
+    if not os.environ.get(LAZY_CHRONUS_ENV):  # host-run agents of tests start it on use
+        fork_chronus(listener.fileno())
     server.serve(listener, resolve, NAME)
 
 

@@ -1,9 +1,9 @@
 """chronus: keeps processes, PTYs and shell sessions alive across aether restarts.
 
-aether starts it on first use. It forks away at once (inside a container it becomes a
-child of init), takes an exclusive lock in the run dir so only one instance serves, and
-listens on ``<run dir>/chronus.sock`` with the same protocol as aether. On SIGTERM it
-kills everything it started and exits.
+aether forks it when it starts (or starts it on first use, when none runs). It detaches
+at once (inside a container it becomes a child of init), takes an exclusive lock in the
+run dir so only one instance serves, and listens on ``<run dir>/chronus.sock`` with the
+same protocol as aether. On SIGTERM it kills everything it started and exits.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 
-from dsec.agent import args, procs, protocol, server, shells
+from dsec.agent import args, procs, protocol, server
 from dsec.agent.relay import run_dir
 from dsec.agent.wire import KIND_CLOSE, KIND_IN, KIND_JSON, AgentError, Conn, ProtocolError, loads
 
@@ -24,11 +24,13 @@ if TYPE_CHECKING:
     from typing import Any
 
     from dsec.agent.server import Handler
+    from dsec.agent.shells import Sessions
 
 NAME = "chronus"
 STARTED = time.monotonic()
 TABLE = procs.Table()
-SESSIONS = shells.Sessions()
+_sessions: Sessions | None = None  # imported on the first shell.* call (it is rarely used)
+_sessions_lock = threading.Lock()
 REPLAY_FRAME = protocol.CHUNK
 
 
@@ -153,16 +155,26 @@ def _send_merged(conn: Conn, chunks: list[tuple[int, int, bytes]]) -> None:
         conn.send(kind, b"".join(parts))
 
 
+def sessions() -> Sessions:
+    global _sessions
+    with _sessions_lock:
+        if _sessions is None:
+            from dsec.agent import shells
+
+            _sessions = shells.Sessions()
+        return _sessions
+
+
 def op_shell_run(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
-    return SESSIONS.run(conn, req)
+    return sessions().run(conn, req)
 
 
 def op_shell_list(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
-    return {"sessions": SESSIONS.list()}
+    return {"sessions": sessions().list()}
 
 
 def op_shell_close(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
-    SESSIONS.close(req)
+    sessions().close(req)
     return {}
 
 
@@ -182,7 +194,8 @@ OPS: dict[str, Handler] = {
 
 def _stop(signum: int, frame: object) -> None:
     TABLE.kill_all()
-    SESSIONS.kill_all()
+    if _sessions is not None:
+        _sessions.kill_all()
     try:
         os.unlink(os.path.join(run_dir(), "chronus.sock"))
     except OSError:
@@ -225,6 +238,11 @@ def main(detach: bool = True) -> None:
     sock = listen()
     if sock is None:
         return
+    try:  # its name in ps (when forked from aether, its command line is aether's)
+        with open("/proc/self/comm", "w") as f:
+            f.write(NAME)
+    except OSError:
+        pass
     signal.signal(signal.SIGTERM, _stop)
     # Handled (not ignored) so that the commands chronus starts get the default back at exec;
     # an ignored SIGINT could not even be trapped by a shell session.

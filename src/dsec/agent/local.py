@@ -164,6 +164,7 @@ class LocalAgent:
         env.update(
             DSEC_LISTEN_FD=str(self.listener.fileno()),
             DSEC_AGENT_RUN_DIR=str(self.run_dir),
+            DSEC_AGENT_LAZY_CHRONUS="1",  # started on first use: stop() then always finds it
             PYTHONDONTWRITEBYTECODE="1",
         )
         if self.bundle is None:
@@ -320,7 +321,8 @@ def _alive(pid: int) -> bool:
 
 
 def _is_chronus(pid: int) -> bool:
+    """Whether ``pid`` is a chronus (it names itself so; a forked one has aether's cmdline)."""
     try:
-        return b"dsec.agent.chronus" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "chronus"
     except OSError:
         return False

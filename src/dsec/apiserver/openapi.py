@@ -36,6 +36,13 @@ SCHEMAS: dict[str, Any] = {
             "env": _MAP,
             "metadata": _MAP,
             "network": {"$ref": "#/components/schemas/NetworkPolicy"},
+            "on_timeout": {
+                "type": "string",
+                "enum": ["kill", "pause"],
+                "default": "kill",
+                "description": "at the timeout: end the sandbox, or pause it (backends that "
+                "pause; a resume starts a new timeout)",
+            },
             "snapshot": {
                 "type": "string",
                 "description": "start from this named snapshot (then only timeout_s, "

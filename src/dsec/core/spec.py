@@ -10,6 +10,9 @@ from dsec.core.errors import InvalidArgument
 from dsec.core.netpolicy import NetworkPolicy
 
 BACKENDS = ("function", "container", "microvm", "vm")
+# What the edge does when a sandbox's timeout passes: end it, or pause it (kept paused for
+# PAUSED_KEEP_S, resumed by a resume call, which starts a new timeout).
+ON_TIMEOUT = ("kill", "pause")
 # How long the apiserver waits for an edge's create (an image pull, a VM boot); the vm
 # backend boots Debian with systemd, minutes under TCG on a loaded host (its edge watchdog,
 # vm.backend.VM_BOOT_TIMEOUT_S, is 480 s), so the layers above wait a little longer than it.
@@ -52,6 +55,7 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     network: NetworkPolicy = field(default_factory=NetworkPolicy)
+    on_timeout: str = "kill"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -68,6 +72,10 @@ class SandboxSpec:
         _check_mapping("metadata", self.metadata, MAX_METADATA, _META_KEY_RE)
         if not isinstance(self.network, NetworkPolicy):
             raise InvalidArgument("network must be a NetworkPolicy")
+        if self.on_timeout not in ON_TIMEOUT:
+            raise InvalidArgument(
+                f"on_timeout must be one of {', '.join(ON_TIMEOUT)}, got {self.on_timeout!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +88,7 @@ class SandboxSpec:
             "env": dict(self.env),
             "metadata": dict(self.metadata),
             "network": self.network.to_dict(),
+            "on_timeout": self.on_timeout,
         }
 
     @classmethod

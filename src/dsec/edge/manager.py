@@ -39,9 +39,9 @@ from dsec.core.errors import (
 from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
 from dsec.core.lifecycle import Event, State
 from dsec.core.netpolicy import NetworkPolicy
-from dsec.core.spec import SandboxSpec
+from dsec.core.spec import MAX_TIMEOUT_S, SandboxSpec
 from dsec.edge import agent_client
-from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths, Started
+from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths, Started, capabilities_of
 from dsec.edge.records import RecordStore, SandboxRecord
 from dsec.obs import Metrics, log
 
@@ -49,6 +49,8 @@ _log = logging.getLogger("dsec.edge")
 
 AGENT_READY_TIMEOUT_S = 15.0
 TERMINAL_RETENTION_S = 3600.0
+# A paused sandbox of ``on_timeout="pause"`` is kept this long (then ended), not its timeout.
+PAUSED_KEEP_S = float(MAX_TIMEOUT_S)
 TRAJECTORY_MARK = "dsec.trajectory"  # spec metadata: the trajectory the sandbox is bound to
 TRAJECTORY_EPOCH = "dsec.trajectory.epoch"  # ... and the epoch of that binding
 
@@ -182,6 +184,11 @@ class SandboxManager:
             )
         if sandbox_id in self._live or self._records.get(sandbox_id) is not None:
             raise InvalidState(f"sandbox {sandbox_id} already exists")
+        if spec.on_timeout == "pause" and not capabilities_of(backend).pause:
+            raise InvalidArgument(
+                f"on_timeout='pause': the {spec.backend} backend cannot pause sandboxes "
+                "(container, microvm and vm can)"
+            )
         admission.admit(self._capacity, self.load(), spec)
         now = self._clock()
         rec = SandboxRecord(
@@ -256,20 +263,26 @@ class SandboxManager:
         return await self._finish_stop(rec, reason)
 
     async def pause(self, sandbox_id: str, caller: Caller) -> SandboxRecord:
-        """Freeze every process of a running sandbox (its lifetime keeps counting)."""
+        """Freeze every process of a running sandbox. Its lifetime keeps counting, unless it
+        was created with ``on_timeout="pause"``: then it is kept paused for PAUSED_KEEP_S."""
         rec = self.get(sandbox_id, caller)
         if rec.state is State.PAUSED:
             return rec
         rec.moved(Event.PAUSE)  # raises InvalidState unless running
         await self._backends[rec.spec.backend].pause(sandbox_id)
+        if rec.spec.on_timeout == "pause":
+            return self._move(rec, Event.PAUSE, expires_at=self._clock() + PAUSED_KEEP_S)
         return self._move(rec, Event.PAUSE)
 
     async def resume(self, sandbox_id: str, caller: Caller) -> SandboxRecord:
+        """Thaw a paused sandbox; one of ``on_timeout="pause"`` gets a new timeout."""
         rec = self.get(sandbox_id, caller)
         if rec.state is State.RUNNING:
             return rec
         rec.moved(Event.RESUME)  # raises InvalidState unless paused
         await self._backends[rec.spec.backend].resume(sandbox_id)
+        if rec.spec.on_timeout == "pause":
+            return self._move(rec, Event.RESUME, expires_at=self._clock() + rec.spec.timeout_s)
         return self._move(rec, Event.RESUME)
 
     async def fork(
@@ -412,11 +425,22 @@ class SandboxManager:
         now = self._clock()
         system = Caller(project="", subject="edge", admin=True)
         for rec in list(self._live.values()):
-            if rec.state in (State.RUNNING, State.PAUSED) and rec.expires_at <= now:
-                log(_log, "sandbox expired", sandbox=rec.id)
-                self._metrics.inc("sandboxes_expired")
-                with contextlib.suppress(DsecError):
-                    await self.kill(rec.id, system, reason="timeout")
+            if rec.state not in (State.RUNNING, State.PAUSED) or rec.expires_at > now:
+                continue
+            if rec.state is State.RUNNING and rec.spec.on_timeout == "pause":
+                try:
+                    await self.pause(rec.id, system)
+                except DsecError as exc:  # cannot pause: it ends, as any expired sandbox
+                    log(_log, "sandbox auto-pause failed", logging.WARNING, sandbox=rec.id,
+                        error=exc.message)  # fmt: skip
+                else:
+                    log(_log, "sandbox timed out: paused", sandbox=rec.id)
+                    self._metrics.inc("sandboxes_auto_paused")
+                    continue
+            log(_log, "sandbox expired", sandbox=rec.id)
+            self._metrics.inc("sandboxes_expired")
+            with contextlib.suppress(DsecError):
+                await self.kill(rec.id, system, reason="timeout")
         self._records.delete_ended_before(now - TERMINAL_RETENTION_S)
 
     async def adopt(self) -> None:

@@ -27,8 +27,8 @@ from dsec.core.errors import (
 )
 from dsec.core.ids import is_snapshot_id
 from dsec.core.spec import BACKENDS
-from dsec.gateway import egress, usage
-from dsec.gateway.upstream import Clients, api_key
+from dsec.gateway import egress, lifecycle, signing, usage
+from dsec.gateway.upstream import ENVD_PORT, Clients, api_key
 from dsec.sdk import runtime_calls as rc
 from dsec.sdk import wire
 from dsec.sdk.async_sandbox import AsyncClient
@@ -58,6 +58,7 @@ class Gateway:
         self.cpu = cpu
         self.memory_mb = memory_mb
         self.templates = templates or {}
+        self.tokens = signing.Tokens()  # sandbox tokens handed out, for signed file URLs
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def background(self, coro: Any) -> None:
@@ -99,6 +100,13 @@ def _template(info: SandboxInfo) -> str:
     return info.spec.image if info.spec else DEFAULT_TEMPLATE
 
 
+def envd_token(g: Gateway, info: SandboxInfo, key: str) -> str:
+    """The sandbox's ``envdAccessToken`` (remembered, to check the URLs it signs)."""
+    token = signing.sandbox_token(info.id, key)
+    g.tokens.add(token)
+    return token
+
+
 def sandbox_json(g: Gateway, info: SandboxInfo, key: str) -> dict[str, Any]:
     """The ``Sandbox`` object of create/connect."""
     return {
@@ -107,7 +115,7 @@ def sandbox_json(g: Gateway, info: SandboxInfo, key: str) -> dict[str, Any]:
         "alias": _template(info),
         "clientID": info.edge_id or "dsec",
         "envdVersion": ENVD_VERSION,
-        "envdAccessToken": key,
+        "envdAccessToken": envd_token(g, info, key),
         # Sandbox ports need it (gateway/userports.py), and e2b_code_interpreter sends it
         # (not X-Access-Token) on its /contexts calls.
         "trafficAccessToken": key,
@@ -129,12 +137,17 @@ def listed_json(info: SandboxInfo) -> dict[str, Any]:
         "diskSizeMB": 0,
         "state": "paused" if info.state == "paused" else "running",
         "envdVersion": ENVD_VERSION,
-        "metadata": dict(spec.metadata) if spec else {},
+        "metadata": lifecycle.visible_metadata(info),
     }
 
 
 def detail_json(g: Gateway, info: SandboxInfo, key: str) -> dict[str, Any]:
-    return {**listed_json(info), "envdAccessToken": key, "domain": g.domain}
+    return {
+        **listed_json(info),
+        "envdAccessToken": envd_token(g, info, key),
+        "domain": g.domain,
+        "lifecycle": lifecycle.lifecycle_json(info),
+    }
 
 
 def error_response(status: int, message: str, *, retry: bool = True) -> web.Response:
@@ -216,7 +229,7 @@ async def create(request: web.Request) -> web.Response:
     if is_snapshot_id(template):  # Sandbox.create(<snapshotID>)
         return await _create_from_snapshot(request, template, body)
     backend, template = choose_backend(template, metadata or {})
-    _refuse_lifecycle(body)
+    on_timeout, lifecycle_meta = lifecycle.create_options(body)
     network = None
     internet = body.get("allow_internet_access", body.get("allowInternetAccess"))
     if body.get("network") is not None or internet is not None:
@@ -231,29 +244,15 @@ async def create(request: web.Request) -> web.Response:
         pids=None,
         timeout_s=_timeout(body, DEFAULT_TIMEOUT_S) or DEFAULT_TIMEOUT_S,
         env=_str_map(body, "envVars"),
-        metadata=metadata,
+        metadata={**metadata, **lifecycle_meta},
         network=network,
+        on_timeout=on_timeout,
     )
     try:
         info = await client.transport.call(call)
     except ImageNotFound:  # Sandbox.create(<snapshot name>)
         return await _create_from_snapshot(request, body["templateID"], body)
-    if backend != "function":  # functions keep no processes
-        # Start the sandbox's process keeper now, so the first command does not wait for it.
-        g.background(client.transport.call(rc.list_processes(info.id)))
     return web.json_response(sandbox_json(g, info, key), status=201)
-
-
-def _refuse_lifecycle(body: dict[str, Any]) -> None:
-    """E2B's auto-pause and auto-resume: OpenDsec ends a sandbox at its timeout."""
-    if body.get("autoPause") is True:
-        raise InvalidArgument(
-            "autoPause (lifecycle on_timeout='pause') is not supported by OpenDsec: a "
-            "sandbox is killed at its timeout; pause it yourself with pause()"
-        )
-    resume = body.get("autoResume")
-    if isinstance(resume, dict) and resume.get("enabled") is True:
-        raise InvalidArgument("autoResume is not supported by OpenDsec; connect() resumes")
 
 
 async def _create_from_snapshot(
@@ -434,14 +433,16 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-async def unrouted_files(request: web.Request) -> web.Response:
+async def unrouted_files(request: web.Request) -> web.StreamResponse:
     """``/files`` without a sandbox: what ``download_url()``/``upload_url()`` give in
-    ``E2B_SANDBOX_URL`` mode (the URL names no sandbox; the SDK sends it in a header)."""
-    return error_response(
-        401,
-        "signed file URLs are not supported by the OpenDsec gateway (use files.read/files.write)",
-        retry=False,
-    )
+    ``E2B_SANDBOX_URL`` mode (the URL names no sandbox: the token that signed it does)."""
+    from dsec.gateway import envd
+
+    try:
+        sandbox_id, _ = gw(request).tokens.verify(request, None)
+    except DsecError as exc:
+        return envd.http_error(exc)
+    return await envd.dispatch(request, sandbox_id, ENVD_PORT)
 
 
 def dsec_error_response(request: web.Request, exc: DsecError) -> web.Response:

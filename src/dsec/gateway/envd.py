@@ -26,10 +26,9 @@ from dsec.core.errors import (
     InvalidArgument,
     InvalidState,
     SandboxNotFound,
-    Unauthenticated,
     Unavailable,
 )
-from dsec.gateway import filesystem, process, userports
+from dsec.gateway import filesystem, lifecycle, process, signing, userports
 from dsec.gateway.connect import (
     STREAM_TYPE,
     ConnectError,
@@ -44,6 +43,7 @@ from dsec.gateway.connect import (
 from dsec.gateway.control import LIVE_STATES, gw
 from dsec.gateway.upstream import ENVD_PORT, access_token
 from dsec.sdk import runtime_calls as rc
+from dsec.sdk.async_sandbox import AsyncClient
 
 NOT_FOUND_MESSAGE = "The sandbox was not found"
 PORT_CLOSED_MESSAGE = "The sandbox is running but port is not open"
@@ -88,34 +88,46 @@ async def rpc(
         unary, server, client = filesystem.UNARY, filesystem.SERVER_STREAM, {}
     streaming = method in server or method in client
     stream = ServerStream(request)
-    try:
-        if method not in unary and not streaming:
-            raise ConnectError("unimplemented", f"{service}/{method} is not supported")
-        if streaming and request.content_type != STREAM_TYPE:
-            raise ConnectError("invalid_argument", f"{method} needs {STREAM_TYPE}")
-        c = _call(request, sandbox_id)
-        if method in client:
-            await client[method](c, read_envelopes(request.content), stream)
-            return await stream.end()
-        msg = await read_request(request)
-        if method in server:
-            await server[method](c, msg, stream)
-            return await stream.end()
-        return unary_ok(await unary[method](c, msg))
-    except (SandboxNotFound, InvalidState) as exc:
-        if isinstance(exc, SandboxNotFound) or await _ended(request, sandbox_id):
-            if stream.started:
-                return await stream.end(ConnectError("unavailable", NOT_FOUND_MESSAGE))
-            return sandbox_gone(sandbox_id)
-        err = connect_error(exc)
-        return await stream.end(err) if streaming or stream.started else unary_error(err)
-    except (DsecError, ConnectError) as exc:
-        err = connect_error(exc)
-        if streaming or stream.started:
-            return await stream.end(err)
-        return unary_error(err)
-    except ConnectionError:
-        return stream.response_or_empty()
+    msg: dict[str, Any] | None = None
+    for attempt in range(2):
+        try:
+            if method not in unary and not streaming:
+                raise ConnectError("unimplemented", f"{service}/{method} is not supported")
+            if streaming and request.content_type != STREAM_TYPE:
+                raise ConnectError("invalid_argument", f"{method} needs {STREAM_TYPE}")
+            c = _call(request, sandbox_id)
+            if method in client:  # its body cannot be sent twice: resume a paused one first
+                await lifecycle.resume_if_paused(c.client, sandbox_id)
+                await client[method](c, read_envelopes(request.content), stream)
+                return await stream.end()
+            if msg is None:
+                msg = await read_request(request)
+            if method in server:
+                await server[method](c, msg, stream)
+                return await stream.end()
+            return unary_ok(await unary[method](c, msg))
+        except (SandboxNotFound, InvalidState) as exc:
+            if isinstance(exc, SandboxNotFound) or await _ended(request, sandbox_id):
+                if stream.started:
+                    return await stream.end(ConnectError("unavailable", NOT_FOUND_MESSAGE))
+                return sandbox_gone(sandbox_id)
+            if (
+                attempt == 0
+                and msg is not None
+                and not stream.started
+                and await lifecycle.resume_if_paused(c.client, sandbox_id)
+            ):
+                continue  # auto-resume: serve the call on the resumed sandbox
+            err = connect_error(exc)
+            return await stream.end(err) if streaming or stream.started else unary_error(err)
+        except (DsecError, ConnectError) as exc:
+            err = connect_error(exc)
+            if streaming or stream.started:
+                return await stream.end(err)
+            return unary_error(err)
+        except ConnectionError:
+            return stream.response_or_empty()
+    raise AssertionError("unreachable")  # the second attempt always returns
 
 
 async def _ended(request: web.Request, sandbox_id: str) -> bool:
@@ -133,7 +145,7 @@ def http_error(exc: DsecError) -> web.Response:
 
 
 async def files_get(request: web.Request, sandbox_id: str) -> web.StreamResponse:
-    client = gw(request).clients.get(_file_token(request))
+    client = _file_client(request, sandbox_id)
     req = rc.read_file(sandbox_id, request.query.get("path", ""))
     resp: web.StreamResponse | None = None
     async with client.transport.download(req) as chunks:
@@ -153,10 +165,12 @@ async def _download_response(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def _file_token(request: web.Request) -> str:
+def _file_client(request: web.Request, sandbox_id: str) -> AsyncClient:
+    """The caller's client on ``/files``: by its access token, or a signed URL's."""
+    g = gw(request)
     if "signature" in request.query and "X-Access-Token" not in request.headers:
-        raise Unauthenticated("signed file URLs are not supported by the OpenDsec gateway")
-    return access_token(request)
+        return g.clients.get(g.tokens.verify(request, sandbox_id)[1])
+    return g.clients.get(access_token(request))
 
 
 async def _part_chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
@@ -188,7 +202,7 @@ def _written(path: str) -> dict[str, Any]:
 
 
 async def files_post(request: web.Request, sandbox_id: str) -> web.Response:
-    client = gw(request).clients.get(_file_token(request))
+    client = _file_client(request, sandbox_id)
     query_path = request.query.get("path", "")
     written: list[dict[str, Any]] = []
     if request.content_type.startswith("multipart/"):
@@ -305,6 +319,9 @@ async def port_proxy(request: web.Request, sandbox_id: str, port: int) -> web.St
 
 async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.StreamResponse:
     """Serve one sandbox-bound request."""
+    token = request.headers.get("X-Access-Token", "").strip()
+    if signing.sandbox_of(token) == sandbox_id:  # a token it handed out (before a restart)
+        gw(request).tokens.add(token)
     if port != ENVD_PORT:
         try:
             if upgrade.is_upgrade(request):
@@ -322,11 +339,25 @@ async def dispatch(request: web.Request, sandbox_id: str, port: int) -> web.Stre
     handler = HTTP_ROUTES.get((request.method, path))
     if handler is None:
         return web.json_response({"code": 404, "message": f"no route {path}"}, status=404)
-    try:
-        return await handler(request, sandbox_id)
-    except SandboxNotFound:
-        return sandbox_gone(sandbox_id)
-    except DsecError as exc:
-        if isinstance(exc, InvalidState) and await _ended(request, sandbox_id):
+    replayable = request.method == "GET"
+    for attempt in range(2):
+        try:
+            if not replayable:  # an upload cannot be sent twice: resume a paused one first
+                await lifecycle.resume_if_paused(_file_client(request, sandbox_id), sandbox_id)
+            return await handler(request, sandbox_id)
+        except SandboxNotFound:
             return sandbox_gone(sandbox_id)
-        return http_error(exc)
+        except DsecError as exc:
+            if isinstance(exc, InvalidState):
+                if await _ended(request, sandbox_id):
+                    return sandbox_gone(sandbox_id)
+                if (
+                    replayable
+                    and attempt == 0
+                    and await lifecycle.resume_if_paused(
+                        _file_client(request, sandbox_id), sandbox_id
+                    )
+                ):
+                    continue  # auto-resume: serve it on the resumed sandbox
+            return http_error(exc)
+    raise AssertionError("unreachable")  # the second attempt always returns

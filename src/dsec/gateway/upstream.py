@@ -18,6 +18,7 @@ import httpx
 from aiohttp import web
 
 from dsec.core.errors import InvalidArgument, Unauthenticated
+from dsec.gateway import signing
 from dsec.sdk.async_sandbox import AsyncClient
 from dsec.sdk.config import ClientConfig
 
@@ -94,7 +95,7 @@ def access_token(request: web.Request) -> str:
         token = request.headers.get("E2B-Traffic-Access-Token", "").strip()
     if not token:
         raise Unauthenticated("missing X-Access-Token (the sandbox's envdAccessToken)")
-    return token
+    return signing.key_of(token)
 
 
 def target(request: web.Request) -> tuple[str, int] | None:

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from dsec.apiserver import upgrade
 from dsec.core.errors import Unauthenticated, Unavailable
+from dsec.gateway import signing
 from dsec.gateway.control import gw
 
 TOKEN_HEADERS = ("E2B-Traffic-Access-Token", "X-Access-Token")
@@ -29,7 +30,7 @@ def port_token(request: web.Request) -> str:
     for name in TOKEN_HEADERS:
         value = request.headers.get(name, "").strip()
         if value:
-            return value
+            return signing.key_of(value)
     auth = request.headers.get("Authorization", "")
     if auth.lower().startswith("bearer ") and auth[7:].strip():
         return auth[7:].strip()

@@ -21,6 +21,7 @@ def spec_to_pb(spec: SandboxSpec) -> pb.SandboxSpec:
         env=spec.env,
         metadata=spec.metadata,
         network=pb.NetworkPolicy(allow=spec.network.allow, deny=spec.network.deny),
+        on_timeout=spec.on_timeout,
     )
 
 
@@ -36,6 +37,7 @@ def spec_from_pb(msg: pb.SandboxSpec) -> SandboxSpec:
         env=dict(msg.env),
         metadata=dict(msg.metadata),
         network=policy_from_pb(msg.network),
+        on_timeout=msg.on_timeout or "kill",
     )
 
 

@@ -81,6 +81,7 @@ class SpecInfo:
     env: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     network: dict[str, list[str]] = field(default_factory=dict)  # {"allow": [...], "deny": [...]}
+    on_timeout: str = "kill"  # or "pause": what the edge does when the timeout passes
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> SpecInfo:
@@ -94,6 +95,7 @@ class SpecInfo:
             env=dict(obj.get("env") or {}),
             metadata=dict(obj.get("metadata") or {}),
             network={k: list(v) for k, v in dict(obj.get("network") or {}).items()},
+            on_timeout=str(obj.get("on_timeout") or "kill"),
         )
 
 

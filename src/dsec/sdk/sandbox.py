@@ -365,6 +365,7 @@ class Sandbox:
         metadata: Mapping[str, str] | None = None,
         network: Mapping[str, Any] | None = None,
         *,
+        on_timeout: str | None = None,
         project: str | None = None,
         trajectory: str | None = None,
         on_mismatch: str = "diverge",
@@ -380,7 +381,9 @@ class Sandbox:
         its sandbox (or restores one) and the calls replay the recorded results until one
         differs; then ``on_mismatch`` decides: ``"diverge"`` runs it for real from there,
         ``"fail"`` raises ``TrajectoryMismatch``. ``checkpoint_every=N`` packs the sandbox
-        every N steps so it can be restored if it is lost.
+        every N steps so it can be restored if it is lost. ``on_timeout="pause"`` pauses the
+        sandbox when its timeout passes instead of ending it (backends that pause); a
+        ``resume()`` then gives it a new ``timeout``.
         """
         call = wire.create_sandbox(
             backend=backend,
@@ -393,6 +396,7 @@ class Sandbox:
             metadata=metadata,
             project=project,
             network=network,
+            on_timeout=on_timeout,
             extra=tc.policy_body(trajectory, on_mismatch, checkpoint_every),
         )
         return cls._start(call, client, api_url, api_key)

@@ -188,6 +188,7 @@ def create_sandbox(
     project: str | None = None,
     network: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
+    on_timeout: str | None = None,
 ) -> Call[SandboxInfo]:
     """``POST /v1/sandboxes``: omitted (None) fields take the server's defaults; ``extra``
     adds fields (the trajectory binding)."""
@@ -202,6 +203,7 @@ def create_sandbox(
         metadata=dict(metadata) if metadata is not None else None,
         project=project,
         network=_network_body(network) if network is not None else None,
+        on_timeout=on_timeout,
     )
     body.update(extra or {})
     # the apiserver's own wait for the edge (core.spec.create_deadline_s) ends first

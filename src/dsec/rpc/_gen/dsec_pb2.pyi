@@ -90,12 +90,15 @@ class SandboxSpec(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     NETWORK_FIELD_NUMBER: _builtins.int
+    ON_TIMEOUT_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     image: _builtins.str
     cpu: _builtins.float
     memory_mb: _builtins.int
     pids: _builtins.int
     timeout_s: _builtins.int
+    on_timeout: _builtins.str
+    """"kill" (default, also when empty) or "pause" """
     @_builtins.property
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -114,10 +117,11 @@ class SandboxSpec(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         network: Global___NetworkPolicy | None = ...,
+        on_timeout: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["network", b"network"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu", b"cpu", "env", b"env", "image", b"image", "memory_mb", b"memory_mb", "metadata", b"metadata", "network", b"network", "pids", b"pids", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cpu", b"cpu", "env", b"env", "image", b"image", "memory_mb", b"memory_mb", "metadata", b"metadata", "network", b"network", "on_timeout", b"on_timeout", "pids", b"pids", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
