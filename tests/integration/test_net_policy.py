@@ -314,6 +314,53 @@ async def test_restart_adopts_and_destroy_leaves_nothing(
 
 
 @pytest.mark.asyncio
+async def test_restart_upgrades_a_slot_an_older_edge_made(
+    edgenet: EdgeNetwork, internet: FakeInternet
+) -> None:
+    """A slot without the ingress sets, ``inok_`` chain and ``peer_in`` key (as an edge
+    before ingress rules made it) is brought up to date at start, keeping its policy and
+    the addresses the resolver opened."""
+    pol = NetworkPolicy.from_dict({"allow": [f"{WEB1}:80", "web2.test.example"]})
+    net = await edgenet.create("sbx-old", pol)
+    await edgenet._open_resolved("sbx-old", "web2.test.example", [(WEB2, 300)])
+    ft, k, c = edgenet.t.family_table, net.key, "counter name"
+    old = f"""flush chain {ft} out_{k}
+flush chain {ft} in_{k}
+flush chain {ft} inok_{k}
+delete element {ft} peer_in {{ "{edgenet.ifname(net)}" }}
+delete chain {ft} inok_{k}
+delete set {ft} i_{k}
+delete set {ft} ip_{k}
+add rule {ft} out_{k} ct state established,related {c} ok_{k} accept
+add rule {ft} out_{k} ip daddr . meta l4proto . th dport @ap_{k} {c} ok_{k} accept
+add rule {ft} out_{k} ip daddr @dns_{k} {c} ok_{k} accept
+add rule {ft} out_{k} {c} deny_{k} {ruleset.REJECT}
+add rule {ft} in_{k} ct state established,related accept
+add rule {ft} in_{k} drop
+"""
+    await edgenet._run(lambda: edgenet._nft_run(old))
+    assert f"i_{k}" not in await edgenet._run(lambda: edgenet._present(k))
+    await edgenet.close()
+    again = EdgeNetwork(edgenet.edge_id, edgenet.config)
+    await again.start()
+    try:
+        present = await again._run(lambda: again._present(k))
+        assert ruleset.slot_objects(again.t, k) <= present
+        assert (await aprobe(net.netns, "tcp", WEB1, 80)) == f"hello {WEB1}:80"
+        assert (await aprobe(net.netns, "tcp", WEB2, 80)) == f"hello {WEB2}:80"
+        assert denied(await aprobe(net.netns, "tcp", WEB1, 443))
+        # the upgraded slot takes ingress rules
+        await again.set_policy(
+            "sbx-old", NetworkPolicy.from_dict({"allow": ["from:198.18.0.0/16:7000"]})
+        )
+        await again.close()
+    finally:
+        if again._pool is not None:
+            await again.close()
+    await edgenet.start()  # adopts it again (nothing left to upgrade); the fixture cleans up
+
+
+@pytest.mark.asyncio
 async def test_failed_create_leaves_nothing(
     edgenet: EdgeNetwork, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -102,6 +102,7 @@ class EdgeNetwork:
         self._resolved: dict[str, dict[str, tuple[str, float]]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._nft: Nft | None = None
+        self._nft_loop: Nft | None = None  # made in the gateway, used on the event loop
         self._ip: IPRoute | None = None
         self._nfl: NFTables | None = None
         self._gw_fd = -1
@@ -118,6 +119,9 @@ class EdgeNetwork:
     def _init_worker(self) -> None:
         links.setns(self._gw_fd)
         self._nft = Nft()
+        # A context's netlink socket stays in the namespace it was made in, so the event
+        # loop can attach a warm slot's policy through this one without a thread hop.
+        self._nft_loop = Nft()
         self._ip = IPRoute()
         # Raw netlink for the resolver's hot path: libnftables reads the whole table
         # before each command (~30 ms with 300 sandboxes), a direct NEWSETELEM does not.
@@ -182,6 +186,9 @@ class EdgeNetwork:
                     rec["sandbox_id"], int(rec["index"]), NetworkPolicy.from_dict(rec["policy"])
                 )
                 self._remember(replace(net, tap=str(rec.get("tap", ""))))
+        upgraded = await self._run(self._upgrade_slots)
+        if upgraded:
+            log(_log, "network slots upgraded", sandboxes=",".join(upgraded))
         await self._remove_orphans()
         self._refill()
         log(
@@ -237,6 +244,8 @@ class EdgeNetwork:
                     self._nfl.close()
                 if self._nft is not None:
                     self._nft.close()
+                if self._nft_loop is not None:
+                    self._nft_loop.close()
 
             await asyncio.get_running_loop().run_in_executor(pool, fin)
             pool.shutdown()
@@ -306,11 +315,14 @@ class EdgeNetwork:
             net = self._net_of(sandbox_id, index, policy)
             if tap:
                 net = replace(net, tap=links.TAP)
-            await asyncio.to_thread(self._save, net)
+            if warm:  # a few hundred bytes: cheaper here than a hop to a thread
+                self._save(net)
+            else:
+                await asyncio.to_thread(self._save, net)
             self._remember(net)
         try:
             if warm:
-                await self._run(lambda: self._nft_run(ruleset.attach(self.t, net.key, policy)))
+                self._attach_here(net)
             else:
                 await self._run(lambda: self._make(net))
             if tap:
@@ -322,6 +334,15 @@ class EdgeNetwork:
                 raise SandboxFailed(f"network of sandbox {sandbox_id}: {exc}") from None
             raise
         return net
+
+    def _attach_here(self, net: SandboxNet) -> None:
+        """Fill a warm slot's sets from the event loop (one short nft transaction, none
+        for an empty policy): the slot's chains already deny everything."""
+        if self._nft_loop is None:
+            raise InvalidState("sandbox networking is not started")
+        text = ruleset.attach(self.t, net.key, net.policy)
+        if text:
+            self._nft_loop.run(text)
 
     def _free_index(self) -> int:
         used = {n.index for n in self._nets.values()} | set(self._warm) | self._making
@@ -336,7 +357,9 @@ class EdgeNetwork:
 
     def _make(self, net: SandboxNet) -> None:
         self._make_slot(net.index)
-        self._nft_run(ruleset.attach(self.t, net.key, net.policy))
+        text = ruleset.attach(self.t, net.key, net.policy)
+        if text:
+            self._nft_run(text)
 
     def _make_slot(self, index: int) -> None:
         """Namespace, veth, addresses, route and nft chains of slot ``index`` (blocking)."""
@@ -436,19 +459,41 @@ class EdgeNetwork:
 
     def _present(self, key: str) -> set[str]:
         """Names of this sandbox's nft objects and map keys that exist."""
+        ifname = self.t.if_prefix + key
+        return {
+            n
+            for n in self._table_names()
+            if (n.endswith(f"_{key}") and ":" not in n) or n.endswith(f":{ifname}")
+        }
+
+    def _table_names(self) -> set[str]:
+        """The table's chain, set and counter names and ``map:ifname`` dispatch keys."""
         assert self._nft is not None
         data = self._nft.json(f"list table {self.t.family_table}")
         names: set[str] = set()
         for item in data.get("nftables", []):
             for kind in ("chain", "set", "counter"):
-                if kind in item and item[kind].get("name", "").endswith(f"_{key}"):
-                    names.add(item[kind]["name"])
+                if kind in item:
+                    names.add(item[kind].get("name", ""))
             m = item.get("map")
             if m and m.get("name") in ("egress", "ingress", "peer_in"):
                 for elem in m.get("elem", []):
-                    if isinstance(elem, list) and elem and elem[0] == self.t.if_prefix + key:
+                    if isinstance(elem, list) and elem and isinstance(elem[0], str):
                         names.add(f"{m['name']}:{elem[0]}")
         return names
+
+    def _upgrade_slots(self) -> list[str]:
+        """Bring the adopted sandboxes' slots that an older edge made (objects missing,
+        e.g. the ingress sets) up to the current layout, each in one transaction."""
+        if not self._nets:
+            return []
+        names = self._table_names()
+        done = []
+        for net in list(self._nets.values()):
+            if not ruleset.slot_objects(self.t, net.key) <= names:
+                self._nft_run(ruleset.upgrade_slot(self.t, net.key, net.address, net.policy))
+                done.append(net.sandbox_id)
+        return done
 
     async def set_policy(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNet:
         """Replace the policy in one nft transaction (established flows that stay allowed

@@ -144,25 +144,16 @@ def add_sandbox(t: TableSpec, key: str, address: str, policy: NetworkPolicy) -> 
 
 
 def attach(t: TableSpec, key: str, policy: NetworkPolicy) -> str:
-    """Commands that hand a prepared slot to a sandbox: its policy, then its traffic."""
-    ft = t.family_table
-    ifname = t.if_prefix + key
-    return (
-        policy_elements(ft, key, policy, t.pool)
-        + "\n".join(
-            [
-                f'add element {ft} egress {{ "{ifname}" : jump out_{key} }}',
-                f'add element {ft} ingress {{ "{ifname}" : jump in_{key} }}',
-                f'add element {ft} peer_in {{ "{ifname}" : jump inok_{key} }}',
-            ]
-        )
-        + "\n"
-    )
+    """Commands that hand a prepared slot to a sandbox: only its policy's set elements
+    (empty text for an empty policy), since the slot is already in the dispatch maps."""
+    text = policy_elements(t.family_table, key, policy, t.pool)
+    return text if text.strip() else ""
 
 
 def add_slot(t: TableSpec, key: str, address: str) -> str:
-    """Commands making slot ``key``'s counters, sets and chains; no traffic reaches them
-    until :func:`attach` adds its interface to the dispatch maps."""
+    """Commands making slot ``key``'s counters, sets and chains and adding its interface
+    to the dispatch maps: with empty sets the chains deny everything, so a warm slot is
+    already policed and :func:`attach` only has to fill the sets."""
     ft = t.family_table
     c = {n: f"counter name {n}_{key}" for n in COUNTERS}
     cmds = [f"add counter {ft} {n}_{key}" for n in COUNTERS]
@@ -201,8 +192,37 @@ def add_slot(t: TableSpec, key: str, address: str) -> str:
         f"add rule {ft} in_{key} ct state established,related {c['ok']} accept",
         f"add rule {ft} in_{key} jump inok_{key}",
         f"add rule {ft} in_{key} {c['deny']} {c['new_deny']} drop",
+        *_dispatch(t, key),
     ]
     return "\n".join(cmds) + "\n"
+
+
+def _dispatch(t: TableSpec, key: str) -> list[str]:
+    ft, ifname = t.family_table, t.if_prefix + key
+    return [
+        f'add element {ft} egress {{ "{ifname}" : jump out_{key} }}',
+        f'add element {ft} ingress {{ "{ifname}" : jump in_{key} }}',
+        f'add element {ft} peer_in {{ "{ifname}" : jump inok_{key} }}',
+    ]
+
+
+def slot_objects(t: TableSpec, key: str) -> set[str]:
+    """Names (as :meth:`EdgeNetwork._present` reports them) a current slot ``key`` has."""
+    ifname = t.if_prefix + key
+    names = {f"{c}_{key}" for c in ("out", "in", "inok")}
+    names |= {f"{s}_{key}" for s in SETS} | {f"{n}_{key}" for n in COUNTERS}
+    return names | {f"{m}:{ifname}" for m in ("egress", "ingress", "peer_in")}
+
+
+def upgrade_slot(t: TableSpec, key: str, address: str, policy: NetworkPolicy) -> str:
+    """One transaction bringing a slot made by an older edge up to :func:`add_slot`:
+    missing objects are added, its chains are rewritten, existing set elements (and
+    resolved addresses) stay, and the policy's elements are added again."""
+    ft = t.family_table
+    chains = ("out", "in", "inok")
+    text = "".join(f"add chain {ft} {c}_{key}\n" for c in chains)
+    text += "".join(f"flush chain {ft} {c}_{key}\n" for c in chains)
+    return text + add_slot(t, key, address) + policy_elements(ft, key, policy, t.pool)
 
 
 def replace_policy(
