@@ -39,7 +39,7 @@ from dsec.core.errors import (
     SandboxNotFound,
 )
 from dsec.core.netpolicy import NetworkPolicy
-from dsec.edge.net import links, ruleset
+from dsec.edge.net import links, nlsets, ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.dns import Asker, DnsProxy
 from dsec.edge.net.nftables import Nft
@@ -102,7 +102,7 @@ class EdgeNetwork:
         self._resolved: dict[str, dict[str, tuple[str, float]]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._nft: Nft | None = None
-        self._nft_loop: Nft | None = None  # made in the gateway, used on the event loop
+        self._sets: nlsets.SetWriter | None = None  # made in the gateway, used on the loop
         self._ip: IPRoute | None = None
         self._nfl: NFTables | None = None
         self._gw_fd = -1
@@ -119,9 +119,9 @@ class EdgeNetwork:
     def _init_worker(self) -> None:
         links.setns(self._gw_fd)
         self._nft = Nft()
-        # A context's netlink socket stays in the namespace it was made in, so the event
-        # loop can attach a warm slot's policy through this one without a thread hop.
-        self._nft_loop = Nft()
+        # A netlink socket stays in the namespace it was made in, so the event loop can
+        # write a sandbox's set elements through this one without a thread hop.
+        self._sets = nlsets.SetWriter(self.table)
         self._ip = IPRoute()
         # Raw netlink for the resolver's hot path: libnftables reads the whole table
         # before each command (~30 ms with 300 sandboxes), a direct NEWSETELEM does not.
@@ -244,8 +244,8 @@ class EdgeNetwork:
                     self._nfl.close()
                 if self._nft is not None:
                     self._nft.close()
-                if self._nft_loop is not None:
-                    self._nft_loop.close()
+                if self._sets is not None:
+                    self._sets.close()
 
             await asyncio.get_running_loop().run_in_executor(pool, fin)
             pool.shutdown()
@@ -321,10 +321,9 @@ class EdgeNetwork:
                 await asyncio.to_thread(self._save, net)
             self._remember(net)
         try:
-            if warm:
-                self._attach_here(net)
-            else:
-                await self._run(lambda: self._make(net))
+            if not warm:
+                await self._run(self._make_slot, index)
+            self._attach_here(net)
             if tap:
                 await self._run(links.add_tap, net.netns)
             self._refill()
@@ -336,13 +335,18 @@ class EdgeNetwork:
         return net
 
     def _attach_here(self, net: SandboxNet) -> None:
-        """Fill a warm slot's sets from the event loop (one short nft transaction, none
-        for an empty policy): the slot's chains already deny everything."""
-        if self._nft_loop is None:
+        """Fill a slot's sets from the event loop: one netlink batch (nothing for an empty
+        policy); the slot's chains already deny everything."""
+        self._write_sets(ruleset.policy_ops(net.key, net.policy, self.t.pool))
+
+    def _write_sets(self, ops: list[nlsets.Op]) -> None:
+        """Raises: SandboxFailed (the kernel's reason; nothing of ``ops`` applied)."""
+        if self._sets is None:
             raise InvalidState("sandbox networking is not started")
-        text = ruleset.attach(self.t, net.key, net.policy)
-        if text:
-            self._nft_loop.run(text)
+        try:
+            self._sets.apply(ops)
+        except OSError as exc:
+            raise SandboxFailed(f"network rules refused by the kernel: {exc.strerror}") from None
 
     def _free_index(self) -> int:
         used = {n.index for n in self._nets.values()} | set(self._warm) | self._making
@@ -354,12 +358,6 @@ class EdgeNetwork:
 
     def _slot_netns(self, index: int) -> Path:
         return self.config.netns_dir / f"n{index:x}"
-
-    def _make(self, net: SandboxNet) -> None:
-        self._make_slot(net.index)
-        text = ruleset.attach(self.t, net.key, net.policy)
-        if text:
-            self._nft_run(text)
 
     def _make_slot(self, index: int) -> None:
         """Namespace, veth, addresses, route and nft chains of slot ``index`` (blocking)."""
@@ -507,16 +505,13 @@ class EdgeNetwork:
             raise SandboxNotFound(f"sandbox {sandbox_id} has no network on this edge")
         now = time.monotonic()
         keep = [
-            f"{ip} timeout {int(exp - now)}s"
+            (ip, int(exp - now))
             for ip, (name, exp) in self._resolved.get(sandbox_id, {}).items()
             if exp - now >= 1 and policy.name_allowed(name)
         ]
         new = replace(net, policy=policy)
-        await self._run(
-            lambda: self._nft_run(
-                ruleset.replace_policy(self.t.family_table, net.key, policy, keep, self.t.pool)
-            )
-        )
+        ops = ruleset.policy_ops(net.key, policy, self.t.pool, flush=True)
+        self._write_sets([*ops, nlsets.Op(f"dns_{net.key}", nlsets.timeout_elements(keep))])
         self._nets[sandbox_id] = new
         await asyncio.to_thread(self._save, new)
         return new

@@ -25,11 +25,13 @@ through a rule naming it.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
 
 from dsec.core.netpolicy import CidrRule, NetworkPolicy
+from dsec.edge.net import nlsets
 
 REJECT = "reject with icmpx type admin-prohibited"
 COUNTERS = ("ok", "deny", "new_ok", "new_deny")
@@ -116,44 +118,58 @@ def in_pool(address: str, pool: str) -> bool:
     return bool(pool) and ipaddress.IPv4Address(address) in ipaddress.IPv4Network(pool)
 
 
-def policy_elements(ft: str, key: str, policy: NetworkPolicy, pool: str = "") -> str:
-    """Commands that fill the four rule sets of sandbox ``key`` (after they were flushed)."""
-    lines = []
+def _policy_sets(policy: NetworkPolicy, pool: str) -> list[tuple[str, list[CidrRule]]]:
+    """(set prefix, its rules) for the four egress and two ingress rule sets."""
+    out = []
     for which, prefix in (("allow", "a"), ("deny", "d")):
         rules = policy.cidrs(which)
         if which == "allow":
             rules = outside_pool(rules, pool)
-        plain = _cidr_elements(rules, ported=False)
-        ported = _cidr_elements(rules, ported=True)
-        if plain:
-            lines.append(f"add element {ft} {prefix}_{key} {{ {', '.join(plain)} }}")
-        if ported:
-            lines.append(f"add element {ft} {prefix}p_{key} {{ {', '.join(ported)} }}")
+        out.append((prefix, [r for r in rules if not r.proto]))
+        out.append((f"{prefix}p", [r for r in rules if r.proto]))
     ingress = policy.ingress()
-    plain, ported = _cidr_elements(ingress, ported=False), _cidr_elements(ingress, ported=True)
-    if plain:
-        lines.append(f"add element {ft} i_{key} {{ {', '.join(plain)} }}")
-    if ported:
-        lines.append(f"add element {ft} ip_{key} {{ {', '.join(ported)} }}")
+    out.append(("i", [r for r in ingress if not r.proto]))
+    out.append(("ip", [r for r in ingress if r.proto]))
+    return out
+
+
+def policy_elements(ft: str, key: str, policy: NetworkPolicy, pool: str = "") -> str:
+    """Commands that fill the rule sets of sandbox ``key`` (after they were flushed)."""
+    lines = []
+    for prefix, rules in _policy_sets(policy, pool):
+        elems = _cidr_elements(rules, ported=prefix.endswith("p"))
+        if elems:
+            lines.append(f"add element {ft} {prefix}_{key} {{ {', '.join(elems)} }}")
     return "\n".join(lines) + "\n"
 
 
-def add_sandbox(t: TableSpec, key: str, address: str, policy: NetworkPolicy) -> str:
-    """Commands adding sandbox ``key`` (host end ``<prefix><key>``, address ``address``)."""
-    return add_slot(t, key, address) + attach(t, key, policy)
+@functools.lru_cache(maxsize=256)  # sandboxes of one workload tend to share a policy
+def _netlink_elements(policy: NetworkPolicy, pool: str) -> tuple[tuple[str, list[bytes]], ...]:
+    out = []
+    for prefix, rules in _policy_sets(policy, pool):
+        if prefix.endswith("p"):
+            ported = [nlsets.Ported(r.network, r.proto, r.port_lo, r.port_hi) for r in rules]
+            out.append((prefix, nlsets.ported_elements(ported)))
+        else:
+            out.append((prefix, nlsets.interval_elements(r.network for r in rules)))
+    return tuple(out)
 
 
-def attach(t: TableSpec, key: str, policy: NetworkPolicy) -> str:
-    """Commands that hand a prepared slot to a sandbox: only its policy's set elements
-    (empty text for an empty policy), since the slot is already in the dispatch maps."""
-    text = policy_elements(t.family_table, key, policy, t.pool)
-    return text if text.strip() else ""
+def policy_ops(
+    key: str, policy: NetworkPolicy, pool: str = "", *, flush: bool = False
+) -> list[nlsets.Op]:
+    """The elements of :func:`policy_elements` for :class:`nlsets.SetWriter`; with
+    ``flush`` every set of ``key`` is flushed first (a policy swap; the caller re-adds
+    the resolved addresses that stay allowed)."""
+    ops = [nlsets.Op(f"{s}_{key}", flush=True) for s in SETS] if flush else []
+    ops += [nlsets.Op(f"{p}_{key}", e) for p, e in _netlink_elements(policy, pool) if e]
+    return ops
 
 
 def add_slot(t: TableSpec, key: str, address: str) -> str:
     """Commands making slot ``key``'s counters, sets and chains and adding its interface
     to the dispatch maps: with empty sets the chains deny everything, so a warm slot is
-    already policed and :func:`attach` only has to fill the sets."""
+    already policed and a sandbox only has to fill the sets (:func:`policy_ops`)."""
     ft = t.family_table
     c = {n: f"counter name {n}_{key}" for n in COUNTERS}
     cmds = [f"add counter {ft} {n}_{key}" for n in COUNTERS]
@@ -223,18 +239,6 @@ def upgrade_slot(t: TableSpec, key: str, address: str, policy: NetworkPolicy) ->
     text = "".join(f"add chain {ft} {c}_{key}\n" for c in chains)
     text += "".join(f"flush chain {ft} {c}_{key}\n" for c in chains)
     return text + add_slot(t, key, address) + policy_elements(ft, key, policy, t.pool)
-
-
-def replace_policy(
-    ft: str, key: str, policy: NetworkPolicy, dns_keep: list[str], pool: str = ""
-) -> str:
-    """One transaction swapping the rule sets; ``dns_keep`` are "ip timeout Ns" entries
-    of resolved names that stay allowed."""
-    cmds = [f"flush set {ft} {s}_{key}" for s in SETS]
-    text = "\n".join(cmds) + "\n" + policy_elements(ft, key, policy, pool)
-    if dns_keep:
-        text += f"add element {ft} dns_{key} {{ {', '.join(dns_keep)} }}\n"
-    return text
 
 
 def remove_sandbox(t: TableSpec, key: str, present: set[str] | None = None) -> str:
