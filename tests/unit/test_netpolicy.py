@@ -21,7 +21,12 @@ def test_rules() -> None:
     assert parse_rule("10.1.2.0/24:1000-2000/udp") == CidrRule("10.1.2.0/24", "udp", 1000, 2000)
     assert parse_rule("*.Example.COM.") == DomainRule("example.com", True)
     assert parse_rule("api.example.com") == DomainRule("api.example.com", False)
-    for bad in ["10.0.0.0/33", "1.2.3.4:0", "1.2.3.4:9-8", "::1/128", "no dots", "a:b", "x.y:80"]:
+    assert parse_rule("[2001:db8::/32]:443") == CidrRule("2001:db8::/32", "tcp", 443, 443)
+    assert parse_rule("2001:DB8::1") == CidrRule("2001:db8::1/128")
+    assert parse_rule("from:[fd00::/8]:22/udp") == CidrRule("fd00::/8", "udp", 22, 22, True)
+    bad_rules = ["10.0.0.0/33", "1.2.3.4:0", "1.2.3.4:9-8", "no dots", "a:b", "x.y:80"]
+    bad_rules += ["[10.0.0.0/8]:22", "[2001:db8::]:", "[2001:db8::", "2001:db8::/32:443"]
+    for bad in bad_rules:
         with pytest.raises(InvalidArgument):
             parse_rule(bad)
 

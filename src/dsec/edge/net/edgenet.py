@@ -28,11 +28,11 @@ from typing import Any, TypeVar
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
-from pyroute2.nftables.main import NFTables, NFTSet
 
 from dsec.core.errors import (
     BackendUnavailable,
     DsecError,
+    InvalidArgument,
     InvalidState,
     NodeFull,
     SandboxFailed,
@@ -48,7 +48,6 @@ from dsec.obs import log
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 PREFIXLEN = 30
-NFPROTO_INET = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +62,8 @@ class SandboxNet:
     netns: Path
     policy: NetworkPolicy
     tap: str = ""  # a VM sandbox's TAP device in ``netns`` (the guest owns ``address``)
+    address6: str = ""  # "" when the edge has no IPv6 pool (and for VM guests: see add_tap)
+    gateway6: str = ""
 
     def resolv_conf(self) -> str:
         return f"nameserver {self.gateway}\noptions timeout:2 attempts:2\n"
@@ -96,6 +97,7 @@ class EdgeNetwork:
             if_prefix="dx" + digest[:4],
             pool=config.pool,
             dns_port=config.dns_port,
+            pool6=config.pool6,
         )
         self._nets: dict[str, SandboxNet] = {}
         self._by_addr: dict[str, str] = {}
@@ -104,7 +106,6 @@ class EdgeNetwork:
         self._nft: Nft | None = None
         self._sets: nlsets.SetWriter | None = None  # made in the gateway, used on the loop
         self._ip: IPRoute | None = None
-        self._nfl: NFTables | None = None
         self._gw_fd = -1
         self._dns: DnsProxy | None = None
         self._lock = asyncio.Lock()
@@ -123,9 +124,6 @@ class EdgeNetwork:
         # write a sandbox's set elements through this one without a thread hop.
         self._sets = nlsets.SetWriter(self.table)
         self._ip = IPRoute()
-        # Raw netlink for the resolver's hot path: libnftables reads the whole table
-        # before each command (~30 ms with 300 sandboxes), a direct NEWSETELEM does not.
-        self._nfl = NFTables(nfgen_family=NFPROTO_INET)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._pool is None:
@@ -177,6 +175,7 @@ class EdgeNetwork:
             upstream=cfg.upstream(),
             lookup=self._asker,
             on_answer=self._open_resolved,
+            ipv6=bool(cfg.pool6),
         )
         await self._dns.start()
         for path in sorted(cfg.state_dir.glob("*.json")):
@@ -200,11 +199,18 @@ class EdgeNetwork:
         )
 
     def _setup_gateway(self) -> tuple[socket.socket, socket.socket, socket.socket]:
-        fwd = Path("/proc/sys/net/ipv4/ip_forward")
-        if self.config.gateway_netns:
-            fwd.write_text("1")  # namespace-local: the gateway is not the host's namespace
-        elif fwd.read_text().strip() != "1":
-            raise BackendUnavailable("sandbox networking needs net.ipv4.ip_forward=1 on the host")
+        fwds = [(Path("/proc/sys/net/ipv4/ip_forward"), "net.ipv4.ip_forward")]
+        if self.config.pool6:
+            fwds.append(
+                (Path("/proc/sys/net/ipv6/conf/all/forwarding"), "net.ipv6.conf.all.forwarding")
+            )
+        for fwd, name in fwds:
+            if self.config.gateway_netns:
+                fwd.write_text("1")  # namespace-local: the gateway is not the host's namespace
+            elif fwd.read_text().strip() != "1":
+                raise BackendUnavailable(
+                    f"sandbox networking needs {name.replace('/', '.')}=1 on the host"
+                )
         assert self._nft is not None
         tables = self._nft.run("list tables")
         if f"table {self.t.family_table}\n" not in tables + "\n":
@@ -240,8 +246,6 @@ class EdgeNetwork:
             def fin() -> None:
                 if self._ip is not None:
                     self._ip.close()
-                if self._nfl is not None:
-                    self._nfl.close()
                 if self._nft is not None:
                     self._nft.close()
                 if self._sets is not None:
@@ -271,13 +275,17 @@ class EdgeNetwork:
 
     def _net_of(self, sandbox_id: str, index: int, policy: NetworkPolicy) -> SandboxNet:
         gw, addr = self.config.addresses(index)
+        gw6, addr6 = self.config.addresses6(index)
+        netns = self.config.netns_dir / f"n{index:x}"
         return SandboxNet(
-            sandbox_id, index, f"{index:x}", addr, gw, self.config.netns_dir / f"n{index:x}", policy
+            sandbox_id, index, f"{index:x}", addr, gw, netns, policy, address6=addr6, gateway6=gw6
         )
 
     def _remember(self, net: SandboxNet) -> None:
         self._nets[net.sandbox_id] = net
         self._by_addr[net.address] = net.sandbox_id
+        if net.address6:
+            self._by_addr[net.address6] = net.sandbox_id
 
     def _record(self, net: SandboxNet) -> Path:
         return self.config.state_dir / f"{net.sandbox_id}.json"
@@ -307,6 +315,7 @@ class EdgeNetwork:
             NodeFull: the address pool is exhausted.
             SandboxFailed: netlink or nftables failed.
         """
+        self._check_families(policy)
         async with self._lock:
             if sandbox_id in self._nets:
                 return self._nets[sandbox_id]
@@ -337,7 +346,7 @@ class EdgeNetwork:
     def _attach_here(self, net: SandboxNet) -> None:
         """Fill a slot's sets from the event loop: one netlink batch (nothing for an empty
         policy); the slot's chains already deny everything."""
-        self._write_sets(ruleset.policy_ops(net.key, net.policy, self.t.pool))
+        self._write_sets(ruleset.policy_ops(net.key, net.policy, self.t.pool, self.t.pool6))
 
     def _write_sets(self, ops: list[nlsets.Op]) -> None:
         """Raises: SandboxFailed (the kernel's reason; nothing of ``ops`` applied)."""
@@ -347,6 +356,17 @@ class EdgeNetwork:
             self._sets.apply(ops)
         except OSError as exc:
             raise SandboxFailed(f"network rules refused by the kernel: {exc.strerror}") from None
+
+    def _check_families(self, policy: NetworkPolicy) -> None:
+        """Raises: InvalidArgument: IPv6 rules on an edge whose sandboxes have no IPv6."""
+        if self.t.pool6:
+            return
+        rules = policy.cidrs("allow") + policy.cidrs("deny") + policy.ingress()
+        v6 = [r.network for r in rules if ruleset.is_v6(r)]
+        if v6:
+            raise InvalidArgument(
+                f"IPv6 rule {v6[0]}: this edge gives sandboxes no IPv6 address (--net-pool6)"
+            )
 
     def _free_index(self) -> int:
         used = {n.index for n in self._nets.values()} | set(self._warm) | self._making
@@ -363,6 +383,7 @@ class EdgeNetwork:
         """Namespace, veth, addresses, route and nft chains of slot ``index`` (blocking)."""
         assert self._ip is not None
         gw, addr = self.config.addresses(index)
+        gw6, addr6 = self.config.addresses6(index)
         ifname = self.t.if_prefix + f"{index:x}"
         links.make_sandbox_netns(
             self._slot_netns(index),
@@ -371,9 +392,11 @@ class EdgeNetwork:
             address=addr,
             gateway=gw,
             prefixlen=PREFIXLEN,
+            address6=addr6,
+            gateway6=gw6,
         )
-        links.configure_host_end(self._ip, ifname, gw, PREFIXLEN)
-        self._nft_run(ruleset.add_slot(self.t, f"{index:x}", addr))
+        links.configure_host_end(self._ip, ifname, gw, PREFIXLEN, gw6)
+        self._nft_run(ruleset.add_slot(self.t, f"{index:x}", addr, addr6))
 
     async def _stop_refill(self) -> None:
         # Not cancelled: a slot half-made on the worker would be lost; let it finish.
@@ -489,7 +512,8 @@ class EdgeNetwork:
         done = []
         for net in list(self._nets.values()):
             if not ruleset.slot_objects(self.t, net.key) <= names:
-                self._nft_run(ruleset.upgrade_slot(self.t, net.key, net.address, net.policy))
+                text = ruleset.upgrade_slot(self.t, net.key, net.address, net.policy, net.address6)
+                self._nft_run(text)
                 done.append(net.sandbox_id)
         return done
 
@@ -510,7 +534,8 @@ class EdgeNetwork:
             if exp - now >= 1 and policy.name_allowed(name)
         ]
         new = replace(net, policy=policy)
-        ops = ruleset.policy_ops(net.key, policy, self.t.pool, flush=True)
+        self._check_families(policy)
+        ops = ruleset.policy_ops(net.key, policy, self.t.pool, self.t.pool6, flush=True)
         self._write_sets([*ops, nlsets.Op(f"dns_{net.key}", nlsets.timeout_elements(keep))])
         self._nets[sandbox_id] = new
         await asyncio.to_thread(self._save, new)
@@ -555,25 +580,25 @@ class EdgeNetwork:
         if net is None:
             raise SandboxNotFound(sandbox_id)
         # a name resolving to another sandbox opens nothing: peers need a CIDR rule
-        addrs = [(ip, ttl) for ip, ttl in addrs if not ruleset.in_pool(ip, self.t.pool)]
+        addrs = [
+            (ip, ttl) for ip, ttl in addrs if not ruleset.in_pool(ip, self.t.pool, self.t.pool6)
+        ]
         if not addrs:
             return
-        await self._run(self._add_resolved, net.key, addrs)
+        # "add" keeps an existing element's older timeout; a slightly longer first TTL is
+        # harmless, and delete-then-add would race with the connect.
+        v4 = [(ip, ttl) for ip, ttl in addrs if ":" not in ip]
+        v6 = [(ip, ttl) for ip, ttl in addrs if ":" in ip]
+        self._write_sets(
+            [
+                nlsets.Op(f"dns_{net.key}", nlsets.timeout_elements(v4)),
+                nlsets.Op(f"dns6_{net.key}", nlsets.timeout_elements(v6)),
+            ]
+        )
         now = time.monotonic()
         seen = self._resolved.setdefault(sandbox_id, {})
         for ip, ttl in addrs:
             seen[ip] = (name, now + ttl)
-
-    def _add_resolved(self, key: str, addrs: list[tuple[str, int]]) -> None:
-        assert self._nfl is not None
-        target = NFTSet(table=self.table, name=f"dns_{key}", key_type="ipv4_addr")
-        elems = [{"value": ip, "timeout": ttl * 1000} for ip, ttl in addrs]
-        try:
-            # "add" keeps an existing element's older timeout; a slightly longer first
-            # TTL is harmless, and delete-then-add would race with the connect.
-            self._nfl.set_elems("add", set=target, elements=elems)
-        except NetlinkError as exc:
-            raise SandboxFailed(f"adding resolved addresses to dns_{key}: {exc}") from None
 
     # ---- leak checks ----------------------------------------------------------------
 

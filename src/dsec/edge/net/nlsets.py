@@ -7,9 +7,10 @@ and add messages, atomic like an nft transaction), one acknowledgement per messa
 
 Element encoding follows what nft sends for these set types: an ``interval`` set of IPv4
 addresses holds interval starts and ``INTERVAL_END`` elements one past each end (plus an
-end marker at 0.0.0.0 when the first interval starts later; an interval that runs to
-255.255.255.255 has no end element); a concatenated ``interval`` set (address . proto .
-port, each field in a 4-byte register) holds one element with ``KEY`` and ``KEY_END``.
+end marker at 0.0.0.0 (::) when the first interval starts later; an interval that runs
+to the last address has no end element; IPv6 keys are 16 bytes); a concatenated
+``interval`` set (address . proto . port, each field in 4-byte registers) holds one
+element with ``KEY`` and ``KEY_END``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ DATA_VALUE = 1
 INTERVAL_END = 1
 OPEN_INTERVAL_UDATA = b"\x01\x04\x01\x00\x00\x00"  # nft's marker: runs to the top
 PROTO = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP}
-TOP = 1 << 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,46 +62,46 @@ def _key(kind: int, data: bytes) -> bytes:
     return _nest(kind, [_attr(DATA_VALUE, data)])
 
 
-def _ip(n: int) -> bytes:
-    return n.to_bytes(4, "big")
-
-
 def interval_elements(networks: Iterable[str]) -> list[bytes]:
-    """Elements of a plain IPv4 interval set (overlapping networks are merged first)."""
-    nets = list(ipaddress.collapse_addresses(ipaddress.IPv4Network(n) for n in networks))
+    """Elements of a plain interval set of one family's addresses (IPv4 or IPv6, not
+    mixed); overlapping networks are merged first."""
+    nets = list(ipaddress.collapse_addresses(ipaddress.ip_network(n) for n in networks))  # type: ignore[type-var]
     elems: list[bytes] = []
-    if nets and int(nets[0].network_address) != 0:
-        elems.append(_elem(_ip(0), flags=INTERVAL_END))
+    if not nets:
+        return elems
+    width = nets[0].max_prefixlen // 8
+    if int(nets[0].network_address) != 0:
+        elems.append(_elem(bytes(width), flags=INTERVAL_END))
     for net in nets:
         start, end = int(net.network_address), int(net.broadcast_address) + 1
-        if end == TOP:
-            elems.append(_elem(_ip(start), udata=OPEN_INTERVAL_UDATA))
+        if end == 1 << (8 * width):
+            elems.append(_elem(start.to_bytes(width, "big"), udata=OPEN_INTERVAL_UDATA))
         else:
-            elems.append(_elem(_ip(start)))
-            elems.append(_elem(_ip(end), flags=INTERVAL_END))
+            elems.append(_elem(start.to_bytes(width, "big")))
+            elems.append(_elem(end.to_bytes(width, "big"), flags=INTERVAL_END))
     return elems
 
 
 def ported_elements(items: Iterable[Ported]) -> list[bytes]:
-    """Elements of an ``ipv4_addr . inet_proto . inet_service`` interval set."""
+    """Elements of an ``ipv4_addr|ipv6_addr . inet_proto . inet_service`` interval set."""
     out = []
     for p in items:
-        net = ipaddress.IPv4Network(p.network)
+        net = ipaddress.ip_network(p.network)
         proto = PROTO[p.proto].to_bytes(1, "big") + b"\0\0\0"
         lo = p.port_lo.to_bytes(2, "big") + b"\0\0"
         hi = p.port_hi.to_bytes(2, "big") + b"\0\0"
         out.append(
             _elem(
-                _ip(int(net.network_address)) + proto + lo,
-                key_end=_ip(int(net.broadcast_address)) + proto + hi,
+                net.network_address.packed + proto + lo,
+                key_end=net.broadcast_address.packed + proto + hi,
             )
         )
     return out
 
 
 def timeout_elements(addrs: Iterable[tuple[str, int]]) -> list[bytes]:
-    """Elements of a ``flags timeout`` set of IPv4 addresses: (address, seconds)."""
-    return [_elem(ipaddress.IPv4Address(a).packed, timeout_ms=s * 1000) for a, s in addrs if s > 0]
+    """Elements of a ``flags timeout`` set of addresses: (address, seconds)."""
+    return [_elem(ipaddress.ip_address(a).packed, timeout_ms=s * 1000) for a, s in addrs if s > 0]
 
 
 def _elem(

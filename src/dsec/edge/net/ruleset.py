@@ -10,14 +10,17 @@ One ``inet`` table per edge, in the gateway namespace (where the veth host ends 
     prerouting (nat):         sandbox UDP and TCP :53 -> the resolver's port
     postrouting (nat):        masquerade the pool towards everything but sandboxes
 
-``out_<k>`` checks, in order: IPv6 (reject), spoofed source (drop), deny CIDRs and deny
-CIDR.proto.ports (reject: deny wins, even on established flows), established (accept),
-allow CIDRs, allow CIDR.proto.ports, addresses the resolver returned for allowed names (a
-set with timeouts), and rejects the rest with ICMP admin-prohibited so denied connections
-fail at once; before that, a connection to another sandbox goes to that sandbox's
-``inok_<k>`` (map ``peer_in``), which accepts what its ingress rules (``from:CIDR...``)
-allow. ``in_<k>`` drops IPv6, accepts replies and what ``inok_<k>`` accepts, drops the
-rest. Named counters per sandbox count what passed and what not.
+``out_<k>`` checks, in order: spoofed source (drop; without an IPv6 pool every IPv6 packet
+is refused), deny CIDRs and deny CIDR.proto.ports (reject: deny wins, even on established
+flows), established (accept), allow CIDRs, allow CIDR.proto.ports, addresses the resolver
+returned for allowed names (a set with timeouts), and rejects the rest with ICMP
+admin-prohibited so denied connections fail at once; before that, a connection to another
+sandbox goes to that sandbox's ``inok_<k>`` (map ``peer_in``), which accepts what its
+ingress rules (``from:CIDR...``) allow. ``in_<k>`` accepts replies and what ``inok_<k>``
+accepts, drops the rest. Every set has an IPv6 twin (``a6_<k>``...; ``ip6`` rules next to
+the ``ip`` ones), filled from the IPv6 rules and AAAA answers. Named counters per sandbox
+count what passed and what not. NAT66 (masquerade) applies to the IPv6 pool as NAT does
+to the IPv4 one; neighbour discovery between a sandbox and its gateway is allowed.
 Allow rules never cover the pool itself unless they lie inside it (:func:`outside_pool`),
 and resolved addresses inside it are not added, so a sandbox reaches another sandbox only
 through a rule naming it.
@@ -35,7 +38,8 @@ from dsec.edge.net import nlsets
 
 REJECT = "reject with icmpx type admin-prohibited"
 COUNTERS = ("ok", "deny", "new_ok", "new_deny")
-SETS = ("a", "d", "ap", "dp", "dns", "i", "ip")  # per sandbox: <name>_<key>
+# per sandbox: <name>_<key>; the "6" ones are the IPv6 twins
+SETS = ("a", "d", "ap", "dp", "dns", "i", "ip", "a6", "d6", "ap6", "dp6", "dns6", "i6", "ip6")
 
 
 def table_name(edge_id: str) -> str:
@@ -48,6 +52,7 @@ class TableSpec:
     if_prefix: str  # host ends are "<prefix><key>"
     pool: str  # "10.213.0.0/16"
     dns_port: int
+    pool6: str = ""  # "fd..::/64"; "" = sandboxes have no IPv6
 
 
 def base(t: TableSpec) -> str:
@@ -57,29 +62,40 @@ def base(t: TableSpec) -> str:
 add table {ft}
 add map {ft} egress {{ type ifname : verdict; }}
 add map {ft} ingress {{ type ifname : verdict; }}
-{ensure(t)}add chain {ft} forward {{ type filter hook forward priority -10; policy accept; }}
+add chain {ft} forward {{ type filter hook forward priority -10; policy accept; }}
 add rule {ft} forward iifname vmap @egress
 add rule {ft} forward oifname vmap @ingress
 add rule {ft} forward iifname "{pfx}*" {REJECT}
 add rule {ft} forward oifname "{pfx}*" drop
-add chain {ft} input {{ type filter hook input priority -10; policy accept; }}
-add rule {ft} input iifname "{pfx}*" ct state established,related accept
-add rule {ft} input iifname "{pfx}*" meta l4proto {{ udp, tcp }} th dport {t.dns_port} accept
-add rule {ft} input iifname "{pfx}*" {REJECT}
-add chain {ft} output {{ type filter hook output priority -10; policy accept; }}
-add rule {ft} output oifname "{pfx}*" ct state established,related accept
-add rule {ft} output oifname "{pfx}*" drop
 add chain {ft} prerouting {{ type nat hook prerouting priority dstnat; policy accept; }}
 add rule {ft} prerouting iifname "{pfx}*" udp dport 53 redirect to :{t.dns_port}
 add rule {ft} prerouting iifname "{pfx}*" tcp dport 53 redirect to :{t.dns_port}
-add chain {ft} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
-add rule {ft} postrouting ip saddr {t.pool} oifname != "{pfx}*" masquerade
-"""
+{ensure(t)}"""
 
 
 def ensure(t: TableSpec) -> str:
-    """Objects a table made by an older edge may lack ("add" leaves existing ones alone)."""
-    return f"add map {t.family_table} peer_in {{ type ifname : verdict; }}\n"
+    """Commands bringing a table made by an older edge (or with another IPv6 pool) up to
+    date: the ``peer_in`` map ("add" leaves an existing one alone) and the input, output
+    and postrouting chains, rewritten in the same transaction."""
+    ft, pfx = t.family_table, t.if_prefix
+    nd = "icmpv6 type { nd-neighbor-solicit, nd-neighbor-advert }"
+    nat6 = f'add rule {ft} postrouting ip6 saddr {t.pool6} oifname != "{pfx}*" masquerade\n'
+    return f"""add map {ft} peer_in {{ type ifname : verdict; }}
+add chain {ft} input {{ type filter hook input priority -10; policy accept; }}
+flush chain {ft} input
+add rule {ft} input iifname "{pfx}*" ct state established,related accept
+add rule {ft} input iifname "{pfx}*" meta l4proto {{ udp, tcp }} th dport {t.dns_port} accept
+add rule {ft} input iifname "{pfx}*" {nd} accept
+add rule {ft} input iifname "{pfx}*" {REJECT}
+add chain {ft} output {{ type filter hook output priority -10; policy accept; }}
+flush chain {ft} output
+add rule {ft} output oifname "{pfx}*" ct state established,related accept
+add rule {ft} output oifname "{pfx}*" {nd} accept
+add rule {ft} output oifname "{pfx}*" drop
+add chain {ft} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}
+flush chain {ft} postrouting
+add rule {ft} postrouting ip saddr {t.pool} oifname != "{pfx}*" masquerade
+{nat6 if t.pool6 else ""}"""
 
 
 def _cidr_elements(rules: list[CidrRule], ported: bool) -> list[str]:
@@ -102,52 +118,75 @@ def outside_pool(rules: list[CidrRule], pool: str) -> list[CidrRule]:
     """
     if not pool:
         return rules
-    net_pool = ipaddress.IPv4Network(pool)
+    net_pool = ipaddress.ip_network(pool)
     out = []
     for r in rules:
-        net = ipaddress.IPv4Network(r.network)
-        if not net.overlaps(net_pool) or net.subnet_of(net_pool):
+        net = ipaddress.ip_network(r.network)
+        if net.version != net_pool.version:
             out.append(r)
             continue
-        parts = sorted(net.address_exclude(net_pool))
+        if not net.overlaps(net_pool) or net.subnet_of(net_pool):  # type: ignore[arg-type]
+            out.append(r)
+            continue
+        parts = sorted(net.address_exclude(net_pool))  # type: ignore[arg-type]
         out.extend(CidrRule(str(p), r.proto, r.port_lo, r.port_hi) for p in parts)
     return out
 
 
-def in_pool(address: str, pool: str) -> bool:
-    return bool(pool) and ipaddress.IPv4Address(address) in ipaddress.IPv4Network(pool)
+def in_pool(address: str, *pools: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return any(p and ip in ipaddress.ip_network(p) for p in pools)
 
 
-def _policy_sets(policy: NetworkPolicy, pool: str) -> list[tuple[str, list[CidrRule]]]:
-    """(set prefix, its rules) for the four egress and two ingress rule sets."""
-    out = []
+def is_v6(rule: CidrRule) -> bool:
+    return ":" in rule.network
+
+
+def _policy_sets(
+    policy: NetworkPolicy, pool: str, pool6: str = ""
+) -> list[tuple[str, list[CidrRule]]]:
+    """(set prefix, its rules) for the egress and ingress rule sets, IPv4 and IPv6
+    (prefixes ending in "p" hold CIDR . proto . ports; "6" marks the IPv6 twin)."""
+    groups: list[tuple[str, list[CidrRule]]] = []
     for which, prefix in (("allow", "a"), ("deny", "d")):
         rules = policy.cidrs(which)
         if which == "allow":
-            rules = outside_pool(rules, pool)
-        out.append((prefix, [r for r in rules if not r.proto]))
-        out.append((f"{prefix}p", [r for r in rules if r.proto]))
-    ingress = policy.ingress()
-    out.append(("i", [r for r in ingress if not r.proto]))
-    out.append(("ip", [r for r in ingress if r.proto]))
+            rules = outside_pool(outside_pool(rules, pool), pool6)
+        groups.append((prefix, rules))
+    groups.append(("i", policy.ingress()))
+    out = []
+    for prefix, rules in groups:
+        for v6 in (False, True):
+            sel = [r for r in rules if is_v6(r) == v6]
+            six = "6" if v6 else ""
+            out.append((prefix + six, [r for r in sel if not r.proto]))
+            out.append((prefix + "p" + six, [r for r in sel if r.proto]))
     return out
 
 
-def policy_elements(ft: str, key: str, policy: NetworkPolicy, pool: str = "") -> str:
+def _ported(prefix: str) -> bool:
+    return prefix.removesuffix("6").endswith("p")
+
+
+def policy_elements(
+    ft: str, key: str, policy: NetworkPolicy, pool: str = "", pool6: str = ""
+) -> str:
     """Commands that fill the rule sets of sandbox ``key`` (after they were flushed)."""
     lines = []
-    for prefix, rules in _policy_sets(policy, pool):
-        elems = _cidr_elements(rules, ported=prefix.endswith("p"))
+    for prefix, rules in _policy_sets(policy, pool, pool6):
+        elems = _cidr_elements(rules, ported=_ported(prefix))
         if elems:
             lines.append(f"add element {ft} {prefix}_{key} {{ {', '.join(elems)} }}")
     return "\n".join(lines) + "\n"
 
 
 @functools.lru_cache(maxsize=256)  # sandboxes of one workload tend to share a policy
-def _netlink_elements(policy: NetworkPolicy, pool: str) -> tuple[tuple[str, list[bytes]], ...]:
+def _netlink_elements(
+    policy: NetworkPolicy, pool: str, pool6: str
+) -> tuple[tuple[str, list[bytes]], ...]:
     out = []
-    for prefix, rules in _policy_sets(policy, pool):
-        if prefix.endswith("p"):
+    for prefix, rules in _policy_sets(policy, pool, pool6):
+        if _ported(prefix):
             ported = [nlsets.Ported(r.network, r.proto, r.port_lo, r.port_hi) for r in rules]
             out.append((prefix, nlsets.ported_elements(ported)))
         else:
@@ -156,60 +195,77 @@ def _netlink_elements(policy: NetworkPolicy, pool: str) -> tuple[tuple[str, list
 
 
 def policy_ops(
-    key: str, policy: NetworkPolicy, pool: str = "", *, flush: bool = False
+    key: str, policy: NetworkPolicy, pool: str = "", pool6: str = "", *, flush: bool = False
 ) -> list[nlsets.Op]:
     """The elements of :func:`policy_elements` for :class:`nlsets.SetWriter`; with
     ``flush`` every set of ``key`` is flushed first (a policy swap; the caller re-adds
     the resolved addresses that stay allowed)."""
     ops = [nlsets.Op(f"{s}_{key}", flush=True) for s in SETS] if flush else []
-    ops += [nlsets.Op(f"{p}_{key}", e) for p, e in _netlink_elements(policy, pool) if e]
+    ops += [nlsets.Op(f"{p}_{key}", e) for p, e in _netlink_elements(policy, pool, pool6) if e]
     return ops
 
 
-def add_slot(t: TableSpec, key: str, address: str) -> str:
+def add_slot(t: TableSpec, key: str, address: str, address6: str = "") -> str:
     """Commands making slot ``key``'s counters, sets and chains and adding its interface
     to the dispatch maps: with empty sets the chains deny everything, so a warm slot is
-    already policed and a sandbox only has to fill the sets (:func:`policy_ops`)."""
+    already policed and a sandbox only has to fill the sets (:func:`policy_ops`).
+    Without ``address6`` (no IPv6 pool) every IPv6 packet is refused first."""
     ft = t.family_table
     c = {n: f"counter name {n}_{key}" for n in COUNTERS}
+    ok = f"{c['ok']} {c['new_ok']} accept"
+    deny = f"{c['deny']} {c['new_deny']} {REJECT}"
     cmds = [f"add counter {ft} {n}_{key}" for n in COUNTERS]
-    cidr = "type ipv4_addr; flags interval; auto-merge;"
-    ported = "type ipv4_addr . inet_proto . inet_service; flags interval;"
+    for fam, six in (("ipv4_addr", ""), ("ipv6_addr", "6")):
+        cidr = f"type {fam}; flags interval; auto-merge;"
+        ported = f"type {fam} . inet_proto . inet_service; flags interval;"
+        cmds += [
+            f"add set {ft} a{six}_{key} {{ {cidr} }}",
+            f"add set {ft} d{six}_{key} {{ {cidr} }}",
+            f"add set {ft} ap{six}_{key} {{ {ported} }}",
+            f"add set {ft} dp{six}_{key} {{ {ported} }}",
+            f"add set {ft} dns{six}_{key} {{ type {fam}; flags timeout; }}",
+            f"add set {ft} i{six}_{key} {{ {cidr} }}",
+            f"add set {ft} ip{six}_{key} {{ {ported} }}",
+        ]
+    ports = "meta l4proto . th dport"
+    # ingress allow rules; also jumped to from a peer sandbox's out_ chain (peer_in)
+    cmds += [f"add chain {ft} inok_{key}"]
     cmds += [
-        f"add set {ft} a_{key} {{ {cidr} }}",
-        f"add set {ft} d_{key} {{ {cidr} }}",
-        f"add set {ft} ap_{key} {{ {ported} }}",
-        f"add set {ft} dp_{key} {{ {ported} }}",
-        f"add set {ft} dns_{key} {{ type ipv4_addr; flags timeout; }}",
-        f"add set {ft} i_{key} {{ {cidr} }}",
-        f"add set {ft} ip_{key} {{ {ported} }}",
-        # ingress allow rules; also jumped to from a peer sandbox's out_ chain (peer_in)
-        f"add chain {ft} inok_{key}",
-        f"add rule {ft} inok_{key} ip saddr @i_{key} {c['ok']} {c['new_ok']} accept",
-        f"add rule {ft} inok_{key} ip saddr . meta l4proto . th dport @ip_{key} "
-        f"{c['ok']} {c['new_ok']} accept",
-        f"add chain {ft} out_{key}",
-        # no IPv6 at all, whatever the policy (rules are IPv4; sandboxes get no IPv6 address)
-        f"add rule {ft} out_{key} meta nfproto ipv6 {c['deny']} {c['new_deny']} {REJECT}",
-        f"add rule {ft} out_{key} ip saddr != {address} {c['deny']} drop",
-        f"add rule {ft} out_{key} ip daddr @d_{key} {c['deny']} {c['new_deny']} {REJECT}",
-        f"add rule {ft} out_{key} ip daddr . meta l4proto . th dport @dp_{key} "
-        f"{c['deny']} {c['new_deny']} {REJECT}",
-        f"add rule {ft} out_{key} ct state established,related {c['ok']} accept",
-        f"add rule {ft} out_{key} ip daddr @a_{key} {c['ok']} {c['new_ok']} accept",
-        f"add rule {ft} out_{key} ip daddr . meta l4proto . th dport @ap_{key} "
-        f"{c['ok']} {c['new_ok']} accept",
-        f"add rule {ft} out_{key} ip daddr @dns_{key} {c['ok']} {c['new_ok']} accept",
-        # to another sandbox: its ingress rules may let this one in
-        f"add rule {ft} out_{key} ip daddr {t.pool} oifname vmap @peer_in",
-        f"add rule {ft} out_{key} {c['deny']} {c['new_deny']} {REJECT}",
-        f"add chain {ft} in_{key}",
-        f"add rule {ft} in_{key} meta nfproto ipv6 {c['deny']} {c['new_deny']} drop",
-        f"add rule {ft} in_{key} ct state established,related {c['ok']} accept",
-        f"add rule {ft} in_{key} jump inok_{key}",
-        f"add rule {ft} in_{key} {c['deny']} {c['new_deny']} drop",
-        *_dispatch(t, key),
+        f"add rule {ft} inok_{key} {ip} saddr @i{six}_{key} {ok}\n"
+        f"add rule {ft} inok_{key} {ip} saddr . {ports} @ip{six}_{key} {ok}"
+        for ip, six in (("ip", ""), ("ip6", "6"))
     ]
+    out = [
+        f"ip6 saddr != {address6} {c['deny']} drop"
+        if address6
+        else f"meta nfproto ipv6 {deny}",  # sandboxes without an IPv6 address: none at all
+        f"ip saddr != {address} {c['deny']} drop",
+    ]
+    for ip, six in (("ip", ""), ("ip6", "6")):
+        out += [f"{ip} daddr @d{six}_{key} {deny}", f"{ip} daddr . {ports} @dp{six}_{key} {deny}"]
+    out.append(f"ct state established,related {c['ok']} accept")
+    for ip, six in (("ip", ""), ("ip6", "6")):
+        out += [
+            f"{ip} daddr @a{six}_{key} {ok}",
+            f"{ip} daddr . {ports} @ap{six}_{key} {ok}",
+            f"{ip} daddr @dns{six}_{key} {ok}",
+        ]
+    # to another sandbox: its ingress rules may let this one in
+    out.append(f"ip daddr {t.pool} oifname vmap @peer_in")
+    if t.pool6 and address6:
+        out.append(f"ip6 daddr {t.pool6} oifname vmap @peer_in")
+    out.append(deny)
+    inward = [] if address6 else [f"meta nfproto ipv6 {c['deny']} {c['new_deny']} drop"]
+    inward += [
+        f"ct state established,related {c['ok']} accept",
+        f"jump inok_{key}",
+        f"{c['deny']} {c['new_deny']} drop",
+    ]
+    cmds.append(f"add chain {ft} out_{key}")
+    cmds += [f"add rule {ft} out_{key} {r}" for r in out]
+    cmds.append(f"add chain {ft} in_{key}")
+    cmds += [f"add rule {ft} in_{key} {r}" for r in inward]
+    cmds += _dispatch(t, key)
     return "\n".join(cmds) + "\n"
 
 
@@ -230,7 +286,9 @@ def slot_objects(t: TableSpec, key: str) -> set[str]:
     return names | {f"{m}:{ifname}" for m in ("egress", "ingress", "peer_in")}
 
 
-def upgrade_slot(t: TableSpec, key: str, address: str, policy: NetworkPolicy) -> str:
+def upgrade_slot(
+    t: TableSpec, key: str, address: str, policy: NetworkPolicy, address6: str = ""
+) -> str:
     """One transaction bringing a slot made by an older edge up to :func:`add_slot`:
     missing objects are added, its chains are rewritten, existing set elements (and
     resolved addresses) stay, and the policy's elements are added again."""
@@ -238,7 +296,8 @@ def upgrade_slot(t: TableSpec, key: str, address: str, policy: NetworkPolicy) ->
     chains = ("out", "in", "inok")
     text = "".join(f"add chain {ft} {c}_{key}\n" for c in chains)
     text += "".join(f"flush chain {ft} {c}_{key}\n" for c in chains)
-    return text + add_slot(t, key, address) + policy_elements(ft, key, policy, t.pool)
+    text += add_slot(t, key, address, address6)
+    return text + policy_elements(ft, key, policy, t.pool, t.pool6)
 
 
 def remove_sandbox(t: TableSpec, key: str, present: set[str] | None = None) -> str:

@@ -110,7 +110,44 @@ RestartSec=100ms
 [Install]
 WantedBy=sysinit.target
 """,
+    # A networked VM's eth0 (net.ifnames=0) from ip= on the kernel command line: Debian's
+    # kernel has no IP_PNP and virtio_net is a module udev loads, so a script does it once
+    # the device exists. Not ordered before sysinit.target, so it does not hold up the
+    # boot; `systemctl is-system-running --wait` (the backend's boot check) waits for it.
+    "dsec-net.service": """\
+[Unit]
+Description=OpenDsec sandbox network (eth0 from ip= on the kernel command line)
+DefaultDependencies=no
+ConditionKernelCommandLine=ip
+BindsTo=sys-subsystem-net-devices-eth0.device
+After=sys-subsystem-net-devices-eth0.device
+Before=network.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/local/sbin/dsec-net
+
+[Install]
+WantedBy=sysinit.target
+""",
 }
+# ip=ADDR::GATEWAY:NETMASK::DEVICE:off:DNS, the kernel's syntax (SandboxNet.kernel_ip_arg)
+NET_SCRIPT = """\
+#!/bin/sh
+set -eu
+spec=
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in ip=*) spec=${arg#ip=} ;; esac
+done
+IFS=: read -r addr _peer gw mask _host dev _auto dns <<END
+$spec
+END
+ip link set "$dev" up
+ip addr add "$addr/$mask" dev "$dev"
+ip route add default via "$gw"
+echo "nameserver $dns" > /etc/resolv.conf
+"""
 # Before the packages: initramfs-tools reads these when linux-image's postinst runs it.
 _SETUP = (
     'mkdir -p "$1"/etc/initramfs-tools/conf.d "$1"/usr/share/initramfs-tools/modules.d',
@@ -124,6 +161,8 @@ _CUSTOMIZE = (
     'printf "127.0.0.1\\tlocalhost\\n::1\\tlocalhost ip6-localhost\\n" > "$1"/etc/hosts',
     ': > "$1"/etc/machine-id',
     'mkdir -p "$1"/root',
+    f"cat > \"$1\"/usr/local/sbin/dsec-net <<'EOF'\n{NET_SCRIPT}EOF",
+    'chmod 0755 "$1"/usr/local/sbin/dsec-net',
 )
 
 
