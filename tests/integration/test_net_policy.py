@@ -367,7 +367,7 @@ async def test_failed_create_leaves_nothing(
     edgenet: EdgeNetwork, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # nft fails after the namespace and the veth exist: create must remove both
-    monkeypatch.setattr(ruleset, "add_slot", lambda *a: "add rule inet nosuch x drop\n")
+    monkeypatch.setattr(ruleset, "add_slot", lambda *a, **k: "add rule inet nosuch x drop\n")
     with pytest.raises(SandboxFailed):
         await edgenet.create("sbx-fail", NetworkPolicy())
     assert edgenet.get("sbx-fail") is None

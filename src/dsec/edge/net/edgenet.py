@@ -105,6 +105,7 @@ class EdgeNetwork:
         self._pool: ThreadPoolExecutor | None = None
         self._nft: Nft | None = None
         self._sets: nlsets.SetWriter | None = None  # made in the gateway, used on the loop
+        self._wsets: nlsets.SetWriter | None = None
         self._ip: IPRoute | None = None
         self._gw_fd = -1
         self._dns: DnsProxy | None = None
@@ -123,6 +124,7 @@ class EdgeNetwork:
         # A netlink socket stays in the namespace it was made in, so the event loop can
         # write a sandbox's set elements through this one without a thread hop.
         self._sets = nlsets.SetWriter(self.table)
+        self._wsets = nlsets.SetWriter(self.table)  # the worker's own
         self._ip = IPRoute()
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -248,8 +250,9 @@ class EdgeNetwork:
                     self._ip.close()
                 if self._nft is not None:
                     self._nft.close()
-                if self._sets is not None:
-                    self._sets.close()
+                for writer in (self._sets, self._wsets):
+                    if writer is not None:
+                        writer.close()
 
             await asyncio.get_running_loop().run_in_executor(pool, fin)
             pool.shutdown()
@@ -324,11 +327,20 @@ class EdgeNetwork:
             net = self._net_of(sandbox_id, index, policy)
             if tap:
                 net = replace(net, tap=links.TAP)
-            if warm:  # a few hundred bytes: cheaper here than a hop to a thread
-                self._save(net)
-            else:
-                await asyncio.to_thread(self._save, net)
+            # remembered first: the refill loop must not pick this index during the save
             self._remember(net)
+            try:
+                if warm:  # a few hundred bytes: cheaper here than a hop to a thread
+                    self._save(net)
+                else:
+                    await asyncio.to_thread(self._save, net)
+            except BaseException:
+                self._nets.pop(sandbox_id, None)
+                self._by_addr.pop(net.address, None)
+                self._by_addr.pop(net.address6, None)
+                if warm:
+                    self._warm.insert(0, index)
+                raise
         try:
             if not warm:
                 await self._run(self._make_slot, index)
@@ -396,7 +408,10 @@ class EdgeNetwork:
             gateway6=gw6,
         )
         links.configure_host_end(self._ip, ifname, gw, PREFIXLEN, gw6)
-        self._nft_run(ruleset.add_slot(self.t, f"{index:x}", addr, addr6))
+        key = f"{index:x}"
+        self._nft_run(ruleset.add_slot(self.t, key, addr, addr6, dispatch=False))
+        assert self._wsets is not None
+        self._wsets.apply(ruleset.dispatch_ops(self.t, key))
 
     async def _stop_refill(self) -> None:
         # Not cancelled: a slot half-made on the worker would be lost; let it finish.
@@ -468,10 +483,21 @@ class EdgeNetwork:
 
     def _unmake_slot(self, key: str, netns: Path) -> None:
         assert self._ip is not None
+        assert self._wsets is not None
+        ops = ruleset.dispatch_ops(self.t, key, delete=True)
         try:
-            self._nft_run(ruleset.remove_sandbox(self.t, key))
+            try:
+                self._wsets.apply(ops)
+            except FileNotFoundError:  # some are missing (a half-made slot): the others
+                for op in ops:
+                    with contextlib.suppress(FileNotFoundError):
+                        self._wsets.apply([op])
+        except OSError as exc:
+            raise SandboxFailed(f"removing network slot {key}: {exc}") from None
+        try:
+            self._nft_run(ruleset.remove_sandbox(self.t, key, maps=False))
         except SandboxFailed:
-            self._nft_run(ruleset.remove_sandbox(self.t, key, self._present(key)))
+            self._nft_run(ruleset.remove_sandbox(self.t, key, self._present(key), maps=False))
         try:
             links.delete_link(self._ip, self.t.if_prefix + key)
             links.remove_netns(netns)

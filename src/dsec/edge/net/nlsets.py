@@ -32,8 +32,10 @@ NLA_F_NESTED = 0x8000
 NFPROTO_INET = 1
 # attributes
 LIST_TABLE, LIST_SET, LIST_ELEMENTS, LIST_ELEM = 1, 2, 3, 1
-ELEM_KEY, ELEM_FLAGS, ELEM_TIMEOUT, ELEM_USERDATA, ELEM_KEY_END = 1, 3, 4, 6, 10
-DATA_VALUE = 1
+ELEM_KEY, ELEM_DATA, ELEM_FLAGS, ELEM_TIMEOUT, ELEM_USERDATA, ELEM_KEY_END = 1, 2, 3, 4, 6, 10
+DATA_VALUE, DATA_VERDICT, VERDICT_CODE, VERDICT_CHAIN = 1, 2, 1, 2
+NFT_JUMP = -3
+IFNAMSIZ = 16
 INTERVAL_END = 1
 OPEN_INTERVAL_UDATA = b"\x01\x04\x01\x00\x00\x00"  # nft's marker: runs to the top
 PROTO = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP}
@@ -99,6 +101,29 @@ def ported_elements(items: Iterable[Ported]) -> list[bytes]:
     return out
 
 
+def jump_elements(jumps: Iterable[tuple[str, str]]) -> list[bytes]:
+    """Elements of an ``ifname : verdict`` map: (interface, chain to jump to)."""
+    out = []
+    for ifname, chain in jumps:
+        verdict = _attr(VERDICT_CODE, struct.pack(">i", NFT_JUMP))
+        verdict += _attr(VERDICT_CHAIN, chain.encode() + b"\0")
+        data = _nest(ELEM_DATA, [_nest(DATA_VERDICT, [verdict])])
+        out.append(_nest(LIST_ELEM, [_key(ELEM_KEY, _ifname(ifname)), data]))
+    return out
+
+
+def key_elements(ifnames: Iterable[str]) -> list[bytes]:
+    """Keys only (for :attr:`Op.delete`) of an ``ifname`` map's elements."""
+    return [_nest(LIST_ELEM, [_key(ELEM_KEY, _ifname(n))]) for n in ifnames]
+
+
+def _ifname(name: str) -> bytes:
+    raw = name.encode()
+    if len(raw) >= IFNAMSIZ:
+        raise ValueError(f"interface name too long: {name}")
+    return raw + b"\0" * (IFNAMSIZ - len(raw))
+
+
 def timeout_elements(addrs: Iterable[tuple[str, int]]) -> list[bytes]:
     """Elements of a ``flags timeout`` set of addresses: (address, seconds)."""
     return [_elem(ipaddress.ip_address(a).packed, timeout_ms=s * 1000) for a, s in addrs if s > 0]
@@ -126,11 +151,12 @@ def _elem(
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """Flush set ``name`` (``flush``) or add ``elements`` to it."""
+    """Flush set ``name`` (``flush``), or add ``elements`` to it (``delete``: remove them)."""
 
     name: str
     elements: Sequence[bytes] = ()
     flush: bool = False
+    delete: bool = False
 
 
 class SetWriter:
@@ -165,8 +191,10 @@ class SetWriter:
         head = _attr(LIST_TABLE, self.table.encode() + b"\0")
         for op in ops:
             payload = head + _attr(LIST_SET, op.name.encode() + b"\0")
-            if op.flush:
+            if op.flush or op.delete:
                 kind, flags = NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK
+                if op.delete:
+                    payload += _nest(LIST_ELEMENTS, op.elements)
             else:
                 kind, flags = NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE
                 payload += _nest(LIST_ELEMENTS, op.elements)

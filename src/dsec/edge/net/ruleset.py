@@ -205,11 +205,15 @@ def policy_ops(
     return ops
 
 
-def add_slot(t: TableSpec, key: str, address: str, address6: str = "") -> str:
+def add_slot(
+    t: TableSpec, key: str, address: str, address6: str = "", *, dispatch: bool = True
+) -> str:
     """Commands making slot ``key``'s counters, sets and chains and adding its interface
     to the dispatch maps: with empty sets the chains deny everything, so a warm slot is
     already policed and a sandbox only has to fill the sets (:func:`policy_ops`).
-    Without ``address6`` (no IPv6 pool) every IPv6 packet is refused first."""
+    Without ``address6`` (no IPv6 pool) every IPv6 packet is refused first. Without
+    ``dispatch`` the map elements are left to the caller (:func:`dispatch_ops`: map
+    elements in nft text make libnftables dump every set's elements first)."""
     ft = t.family_table
     c = {n: f"counter name {n}_{key}" for n in COUNTERS}
     ok = f"{c['ok']} {c['new_ok']} accept"
@@ -265,7 +269,8 @@ def add_slot(t: TableSpec, key: str, address: str, address6: str = "") -> str:
     cmds += [f"add rule {ft} out_{key} {r}" for r in out]
     cmds.append(f"add chain {ft} in_{key}")
     cmds += [f"add rule {ft} in_{key} {r}" for r in inward]
-    cmds += _dispatch(t, key)
+    if dispatch:
+        cmds += _dispatch(t, key)
     return "\n".join(cmds) + "\n"
 
 
@@ -278,12 +283,25 @@ def _dispatch(t: TableSpec, key: str) -> list[str]:
     ]
 
 
+MAPS = ("egress", "ingress", "peer_in")
+
+
+def dispatch_ops(t: TableSpec, key: str, *, delete: bool = False) -> list[nlsets.Op]:
+    """Slot ``key``'s dispatch map elements (``delete``: their removal), one op per map."""
+    ifname = t.if_prefix + key
+    if delete:
+        return [nlsets.Op(m, nlsets.key_elements([ifname]), delete=True) for m in MAPS]
+    chains = (f"out_{key}", f"in_{key}", f"inok_{key}")
+    pairs = zip(MAPS, chains, strict=True)
+    return [nlsets.Op(m, nlsets.jump_elements([(ifname, c)])) for m, c in pairs]
+
+
 def slot_objects(t: TableSpec, key: str) -> set[str]:
     """Names (as :meth:`EdgeNetwork._present` reports them) a current slot ``key`` has."""
     ifname = t.if_prefix + key
     names = {f"{c}_{key}" for c in ("out", "in", "inok")}
     names |= {f"{s}_{key}" for s in SETS} | {f"{n}_{key}" for n in COUNTERS}
-    return names | {f"{m}:{ifname}" for m in ("egress", "ingress", "peer_in")}
+    return names | {f"{m}:{ifname}" for m in MAPS}
 
 
 def upgrade_slot(
@@ -300,9 +318,12 @@ def upgrade_slot(
     return text + policy_elements(ft, key, policy, t.pool, t.pool6)
 
 
-def remove_sandbox(t: TableSpec, key: str, present: set[str] | None = None) -> str:
+def remove_sandbox(
+    t: TableSpec, key: str, present: set[str] | None = None, *, maps: bool = True
+) -> str:
     """Commands deleting sandbox ``key``; with ``present`` (the table's object names and
-    map keys) only what exists is deleted, so a half-made sandbox can be removed too."""
+    map keys) only what exists is deleted, so a half-made sandbox can be removed too.
+    Without ``maps`` the caller removed the map elements already (:func:`dispatch_ops`)."""
     ft = t.family_table
     ifname = t.if_prefix + key
     cmds: list[tuple[str, str]] = [
@@ -317,5 +338,5 @@ def remove_sandbox(t: TableSpec, key: str, present: set[str] | None = None) -> s
     cmds += [(f"{n}_{key}", f"delete counter {ft} {n}_{key}") for n in COUNTERS]
     names = (f"out_{key}", f"in_{key}", f"inok_{key}")
     chains = [(name, f"flush chain {ft} {name}") for name in names]
-    ordered = cmds[:3] + chains + cmds[3:]
+    ordered = (cmds[:3] if maps else []) + chains + cmds[3:]
     return "\n".join(c for name, c in ordered if present is None or name in present) + "\n"

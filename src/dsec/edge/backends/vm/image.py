@@ -111,21 +111,22 @@ RestartSec=100ms
 WantedBy=sysinit.target
 """,
     # A networked VM's eth0 (net.ifnames=0) from ip= on the kernel command line: Debian's
-    # kernel has no IP_PNP and virtio_net is a module udev loads, so a script does it once
-    # the device exists. Not ordered before sysinit.target, so it does not hold up the
-    # boot; `systemctl is-system-running --wait` (the backend's boot check) waits for it.
+    # kernel has no IP_PNP and virtio_net is a module, so a script loads it and applies
+    # ip=. Part of the boot transaction (WantedBy=sysinit.target), not ordered before
+    # anything: `systemctl is-system-running --wait` (the backend's boot check) waits for
+    # it. No device dependency: under TCG on a busy host udev can take longer than a
+    # device unit's 90 s timeout, and the script waits for eth0 itself.
     "dsec-net.service": """\
 [Unit]
 Description=OpenDsec sandbox network (eth0 from ip= on the kernel command line)
 DefaultDependencies=no
 ConditionKernelCommandLine=ip
-BindsTo=sys-subsystem-net-devices-eth0.device
-After=sys-subsystem-net-devices-eth0.device
 Before=network.target
 
 [Service]
 Type=oneshot
 RemainAfterExit=yes
+TimeoutStartSec=15min
 ExecStart=/usr/local/sbin/dsec-net
 
 [Install]
@@ -143,6 +144,8 @@ done
 IFS=: read -r addr _peer gw mask _host dev _auto dns <<END
 $spec
 END
+modprobe -q virtio_net || true
+while [ ! -e "/sys/class/net/$dev" ]; do sleep 0.2; done
 ip link set "$dev" up
 ip addr add "$addr/$mask" dev "$dev"
 ip route add default via "$gw"
