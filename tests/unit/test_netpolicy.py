@@ -144,3 +144,14 @@ def test_netlink_set_elements() -> None:
     assert bytes([198, 18, 2, 0, 17, 0, 0, 0, 0x03, 0xE8, 0, 0]) in elem
     assert bytes([198, 18, 2, 255, 17, 0, 0, 0, 0x07, 0xD0, 0, 0]) in elem
     assert nlsets.timeout_elements([("1.2.3.4", 0)]) == []
+
+
+def test_overlapping_port_rules_are_merged() -> None:
+    """The kernel refuses overlapping elements in the CIDR . proto . ports sets."""
+    pol = NetworkPolicy(allow=("10.0.0.0/8:80-90", "10.0.0.0/8:85-95", "10.1.0.0/16:82"))
+    text = ruleset.policy_elements("inet t", "5", pol)
+    assert "add element inet t ap_5 { 10.0.0.0/8 . tcp . 80-95 }" in text
+    six = NetworkPolicy(allow=("[2001:db8::/32]:443", "[2001:db8::1]:443", "1.2.3.4:443"))
+    text = ruleset.policy_elements("inet t", "5", six)
+    assert "add element inet t ap6_5 { 2001:db8::/32 . tcp . 443 }" in text
+    assert "add element inet t ap_5 { 1.2.3.4/32 . tcp . 443 }" in text

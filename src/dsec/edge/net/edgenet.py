@@ -361,11 +361,17 @@ class EdgeNetwork:
         self._write_sets(ruleset.policy_ops(net.key, net.policy, self.t.pool, self.t.pool6))
 
     def _write_sets(self, ops: list[nlsets.Op]) -> None:
-        """Raises: SandboxFailed (the kernel's reason; nothing of ``ops`` applied)."""
+        """Raises: InvalidArgument (overlapping port rules), SandboxFailed (the kernel's
+        reason); nothing of ``ops`` applied either way."""
         if self._sets is None:
             raise InvalidState("sandbox networking is not started")
         try:
             self._sets.apply(ops)
+        except FileExistsError:
+            raise InvalidArgument(
+                "port rules overlap partly (the same ports of overlapping networks): "
+                "write them as non-overlapping rules"
+            ) from None
         except OSError as exc:
             raise SandboxFailed(f"network rules refused by the kernel: {exc.strerror}") from None
 

@@ -160,8 +160,37 @@ def _policy_sets(
             sel = [r for r in rules if is_v6(r) == v6]
             six = "6" if v6 else ""
             out.append((prefix + six, [r for r in sel if not r.proto]))
-            out.append((prefix + "p" + six, [r for r in sel if r.proto]))
+            out.append((prefix + "p" + six, _merged_ported([r for r in sel if r.proto])))
     return out
+
+
+def _merged_ported(rules: list[CidrRule]) -> list[CidrRule]:
+    """Port rules with the port ranges of one network and protocol merged, and without
+    rules another one covers: the kernel refuses overlapping elements in these sets."""
+    ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for r in rules:
+        ranges.setdefault((r.network, r.proto), []).append((r.port_lo, r.port_hi))
+    merged = []
+    for (network, proto), spans in ranges.items():
+        spans.sort()
+        lo, hi = spans[0]
+        for a, b in spans[1:]:
+            if a > hi + 1:
+                merged.append(CidrRule(network, proto, lo, hi))
+                lo = a
+            hi = max(hi, b)
+        merged.append(CidrRule(network, proto, lo, hi))
+
+    def covers(o: CidrRule, r: CidrRule) -> bool:
+        inner, outer = ipaddress.ip_network(r.network), ipaddress.ip_network(o.network)
+        return (
+            o.proto == r.proto
+            and inner.subnet_of(outer)  # type: ignore[arg-type]
+            and o.port_lo <= r.port_lo
+            and r.port_hi <= o.port_hi
+        )
+
+    return [r for r in merged if not any(o != r and covers(o, r) for o in merged)]
 
 
 def _ported(prefix: str) -> bool:
