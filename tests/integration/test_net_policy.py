@@ -500,6 +500,9 @@ async def test_ipv6_rules_aaaa_and_peers(internet: FakeInternet, tmp_path: Path)
         out = await aprobe(b.netns, "dns", "web6.test.example/AAAA", server=b.gateway)
         assert out == f"NOERROR {WEB6}"
         assert (await aprobe(b.netns, "tcp", WEB6, 8080)) == f"hello {WEB6}:8080"
+        # a policy swap that keeps the name allowed keeps its resolved IPv6 address open
+        await net.set_policy("sbx-6b", NetworkPolicy(allow=("web6.test.example", "1.2.3.4")))
+        assert (await aprobe(b.netns, "tcp", WEB6, 8080)) == f"hello {WEB6}:8080"
         # a rule naming the peer opens it (that port only); deny wins over allow
         await net.set_policy(
             "sbx-6b", NetworkPolicy(allow=(f"[{a.address6}]:7000", "::/0"), deny=(f"{WEB6}",))

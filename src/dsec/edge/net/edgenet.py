@@ -210,9 +210,7 @@ class EdgeNetwork:
             if self.config.gateway_netns:
                 fwd.write_text("1")  # namespace-local: the gateway is not the host's namespace
             elif fwd.read_text().strip() != "1":
-                raise BackendUnavailable(
-                    f"sandbox networking needs {name.replace('/', '.')}=1 on the host"
-                )
+                raise BackendUnavailable(f"sandbox networking needs {name}=1 on the host")
         assert self._nft is not None
         tables = self._nft.run("list tables")
         if f"table {self.t.family_table}\n" not in tables + "\n":
@@ -480,6 +478,7 @@ class EdgeNetwork:
         await self._run(lambda: self._unmake(net))
         self._nets.pop(sandbox_id, None)
         self._by_addr.pop(net.address, None)
+        self._by_addr.pop(net.address6, None)
         self._resolved.pop(sandbox_id, None)
         with contextlib.suppress(FileNotFoundError):
             self._record(net).unlink()
@@ -550,7 +549,7 @@ class EdgeNetwork:
         return done
 
     async def set_policy(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNet:
-        """Replace the policy in one nft transaction (established flows that stay allowed
+        """Replace the policy in one netlink batch (established flows that stay allowed
         keep going; addresses of names that stay allowed stay open for their TTL).
 
         Raises:
@@ -568,7 +567,10 @@ class EdgeNetwork:
         new = replace(net, policy=policy)
         self._check_families(policy)
         ops = ruleset.policy_ops(net.key, policy, self.t.pool, self.t.pool6, flush=True)
-        self._write_sets([*ops, nlsets.Op(f"dns_{net.key}", nlsets.timeout_elements(keep))])
+        for name, v6 in ((f"dns_{net.key}", False), (f"dns6_{net.key}", True)):
+            kept = [(ip, ttl) for ip, ttl in keep if (":" in ip) == v6]
+            ops.append(nlsets.Op(name, nlsets.timeout_elements(kept)))
+        self._write_sets(ops)
         self._nets[sandbox_id] = new
         await asyncio.to_thread(self._save, new)
         return new
