@@ -38,8 +38,13 @@ from dsec.edge.net import nlsets
 
 REJECT = "reject with icmpx type admin-prohibited"
 COUNTERS = ("ok", "deny", "new_ok", "new_deny")
-# per sandbox: <name>_<key>; the "6" ones are the IPv6 twins
-SETS = ("a", "d", "ap", "dp", "dns", "i", "ip", "a6", "d6", "ap6", "dp6", "dns6", "i6", "ip6")
+# per sandbox: <name>_<key>; the "6" twins exist only on an edge with an IPv6 pool (a
+# smaller table for the others: libnftables reads every set before a command)
+SETS = ("a", "d", "ap", "dp", "dns", "i", "ip")
+
+
+def sets(v6: bool) -> tuple[str, ...]:
+    return SETS + tuple(f"{n}6" for n in SETS) if v6 else SETS
 
 
 def table_name(edge_id: str) -> str:
@@ -229,7 +234,7 @@ def policy_ops(
     """The elements of :func:`policy_elements` for :class:`nlsets.SetWriter`; with
     ``flush`` every set of ``key`` is flushed first (a policy swap; the caller re-adds
     the resolved addresses that stay allowed)."""
-    ops = [nlsets.Op(f"{s}_{key}", flush=True) for s in SETS] if flush else []
+    ops = [nlsets.Op(f"{s}_{key}", flush=True) for s in sets(bool(pool6))] if flush else []
     ops += [nlsets.Op(f"{p}_{key}", e) for p, e in _netlink_elements(policy, pool, pool6) if e]
     return ops
 
@@ -248,7 +253,8 @@ def add_slot(
     ok = f"{c['ok']} {c['new_ok']} accept"
     deny = f"{c['deny']} {c['new_deny']} {REJECT}"
     cmds = [f"add counter {ft} {n}_{key}" for n in COUNTERS]
-    for fam, six in (("ipv4_addr", ""), ("ipv6_addr", "6")):
+    families = [("ip", "ipv4_addr", "")] + ([("ip6", "ipv6_addr", "6")] if address6 else [])
+    for _ip, fam, six in families:
         cidr = f"type {fam}; flags interval; auto-merge;"
         ported = f"type {fam} . inet_proto . inet_service; flags interval;"
         cmds += [
@@ -266,7 +272,7 @@ def add_slot(
     cmds += [
         f"add rule {ft} inok_{key} {ip} saddr @i{six}_{key} {ok}\n"
         f"add rule {ft} inok_{key} {ip} saddr . {ports} @ip{six}_{key} {ok}"
-        for ip, six in (("ip", ""), ("ip6", "6"))
+        for ip, _fam, six in families
     ]
     out = [
         f"ip6 saddr != {address6} {c['deny']} drop"
@@ -274,10 +280,10 @@ def add_slot(
         else f"meta nfproto ipv6 {deny}",  # sandboxes without an IPv6 address: none at all
         f"ip saddr != {address} {c['deny']} drop",
     ]
-    for ip, six in (("ip", ""), ("ip6", "6")):
+    for ip, _fam, six in families:
         out += [f"{ip} daddr @d{six}_{key} {deny}", f"{ip} daddr . {ports} @dp{six}_{key} {deny}"]
     out.append(f"ct state established,related {c['ok']} accept")
-    for ip, six in (("ip", ""), ("ip6", "6")):
+    for ip, _fam, six in families:
         out += [
             f"{ip} daddr @a{six}_{key} {ok}",
             f"{ip} daddr . {ports} @ap{six}_{key} {ok}",
@@ -329,7 +335,7 @@ def slot_objects(t: TableSpec, key: str) -> set[str]:
     """Names (as :meth:`EdgeNetwork._present` reports them) a current slot ``key`` has."""
     ifname = t.if_prefix + key
     names = {f"{c}_{key}" for c in ("out", "in", "inok")}
-    names |= {f"{s}_{key}" for s in SETS} | {f"{n}_{key}" for n in COUNTERS}
+    names |= {f"{s}_{key}" for s in sets(bool(t.pool6))} | {f"{n}_{key}" for n in COUNTERS}
     return names | {f"{m}:{ifname}" for m in MAPS}
 
 
@@ -363,7 +369,7 @@ def remove_sandbox(
         (f"in_{key}", f"delete chain {ft} in_{key}"),
         (f"inok_{key}", f"delete chain {ft} inok_{key}"),
     ]
-    cmds += [(f"{s}_{key}", f"delete set {ft} {s}_{key}") for s in SETS]
+    cmds += [(f"{s}_{key}", f"delete set {ft} {s}_{key}") for s in sets(bool(t.pool6))]
     cmds += [(f"{n}_{key}", f"delete counter {ft} {n}_{key}") for n in COUNTERS]
     names = (f"out_{key}", f"in_{key}", f"inok_{key}")
     chains = [(name, f"flush chain {ft} {name}") for name in names]
