@@ -77,6 +77,7 @@ async def vmnet(internet: FakeInternet) -> AsyncIterator[tuple[VmBackend, EdgeNe
         mem_dir=mem,
         network=net,
     )
+    be.boot_timeout_s = 1000.0  # this test's whole budget: hosts shared with builds crawl
     try:
         yield be, net
     finally:
