@@ -31,10 +31,16 @@ from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.paths import Paths
 from tests.integration.fakenet import DNS_IP, POOL, WEB1, WEB2, WEB3, FakeInternet
-from tests.integration.test_net_microvm import LISTEN, sh, tcp
+from tests.integration.test_net_microvm import LISTEN, sh
 from tests.integration.test_vm_backend import _skip_reason
 
 pytestmark = [pytest.mark.root]
+
+
+def tcp(ip: str, port: int) -> str:
+    # a systemd guest under TCG on a busy host can take seconds to start bash: allowed
+    # connections get time; denied ones are rejected at once (ICMP admin-prohibited)
+    return f"timeout 30 bash -c 'exec 3<>/dev/tcp/{ip}/{port}; head -c 5 <&3'"
 
 
 @pytest.fixture(scope="module")
