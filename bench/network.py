@@ -9,8 +9,10 @@ times one more create, to show how create grows with the number of sandboxes.
 
     .venv/bin/python -m bench.network [--n 50] [--scale 300]
     .venv/bin/python -m bench.network --tap [--n 30]   # microVM (TAP) vs container slots
+    .venv/bin/python -m bench.network --warm [--n 50]  # warm-slot create: now vs libnftables
 
-Prints medians and writes ``bench/results/network.json`` (``network-tap.json``). Needs root.
+Prints medians and writes ``bench/results/network.json`` (``network-tap.json``,
+``network-warm.json``). Needs root.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -29,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.core.netpolicy import NetworkPolicy
+from dsec.edge.net import ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
 from tests.integration.fakenet import DNS_IP, SINK_PORT, WEB1, WEB2, FakeInternet
@@ -123,6 +127,64 @@ async def tap_compare(n: int) -> dict[str, Any]:
         "destroy_container": summary(times["veth_rm"]),
         "destroy_microvm_tap": summary(times["tap_rm"]),
     }
+
+
+async def warm_compare(n: int, present: int) -> dict[str, Any]:
+    """Create from a warm slot as the edge does it (record + one netlink batch of set
+    elements on the event loop) against the previous way (record on a thread, then the
+    same elements as libnftables text on the worker thread), alternating, with an empty
+    table and with ``present`` other sandboxes in it."""
+    inet = FakeInternet().start()
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-warm-"))
+    cfg = NetConfig(
+        pool="10.213.0.0/16",
+        upstream_dns=f"{DNS_IP}:53",
+        state_dir=tmp / "state",
+        netns_dir=tmp / "netns",
+        gateway_netns=inet.gw_path,
+        warm=2,
+    )
+    net = EdgeNetwork("benchwarm", cfg)
+    await net.start()
+
+    async def ready() -> None:
+        for _ in range(500):
+            if len(net._warm) == 2 and not net._making:
+                return
+            await asyncio.sleep(0.01)
+
+    async def libnftables_way(sid: str) -> float:
+        sn = await net.create(sid, NetworkPolicy())  # a warm slot, nothing attached
+        await ready()  # the refill this create started is done, as before the other create
+        t = time.perf_counter()
+        await asyncio.to_thread(net._save, replace(sn, policy=POLICY))
+        text = ruleset.policy_elements(net.t.family_table, sn.key, POLICY, net.t.pool)
+        await net._run(lambda: net._nft_run(text))
+        return time.perf_counter() - t
+
+    out: dict[str, Any] = {}
+    try:
+        for label, others in (("empty_table", 0), (f"{present}_present", present)):
+            for i in range(others - len(net._nets)):
+                await net.create(f"other-{i}", POLICY)
+            now, before = [], []
+            for i in range(n):
+                await ready()
+                now.append(await timed(net.create(f"w-{label}-{i}", POLICY)))
+                await net.destroy(f"w-{label}-{i}")
+                await ready()
+                before.append(await libnftables_way(f"o-{label}-{i}"))
+                await net.destroy(f"o-{label}-{i}")
+            out[f"warm_create_{label}"] = summary(now)
+            out[f"warm_create_libnftables_{label}"] = summary(before)
+    finally:
+        for sid in list(net._nets):
+            await net.destroy(sid)
+        await net.release()
+        inet.close()
+        shutil.rmtree(tmp)
+    out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    return out
 
 
 async def run(n: int, scale: int) -> dict[str, Any]:
@@ -232,7 +294,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--scale", type=int, default=300)
     ap.add_argument("--tap", action="store_true", help="only: container vs microVM (TAP) slots")
+    ap.add_argument("--warm", action="store_true", help="only: warm-slot create, now vs before")
+    ap.add_argument("--present", type=int, default=100, help="--warm: other sandboxes held")
     args = ap.parse_args()
+    if args.warm:
+        res = asyncio.run(warm_compare(args.n, args.present))
+        print(json.dumps(res, indent=2))
+        (Path(__file__).parent / "results" / "network-warm.json").write_text(
+            json.dumps(res, indent=2) + "\n"
+        )
+        return
     if args.tap:
         tap = asyncio.run(tap_compare(args.n))
         print(json.dumps(tap, indent=2))

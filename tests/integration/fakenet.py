@@ -21,7 +21,12 @@ SERVERS = Path(__file__).with_name("fakenet_servers.py")
 UPLINK_GW, UPLINK_INET = "198.18.0.1", "198.18.0.2"
 WEB1, WEB2, WEB3 = "198.18.1.10", "198.18.1.11", "198.18.1.12"
 DNS_IP = "198.18.1.53"
+# IPv6 (documentation prefix, never routed off this machine)
+UPLINK6_GW, UPLINK6_INET = "2001:db8:ffff::1", "2001:db8:ffff::2"
+WEB6 = "2001:db8:1::10"
+POOL6 = "fd00:dec:213::/64"
 ZONE = {
+    "web6.test.example": [WEB6, 300],
     "web1.test.example": [WEB1, 300],
     "web2.test.example": [WEB2, 2],
     "api.svc.example": [WEB3, 300],
@@ -78,12 +83,19 @@ class FakeInternet:
         sh(*i, "addr", "add", f"{UPLINK_INET}/24", "dev", "up1")
         sh(*i, "link", "set", "up1", "up")
         sh(*g, "route", "add", "default", "via", UPLINK_INET)
+        for ns in (self.gw, self.inet):
+            sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=0")
+        sh(*g, "-6", "addr", "add", f"{UPLINK6_GW}/64", "dev", "up0", "nodad")
+        sh(*i, "-6", "addr", "add", f"{UPLINK6_INET}/64", "dev", "up1", "nodad")
+        sh(*g, "-6", "route", "add", "default", "via", UPLINK6_INET)
+        sh(*i, "-6", "addr", "add", f"{WEB6}/128", "dev", "lo")
+        sh(*i, "-6", "route", "add", POOL6, "via", UPLINK6_GW)
         for ip in (WEB1, WEB2, WEB3, DNS_IP):
             sh(*i, "addr", "add", f"{ip}/32", "dev", "lo")
         # A route back to the sandbox pool, so ingress attempts really reach the gateway.
         sh(*i, "route", "add", POOL, "via", UPLINK_GW)
         cfg = {
-            "tcp": [[ip, p] for ip in (WEB1, WEB2, WEB3) for p in TCP_PORTS],
+            "tcp": [[ip, p] for ip in (WEB1, WEB2, WEB3, WEB6) for p in TCP_PORTS],
             "udp": [[ip, UDP_PORT] for ip in (WEB1, WEB2, WEB3)],
             "sink": [[WEB1, SINK_PORT]],
             "dns": [DNS_IP, 53],
@@ -135,9 +147,9 @@ try:
     elif kind == "udp":
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(float(sys.argv[4]))
         s.sendto(b"ping", (host, port)); print(s.recv(100).decode())
-    elif kind == "dns":
+    elif kind == "dns":  # host: NAME or NAME/AAAA
         from dnslib import DNSRecord, RCODE
-        q = DNSRecord.question(host)
+        q = DNSRecord.question(*host.split("/"))
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(float(sys.argv[4]))
         s.sendto(q.pack(), (sys.argv[5], 53)); r = DNSRecord.parse(s.recv(4096))
         print(RCODE.get(r.header.rcode), *[str(a.rdata) for a in r.rr])

@@ -2,15 +2,16 @@
 
 argv[1] is a JSON object: {"tcp": [[ip, port], ...], "udp": [[ip, port], ...],
 "sink": [[ip, port], ...] (read everything, answer the byte count),
-"dns": [ip, port], "zone": {name: [ip, ttl]}}. TCP servers answer "hello <ip>:<port>\\n"
-and then echo; UDP servers echo; the DNS server is authoritative for the zone's names.
+"dns": [ip, port], "zone": {name: [ip, ttl]}} (an IPv6 ip answers AAAA questions). TCP
+servers answer "hello <ip>:<port>\\n" and then echo; UDP servers echo; the DNS server
+is authoritative for the zone's names.
 """
 
 import asyncio
 import json
 import sys
 
-from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 
 
 async def main() -> None:
@@ -68,8 +69,10 @@ async def main() -> None:
                 f.write(name + "\n")
             if name in zone:
                 ip, ttl = zone[name]
-                if q.q.qtype == QTYPE.A:
+                if q.q.qtype == QTYPE.A and ":" not in ip:
                     reply.add_answer(RR(name, QTYPE.A, rdata=A(ip), ttl=ttl))
+                if q.q.qtype == QTYPE.AAAA and ":" in ip:
+                    reply.add_answer(RR(name, QTYPE.AAAA, rdata=AAAA(ip), ttl=ttl))
             else:
                 reply.header.rcode = RCODE.NXDOMAIN
             self.t.sendto(reply.pack(), addr)

@@ -195,7 +195,7 @@ async def test_microvm_policed_like_a_container(
 
 
 @pytest.mark.asyncio
-async def test_vm_backend_still_refuses_rules() -> None:
+async def test_vm_backend_without_edge_networking_refuses_rules() -> None:
     from dsec.edge.backends.vm.backend import VmBackend
 
     paths = Paths(home=Path("/nonexistent"), data=Path("/nonexistent"), run=Path("/nonexistent"))

@@ -15,17 +15,19 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from dsec.core.errors import SandboxFailed
+from dsec.core.errors import InvalidArgument, SandboxFailed
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.edge.net import ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
 from tests.integration.fakenet import (
     DNS_IP,
+    POOL6,
     UDP_PORT,
     WEB1,
     WEB2,
     WEB3,
+    WEB6,
     FakeInternet,
     probe,
     wait_for,
@@ -314,11 +316,58 @@ async def test_restart_adopts_and_destroy_leaves_nothing(
 
 
 @pytest.mark.asyncio
+async def test_restart_upgrades_a_slot_an_older_edge_made(
+    edgenet: EdgeNetwork, internet: FakeInternet
+) -> None:
+    """A slot without the ingress sets, ``inok_`` chain and ``peer_in`` key (as an edge
+    before ingress rules made it) is brought up to date at start, keeping its policy and
+    the addresses the resolver opened."""
+    pol = NetworkPolicy.from_dict({"allow": [f"{WEB1}:80", "web2.test.example"]})
+    net = await edgenet.create("sbx-old", pol)
+    await edgenet._open_resolved("sbx-old", "web2.test.example", [(WEB2, 300)])
+    ft, k, c = edgenet.t.family_table, net.key, "counter name"
+    old = f"""flush chain {ft} out_{k}
+flush chain {ft} in_{k}
+flush chain {ft} inok_{k}
+delete element {ft} peer_in {{ "{edgenet.ifname(net)}" }}
+delete chain {ft} inok_{k}
+delete set {ft} i_{k}
+delete set {ft} ip_{k}
+add rule {ft} out_{k} ct state established,related {c} ok_{k} accept
+add rule {ft} out_{k} ip daddr . meta l4proto . th dport @ap_{k} {c} ok_{k} accept
+add rule {ft} out_{k} ip daddr @dns_{k} {c} ok_{k} accept
+add rule {ft} out_{k} {c} deny_{k} {ruleset.REJECT}
+add rule {ft} in_{k} ct state established,related accept
+add rule {ft} in_{k} drop
+"""
+    await edgenet._run(lambda: edgenet._nft_run(old))
+    assert f"i_{k}" not in await edgenet._run(lambda: edgenet._present(k))
+    await edgenet.close()
+    again = EdgeNetwork(edgenet.edge_id, edgenet.config)
+    await again.start()
+    try:
+        present = await again._run(lambda: again._present(k))
+        assert ruleset.slot_objects(again.t, k) <= present
+        assert (await aprobe(net.netns, "tcp", WEB1, 80)) == f"hello {WEB1}:80"
+        assert (await aprobe(net.netns, "tcp", WEB2, 80)) == f"hello {WEB2}:80"
+        assert denied(await aprobe(net.netns, "tcp", WEB1, 443))
+        # the upgraded slot takes ingress rules
+        await again.set_policy(
+            "sbx-old", NetworkPolicy.from_dict({"allow": ["from:198.18.0.0/16:7000"]})
+        )
+        await again.close()
+    finally:
+        if again._pool is not None:
+            await again.close()
+    await edgenet.start()  # adopts it again (nothing left to upgrade); the fixture cleans up
+
+
+@pytest.mark.asyncio
 async def test_failed_create_leaves_nothing(
     edgenet: EdgeNetwork, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # nft fails after the namespace and the veth exist: create must remove both
-    monkeypatch.setattr(ruleset, "add_slot", lambda *a: "add rule inet nosuch x drop\n")
+    monkeypatch.setattr(ruleset, "add_slot", lambda *a, **k: "add rule inet nosuch x drop\n")
     with pytest.raises(SandboxFailed):
         await edgenet.create("sbx-fail", NetworkPolicy())
     assert edgenet.get("sbx-fail") is None
@@ -416,3 +465,66 @@ async def test_ipv6_is_denied_whatever_the_policy(
     finally:
         srv.kill()
         srv.wait()
+
+
+@pytest.mark.asyncio
+async def test_ipv6_rules_aaaa_and_peers(internet: FakeInternet, tmp_path: Path) -> None:
+    """With an IPv6 pool: sandboxes get an address, IPv6 is denied unless a rule (CIDR or
+    an AAAA answer) opens it, deny wins, and peers are closed until a rule names them."""
+    cfg = NetConfig(
+        pool="10.213.0.0/16",
+        upstream_dns=f"{DNS_IP}:53",
+        state_dir=tmp_path / "netstate",
+        netns_dir=tmp_path / "netns",
+        gateway_netns=internet.gw_path,
+        pool6=POOL6,
+    )
+    net = EdgeNetwork(f"v6-{tmp_path.name[-8:]}", cfg)
+    await net.start()
+    srv = None
+    try:
+        a = await net.create("sbx-6a", NetworkPolicy(allow=("0.0.0.0/0", f"[{WEB6}]:80")))
+        assert a.address6.startswith(POOL6.split("::")[0])
+        assert (await aprobe(a.netns, "tcp", WEB6, 80)) == f"hello {WEB6}:80"
+        assert denied(await aprobe(a.netns, "tcp", WEB6, 443))  # allow-all IPv4 opens no IPv6
+        assert (await aprobe(a.netns, "tcp", WEB1, 80)) == f"hello {WEB1}:80"
+        b = await net.create("sbx-6b", NetworkPolicy(allow=("web6.test.example", "::/0")))
+        srv = subprocess.Popen(["nsenter", f"--net={a.netns}", "python3", "-c", V6_SERVER])
+        assert wait_for(lambda: probe(a.netns, "tcp", "::1", 7000) == "hello")
+        # "::/0" covers the internet, not the neighbours
+        assert (await aprobe(b.netns, "tcp", WEB6, 443)) == f"hello {WEB6}:443"
+        assert denied(await aprobe(b.netns, "tcp", a.address6, 7000, 1.0))
+        # an AAAA answer opens its address for a sandbox without a CIDR rule
+        await net.set_policy("sbx-6b", NetworkPolicy(allow=("web6.test.example",)))
+        assert denied(await aprobe(b.netns, "tcp", WEB6, 8080))
+        out = await aprobe(b.netns, "dns", "web6.test.example/AAAA", server=b.gateway)
+        assert out == f"NOERROR {WEB6}"
+        assert (await aprobe(b.netns, "tcp", WEB6, 8080)) == f"hello {WEB6}:8080"
+        # a policy swap that keeps the name allowed keeps its resolved IPv6 address open
+        await net.set_policy("sbx-6b", NetworkPolicy(allow=("web6.test.example", "1.2.3.4")))
+        assert (await aprobe(b.netns, "tcp", WEB6, 8080)) == f"hello {WEB6}:8080"
+        # a rule naming the peer opens it (that port only); deny wins over allow
+        await net.set_policy(
+            "sbx-6b", NetworkPolicy(allow=(f"[{a.address6}]:7000", "::/0"), deny=(f"{WEB6}",))
+        )
+        assert (await aprobe(b.netns, "tcp", a.address6, 7000)) == "hello"
+        assert denied(await aprobe(b.netns, "tcp", WEB6, 80))
+        stats = (await net.counters())["sbx-6b"]
+        assert stats["denied_connections"] >= 3
+        for sid, n in (("sbx-6a", a), ("sbx-6b", b)):
+            await net.destroy(sid)
+            assert await net.leaked(sid, n.key) == []
+    finally:
+        if srv is not None:
+            srv.kill()
+            srv.wait()
+        for sid in list(net._nets):
+            await net.destroy(sid)
+        await net.release()
+
+
+@pytest.mark.asyncio
+async def test_ipv6_rules_refused_without_an_ipv6_pool(edgenet: EdgeNetwork) -> None:
+    with pytest.raises(InvalidArgument, match="no IPv6"):
+        await edgenet.create("sbx-no6", NetworkPolicy(allow=("[2001:db8::/32]:443",)))
+    assert edgenet.get("sbx-no6") is None

@@ -10,7 +10,7 @@ from dsec.core.errors import InvalidArgument
 from dsec.core.netpolicy import CidrRule, DomainRule, NetworkPolicy, parse_rule
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.container import ocispec
-from dsec.edge.net import ruleset
+from dsec.edge.net import nlsets, ruleset
 from dsec.edge.net.config import NetConfig
 from dsec.paths import Paths
 
@@ -21,7 +21,12 @@ def test_rules() -> None:
     assert parse_rule("10.1.2.0/24:1000-2000/udp") == CidrRule("10.1.2.0/24", "udp", 1000, 2000)
     assert parse_rule("*.Example.COM.") == DomainRule("example.com", True)
     assert parse_rule("api.example.com") == DomainRule("api.example.com", False)
-    for bad in ["10.0.0.0/33", "1.2.3.4:0", "1.2.3.4:9-8", "::1/128", "no dots", "a:b", "x.y:80"]:
+    assert parse_rule("[2001:db8::/32]:443") == CidrRule("2001:db8::/32", "tcp", 443, 443)
+    assert parse_rule("2001:DB8::1") == CidrRule("2001:db8::1/128")
+    assert parse_rule("from:[fd00::/8]:22/udp") == CidrRule("fd00::/8", "udp", 22, 22, True)
+    bad_rules = ["10.0.0.0/33", "1.2.3.4:0", "1.2.3.4:9-8", "no dots", "a:b", "x.y:80"]
+    bad_rules += ["[10.0.0.0/8]:22", "[2001:db8::]:", "[2001:db8::", "2001:db8::/32:443"]
+    for bad in bad_rules:
         with pytest.raises(InvalidArgument):
             parse_rule(bad)
 
@@ -50,7 +55,9 @@ def test_spec_round_trip() -> None:
 def test_nft_text() -> None:
     t = ruleset.TableSpec("inet dsec_e1", "dxab", "10.213.0.0/16", 53)
     pol = NetworkPolicy(allow=("10.1.0.0/16", "10.2.0.0/16:80-90/udp"), deny=("10.1.2.3:22",))
-    text = ruleset.add_sandbox(t, "5", "10.213.0.22", pol)
+    text = ruleset.add_slot(t, "5", "10.213.0.22") + ruleset.policy_elements(
+        t.family_table, "5", pol, t.pool
+    )
     assert "add element inet dsec_e1 a_5 { 10.1.0.0/16 }" in text
     assert "add element inet dsec_e1 ap_5 { 10.2.0.0/16 . udp . 80-90 }" in text
     assert "add element inet dsec_e1 dp_5 { 10.1.2.3/32 . tcp . 22 }" in text
@@ -90,20 +97,26 @@ def test_ingress_rules() -> None:
     assert [r.network for r in pol.cidrs("allow")] == ["10.1.0.0/16"]
     assert [r.network for r in pol.ingress()] == ["10.213.0.6/32", "1.2.3.0/24"]
     t = ruleset.TableSpec("inet dsec_e1", "dxab", "10.213.0.0/16", 53)
-    text = ruleset.add_sandbox(t, "5", "10.213.0.22", pol)
+    text = ruleset.add_slot(t, "5", "10.213.0.22") + ruleset.policy_elements(
+        t.family_table, "5", pol, t.pool
+    )
     assert "add element inet dsec_e1 i_5 { 1.2.3.0/24 }" in text
     assert "add element inet dsec_e1 ip_5 { 10.213.0.6/32 . udp . 7000 }" in text
     assert 'add element inet dsec_e1 peer_in { "dxab5" : jump inok_5 }' in text
     assert "a_5 { 10.1.0.0/16 }" in text  # egress untouched by ingress rules
     assert "ip daddr 10.213.0.0/16 oifname vmap @peer_in" in text
-    swap = ruleset.replace_policy("inet dsec_e1", "5", pol, [], t.pool)
-    assert "flush set inet dsec_e1 ip_5" in swap
+    swap = ruleset.policy_ops("5", pol, t.pool, flush=True)
+    assert nlsets.Op("ip_5", flush=True) in swap
+    assert [len(op.elements) for op in swap if op.name in ("i_5", "ip_5") and not op.flush] == [
+        3,
+        1,
+    ]
     gone = ruleset.remove_sandbox(t, "5")
     flush, delete = "flush chain inet dsec_e1 inok_5", "delete chain inet dsec_e1 in_5"
     assert gone.index(flush) < gone.index(delete)
 
 
-def test_edge_hands_its_network_to_container_and_microvm_only(tmp_path: Path) -> None:
+def test_edge_hands_its_network_to_container_microvm_and_vm(tmp_path: Path) -> None:
     from dsec.edge.app import candidate_backends
     from dsec.edge.net.edgenet import EdgeNetwork
 
@@ -112,4 +125,33 @@ def test_edge_hands_its_network_to_container_and_microvm_only(tmp_path: Path) ->
     by_name = {b.name: b for b in candidate_backends(Paths.from_env(tmp_path), "e1", net)}
     assert getattr(by_name["container"], "network", None) is net
     assert getattr(by_name["microvm"], "network", None) is net
-    assert getattr(by_name["vm"], "network", "missing") is None  # its image has no NIC setup
+    assert getattr(by_name["vm"], "network", None) is net  # dsec-net.service applies ip=
+
+
+def test_netlink_set_elements() -> None:
+    """The encoding nft itself sends (checked against ``nft --debug=netlink``)."""
+    # 0.0.0.0 end marker, then start / one-past-end pairs; overlaps merged; /1 at the top
+    # has no end element
+    elems = nlsets.interval_elements(["10.0.0.0/8", "10.1.0.0/16", "198.18.1.10"])
+    keys = [e[12:16] for e in elems]
+    assert keys == [bytes(4), bytes([10, 0, 0, 0]), bytes([11, 0, 0, 0]),
+                    bytes([198, 18, 1, 10]), bytes([198, 18, 1, 11])]  # fmt: skip
+    assert [b"\x00\x00\x00\x01" in e for e in elems] == [True, False, True, False, True]
+    top = nlsets.interval_elements(["128.0.0.0/1"])
+    assert len(top) == 2
+    assert top[1].endswith(nlsets.OPEN_INTERVAL_UDATA + b"\0\0")
+    (elem,) = nlsets.ported_elements([nlsets.Ported("198.18.2.0/24", "udp", 1000, 2000)])
+    assert bytes([198, 18, 2, 0, 17, 0, 0, 0, 0x03, 0xE8, 0, 0]) in elem
+    assert bytes([198, 18, 2, 255, 17, 0, 0, 0, 0x07, 0xD0, 0, 0]) in elem
+    assert nlsets.timeout_elements([("1.2.3.4", 0)]) == []
+
+
+def test_overlapping_port_rules_are_merged() -> None:
+    """The kernel refuses overlapping elements in the CIDR . proto . ports sets."""
+    pol = NetworkPolicy(allow=("10.0.0.0/8:80-90", "10.0.0.0/8:85-95", "10.1.0.0/16:82"))
+    text = ruleset.policy_elements("inet t", "5", pol)
+    assert "add element inet t ap_5 { 10.0.0.0/8 . tcp . 80-95 }" in text
+    six = NetworkPolicy(allow=("[2001:db8::/32]:443", "[2001:db8::1]:443", "1.2.3.4:443"))
+    text = ruleset.policy_elements("inet t", "5", six)
+    assert "add element inet t ap6_5 { 2001:db8::/32 . tcp . 443 }" in text
+    assert "add element inet t ap_5 { 1.2.3.4/32 . tcp . 443 }" in text

@@ -5,7 +5,9 @@ unless ``/udp``), ``DOMAIN`` and ``*.DOMAIN`` (every subdomain, not the domain i
 A bare address counts as a /32. ``allow`` opens, ``deny`` closes, and deny wins.
 ``from:CIDR[:PORT[-PORT][/udp]]`` (allow only) is an *ingress* rule: hosts in CIDR (another
 sandbox, or a network routed to the edge) may open connections to this sandbox's ports.
-Only IPv4 addresses are accepted: sandboxes get no IPv6 address, so IPv6 is always denied.
+IPv6 networks are written bare (``2001:db8::/32``) or in brackets before a port
+(``[2001:db8::/32]:443``); they open something only on an edge that gives sandboxes IPv6
+addresses (``--net-pool6``), elsewhere IPv6 stays denied.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ _PORTS_RE = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?(?:/(tcp|udp))?$")
 
 @dataclass(frozen=True, slots=True)
 class CidrRule:
-    """An IPv4 network, optionally narrowed to a protocol and port range."""
+    """An IPv4 or IPv6 network, optionally narrowed to a protocol and port range."""
 
-    network: str  # "10.1.2.0/24"
+    network: str  # "10.1.2.0/24", "2001:db8::/32"
     proto: str = ""  # "", "tcp" or "udp"; "" means every protocol and port
     port_lo: int = 0
     port_hi: int = 0
@@ -59,7 +61,15 @@ def parse_rule(text: str) -> Rule:
         if not isinstance(rule, CidrRule):
             raise InvalidArgument(f"ingress rule {text!r}: expected from:CIDR[:PORT[-PORT][/udp]]")
         return replace(rule, ingress=True)
-    head, sep, ports = s.partition(":")
+    if s.startswith("["):  # [IPv6 CIDR]:PORT...
+        head, bracket, rest = s[1:].partition("]")
+        sep, ports = rest[:1], rest[1:]
+        if not bracket or rest[:1] not in ("", ":") or (sep and not ports):
+            raise InvalidArgument(f"invalid network rule {text!r}: expected [IPv6 CIDR]:PORT")
+    elif s.count(":") > 1:  # a bare IPv6 address or network: no ports without brackets
+        head, sep, ports = s, "", ""
+    else:
+        head, sep, ports = s.partition(":")
     try:
         net = ipaddress.ip_network(head, strict=False)
     except ValueError:
@@ -71,8 +81,8 @@ def parse_rule(text: str) -> Rule:
                 "DOMAIN or *.DOMAIN"
             )
         return DomainRule(s.removeprefix("*."), s.startswith("*."))
-    if net.version != 4:
-        raise InvalidArgument(f"network rule {text!r}: only IPv4 rules are supported")
+    if s.startswith("[") and net.version != 6:
+        raise InvalidArgument(f"network rule {text!r}: brackets are for IPv6 networks")
     if not sep:
         return CidrRule(str(net))
     m = _PORTS_RE.match(ports)

@@ -22,7 +22,7 @@ from dsec.core.admission import NodeCapacity
 from dsec.core.errors import DsecError
 from dsec.edge.backends.api import Backend
 from dsec.edge.manager import SandboxManager
-from dsec.edge.net.config import DEFAULT_POOL, NetConfig
+from dsec.edge.net.config import DEFAULT_POOL, NetConfig, edge_pool6
 from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.edge.records import RecordStore
 from dsec.edge.service import EdgeService
@@ -87,7 +87,7 @@ def candidate_backends(
     container = ContainerBackend(paths, edge_id, image_store=store, network=network)
     function = FunctionBackend(paths, edge_id, image_store=store)
     microvm = MicrovmBackend(paths, edge_id, image_store=store, vmm=vmm, network=network)
-    fullvm = VmBackend(paths, edge_id, image_store=store)
+    fullvm = VmBackend(paths, edge_id, image_store=store, network=network)
     return [container, function, microvm, fullvm]
 
 
@@ -300,6 +300,7 @@ def make_network(args: argparse.Namespace, paths: Paths, edge_id: str) -> EdgeNe
         gateway_netns=args.net_gateway_netns or None,
         dns_port=args.net_dns_port,
         warm=args.net_warm,
+        pool6=edge_pool6(edge_id) if args.net_pool6 == "auto" else args.net_pool6,
     )
     return EdgeNetwork(edge_id, cfg)
 
@@ -341,6 +342,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     net.add_argument("--net-dns-port", type=int, default=53)
     net.add_argument("--net-warm", type=int, default=4, help="networks kept ready for creates")
+    net.add_argument(
+        "--net-pool6",
+        default="",
+        help="unique local IPv6 pool, one /126 each ('auto': a /64 derived from the edge id;"
+        " default: sandboxes get no IPv6)",
+    )
     return ap.parse_args(argv)
 
 

@@ -3,10 +3,11 @@
 Queries arrive on one UDP socket in the gateway namespace (the firewall redirects every
 sandbox's port 53 to it) and are attributed to a sandbox by source address (the firewall
 drops spoofed sources). A name that the sandbox's policy allows (and does not deny) is
-forwarded to the upstream resolver; the IPv4 addresses in the answer are added to the
-sandbox's allow set with the record's TTL as timeout *before* the answer is sent, so the
-connection that follows is never refused. Other names get NXDOMAIN, other opcodes and
-multi-question queries REFUSED, and AAAA records are dropped (sandboxes have no IPv6).
+forwarded to the upstream resolver; the addresses in the answer (A, and AAAA when the
+sandboxes have IPv6) are added to the sandbox's allow sets with the record's TTL as
+timeout *before* the answer is sent, so the connection that follows is never refused.
+Other names get NXDOMAIN, other opcodes and multi-question queries REFUSED; without IPv6,
+AAAA records are dropped from answers.
 Nothing but allowed names reaches the upstream, so DNS cannot tunnel data to arbitrary
 resolvers (only to the authorities of allowed domains).
 
@@ -71,7 +72,9 @@ class DnsProxy:
         lookup: Lookup,
         on_answer: OnAnswer,
         listen_tcp: socket.socket | None = None,
+        ipv6: bool = False,
     ) -> None:
+        self._ipv6 = ipv6  # sandboxes have IPv6 addresses: AAAA answers open them too
         self._listen_sock = listen
         self._listen_tcp = listen_tcp
         self._tcp_server: asyncio.Server | None = None
@@ -184,11 +187,12 @@ class DnsProxy:
             log(_log, "upstream dns failed", logging.WARNING, name=qname, err=repr(exc))
             return _error(query, RCODE.SERVFAIL)
         reply.header.id = query.header.id
-        reply.rr = [rr for rr in reply.rr if rr.rtype != QTYPE.AAAA]
+        if not self._ipv6:
+            reply.rr = [rr for rr in reply.rr if rr.rtype != QTYPE.AAAA]
         addrs = [
             (str(rr.rdata), max(1, min(MAX_TTL_S, rr.ttl)))
             for rr in reply.rr
-            if rr.rtype == QTYPE.A
+            if rr.rtype in (QTYPE.A, QTYPE.AAAA)
         ]
         if addrs:
             try:

@@ -1,7 +1,8 @@
 """Network namespaces and veth pairs, made in-process with pyroute2 and a few syscalls.
 
 A sandbox's namespace is made by a thread that ``unshare(CLONE_NEWNET)``s, configures it
-(``lo`` up, ``eth0`` with the sandbox's address and a default route, IPv6 off), creates
+(``lo`` up, ``eth0`` with the sandbox's addresses and default routes; IPv6 off unless the
+edge has an IPv6 pool), creates
 the veth pair with its host end in the gateway namespace, keeps the namespace alive with
 a bind mount of its nsfs file, and returns to where it was. No subprocess is spawned.
 """
@@ -12,6 +13,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,8 +90,12 @@ def make_sandbox_netns(
     address: str,
     gateway: str,
     prefixlen: int,
+    address6: str = "",
+    gateway6: str = "",
 ) -> None:
     """Create the namespace at ``path`` with ``eth0`` and the veth's host end in the gateway.
+    With ``address6`` eth0 also gets that IPv6 address (/126) and a default route via
+    ``gateway6``; without, IPv6 is off in the namespace.
 
     Runs on the calling thread and leaves it where it was. On failure the namespace is
     removed; the caller deletes ``host_ifname`` (it may exist).
@@ -102,7 +108,9 @@ def make_sandbox_netns(
         try:
             src = f"/proc/self/task/{threading.get_native_id()}/ns/net".encode()
             _check(_libc.mount(src, os.fsencode(path), None, MS_BIND, None), "bind netns")
-            _configure_inside(gateway_fd, host_ifname, address, gateway, prefixlen)
+            _configure_inside(
+                gateway_fd, host_ifname, address, gateway, prefixlen, address6, gateway6
+            )
         finally:
             setns(back)
     except BaseException:
@@ -112,14 +120,31 @@ def make_sandbox_netns(
         os.close(back)
 
 
-def _configure_inside(
-    gateway_fd: int, host_ifname: str, address: str, gateway: str, prefixlen: int
-) -> None:
+IFA_F_NODAD = 0x02
+PREFIXLEN6 = 126
+
+
+def _sysctls6(address6: str) -> None:
+    # IPv6 off, or on without router advertisements, autoconfiguration and DAD (the
+    # addresses are ours alone; DAD would delay them by a second)
+    values = {"disable_ipv6": "0", "accept_ra": "0", "autoconf": "0", "accept_dad": "0"}
     with contextlib.suppress(OSError):
-        with open("/proc/sys/net/ipv6/conf/all/disable_ipv6", "w") as f:
-            f.write("1")
-        with open("/proc/sys/net/ipv6/conf/default/disable_ipv6", "w") as f:
-            f.write("1")
+        for conf in ("all", "default"):
+            for name, value in values.items() if address6 else [("disable_ipv6", "1")]:
+                with open(f"/proc/sys/net/ipv6/conf/{conf}/{name}", "w") as f:
+                    f.write(value)
+
+
+def _configure_inside(
+    gateway_fd: int,
+    host_ifname: str,
+    address: str,
+    gateway: str,
+    prefixlen: int,
+    address6: str,
+    gateway6: str,
+) -> None:
+    _sysctls6(address6)
     with IPRoute() as ip:
         ip.link("set", index=1, state="up")
         ip.link(
@@ -130,14 +155,22 @@ def _configure_inside(
         )
         (idx,) = ip.link_lookup(ifname="eth0")
         ip.addr("add", index=idx, address=address, prefixlen=prefixlen)
+        if address6:
+            ip.addr("add", index=idx, address=address6, prefixlen=PREFIXLEN6, flags=IFA_F_NODAD)
         ip.link("set", index=idx, state="up")
         ip.route("add", dst="0.0.0.0/0", gateway=gateway)
+        if address6:
+            ip.route("add", dst="::/0", gateway=gateway6, family=socket.AF_INET6)
 
 
-def configure_host_end(ip: IPRoute, ifname: str, address: str, prefixlen: int) -> None:
+def configure_host_end(
+    ip: IPRoute, ifname: str, address: str, prefixlen: int, address6: str = ""
+) -> None:
     """Address and bring up the veth's host end (``ip`` lives in the gateway namespace)."""
     (idx,) = ip.link_lookup(ifname=ifname)
     ip.addr("add", index=idx, address=address, prefixlen=prefixlen)
+    if address6:
+        ip.addr("add", index=idx, address=address6, prefixlen=PREFIXLEN6, flags=IFA_F_NODAD)
     ip.link("set", index=idx, state="up")
 
 

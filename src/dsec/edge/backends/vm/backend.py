@@ -10,7 +10,10 @@ restore), fork and destroy. What differs:
 * systemd is PID 1; aether and the channel multiplexer are systemd services of the image;
 * the sandbox's environment and hostname travel on the kernel command line
   (``systemd.setenv=``, ``systemd.hostname=``), so there is no config disk to read;
-* boots take seconds (systemd), so the boot watchdog allows more.
+* boots take seconds (systemd), so the boot watchdog allows more;
+* with sandbox networking the NIC is the microVM's (TAP in the sandbox's namespace,
+  ``virtio-net-pci``, the same ``ip=``), but the image's ``dsec-net.service`` applies
+  ``ip=`` (Debian's kernel has no ``IP_PNP``) once udev has loaded ``virtio_net``.
 
 ``spec.image`` names the system image; only the built-in ``base`` (Debian bookworm,
 built by ``dsec setup --vm-image``) exists today.
@@ -37,7 +40,7 @@ from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
 from dsec.edge.backends.api import Availability, Capabilities, SandboxPaths, Started
 from dsec.edge.backends.microvm import disks, qemu
-from dsec.edge.backends.microvm.backend import MicrovmBackend, _save_meta
+from dsec.edge.backends.microvm.backend import MicrovmBackend, _save_meta, _with_net
 from dsec.edge.backends.microvm.vmm import Drive, VmConfig
 from dsec.edge.backends.vm import image as vm_image
 from dsec.edge.images.store import Image, ImageConfig
@@ -56,9 +59,9 @@ class VmBackend(MicrovmBackend):
     name = "vm"
     boot_timeout_s = VM_BOOT_TIMEOUT_S
     fixed_vmm = "qemu"  # a q35 PC: Firecracker has no such machine
-    # The Debian image has virtio_net as a module, no IP_PNP, networkd off: it would need
-    # systemd-networkd + systemd-network-generator (which read ip=) enabled in the image.
-    guest_network = False
+    # The Debian kernel has no IP_PNP: the image's dsec-net.service reads the same ip=
+    # once udev loaded virtio_net (image.NET_SCRIPT).
+    guest_network = True
 
     def availability(self) -> Availability:
         if os.geteuid() != 0:
@@ -140,6 +143,8 @@ class VmBackend(MicrovmBackend):
         net: dict[str, str],
     ) -> None:
         cmdline = guest_cmdline(sandbox_id, env)
+        if net:  # the NIC is eth0, which dsec-net.service waits for; ip= comes in _config
+            cmdline += " net.ifnames=0"
         sd = paths.state_dir
         sd.mkdir(parents=True, exist_ok=True)
         # The VM's disk is named like the microVM's writable disk, so fork (which freezes
@@ -156,12 +161,13 @@ class VmBackend(MicrovmBackend):
             "agent_socket": str(paths.agent_socket),
             "mem_gen": "",
             "shared_ram": True,
+            "net": net,
         }
         _save_meta(sd, meta)
 
     def _config(self, sandbox_id: str, paths: SandboxPaths, meta: dict[str, Any]) -> VmConfig:
         run = self.run_dir(sandbox_id)
-        return VmConfig(
+        config = VmConfig(
             vcpus=meta["vcpus"],
             memory_mib=meta["memory_mib"],
             kernel=Path(meta["kernel"]),
@@ -176,6 +182,7 @@ class VmBackend(MicrovmBackend):
                 "cgroups": ":".join(self._cgroup_dirs(sandbox_id)),
             },
         )
+        return _with_net(config, meta.get("net") or {})
 
 
 def guest_cmdline(sandbox_id: str, env: dict[str, str]) -> str:

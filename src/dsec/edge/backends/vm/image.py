@@ -110,7 +110,47 @@ RestartSec=100ms
 [Install]
 WantedBy=sysinit.target
 """,
+    # A networked VM's eth0 (net.ifnames=0) from ip= on the kernel command line: Debian's
+    # kernel has no IP_PNP and virtio_net is a module, so a script loads it and applies
+    # ip=. Part of the boot transaction (WantedBy=sysinit.target), not ordered before
+    # anything: `systemctl is-system-running --wait` (the backend's boot check) waits for
+    # it. No device dependency: under TCG on a busy host udev can take longer than a
+    # device unit's 90 s timeout, and the script waits for eth0 itself.
+    "dsec-net.service": """\
+[Unit]
+Description=OpenDsec sandbox network (eth0 from ip= on the kernel command line)
+DefaultDependencies=no
+ConditionKernelCommandLine=ip
+Before=network.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+TimeoutStartSec=15min
+ExecStart=/usr/local/sbin/dsec-net
+
+[Install]
+WantedBy=sysinit.target
+""",
 }
+# ip=ADDR::GATEWAY:NETMASK::DEVICE:off:DNS, the kernel's syntax (SandboxNet.kernel_ip_arg)
+NET_SCRIPT = """\
+#!/bin/sh
+set -eu
+spec=
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in ip=*) spec=${arg#ip=} ;; esac
+done
+IFS=: read -r addr _peer gw mask _host dev _auto dns <<END
+$spec
+END
+modprobe -q virtio_net || true
+while [ ! -e "/sys/class/net/$dev" ]; do sleep 0.2; done
+ip link set "$dev" up
+ip addr add "$addr/$mask" dev "$dev"
+ip route add default via "$gw"
+echo "nameserver $dns" > /etc/resolv.conf
+"""
 # Before the packages: initramfs-tools reads these when linux-image's postinst runs it.
 _SETUP = (
     'mkdir -p "$1"/etc/initramfs-tools/conf.d "$1"/usr/share/initramfs-tools/modules.d',
@@ -124,6 +164,8 @@ _CUSTOMIZE = (
     'printf "127.0.0.1\\tlocalhost\\n::1\\tlocalhost ip6-localhost\\n" > "$1"/etc/hosts',
     ': > "$1"/etc/machine-id',
     'mkdir -p "$1"/root',
+    f"cat > \"$1\"/usr/local/sbin/dsec-net <<'EOF'\n{NET_SCRIPT}EOF",
+    'chmod 0755 "$1"/usr/local/sbin/dsec-net',
 )
 
 
