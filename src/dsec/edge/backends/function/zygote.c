@@ -12,13 +12,17 @@
  *                                  with its pidfd (after the previous call's "X")
  *                    "S" stage err the call's process exec'd (stage 0) or failed
  *                                  (1 cwd, 2 exec, 3 other, 4 discarded)
- *                    "X" status    the call's process (pid 1 of its pid namespace) exited
+ *                    "X" status    the call's command exited (its wait status; that of
+ *                                  the call's process if it died first, e.g. killed)
  *                    "E" text      a process could not be prepared
  *
  * A prepared process is pid 1 of new pid, mount, ipc and cgroup namespaces: it mounts a
  * fresh tmpfs on /call, an overlay of the layers over it, its own /proc and /dev, pivots
- * into it and waits.  Per call it takes its pipes, becomes the user, loads the filter and
- * execs the command; when it exits, the kernel kills all it started.
+ * into it and waits.  Per call it forks the command (pid 2: takes its pipes, becomes the
+ * user, loads the filter and execs) and stays as the call's init: it forwards the signals
+ * it gets to the command's process group (a command as pid 1 would ignore SIGTERM without
+ * a handler), reaps orphans, and when the command exits it reports the command's status
+ * on the link and exits, so the kernel kills all the call started.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -129,7 +133,34 @@ static char *str(const char **p, const char *end) {
     return (char *)s;
 }
 
-/* In the new process: wait for the call, then become it.  Only returns on failure. */
+/* The call's init (pid 1): pass on the command's start, forward signals, reap, report. */
+static void call_init(pid_t cmd, int link, int ready) {
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);  /* taken with sigwaitinfo, never delivered */
+    setsid();
+    for (int i = 0; i < 3; i++) close(i);  /* the command's pipes: EOF when it is done */
+    int32_t rep[2] = {0, 0};
+    if (read(ready, rep, sizeof rep) != (ssize_t)sizeof rep) rep[0] = rep[1] = 0;  /* exec'd */
+    close(ready);
+    send(link, rep, sizeof rep, MSG_NOSIGNAL);
+    for (;;) {
+        int status;
+        pid_t p;
+        while ((p = waitpid(-1, &status, WNOHANG)) > 0) {
+            if (p == cmd) {
+                int32_t w[2] = {'W', status};
+                send(link, w, sizeof w, MSG_NOSIGNAL);
+                _exit(0);
+            }
+        }
+        siginfo_t si;
+        int sig = sigwaitinfo(&all, &si);
+        if (sig > 0 && sig != SIGCHLD && kill(-cmd, sig) < 0) kill(cmd, sig);
+    }
+}
+
+/* In the new process: wait for the call, then run it.  Only returns on failure. */
 static void serve(int link) {
     struct msghdr mh = {0};
     struct iovec iov = {msg, MAX_MSG};
@@ -171,6 +202,16 @@ static void serve(int link) {
         if (dup2(fds[i], i) < 0) goto out;
     for (int i = 0; i < 3; i++)
         if (fds[i] > 2) close(fds[i]);
+    int ready[2];
+    if (pipe2(ready, O_CLOEXEC)) goto out;
+    pid_t cmd = fork();
+    if (cmd < 0) goto out;
+    if (cmd > 0) {
+        close(ready[1]);
+        call_init(cmd, link, ready[0]);
+    }
+    close(ready[0]);
+    link = ready[1];  /* a failure goes to the init, which passes it on */
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -187,7 +228,7 @@ static void serve(int link) {
     execve(path, argv, envp);
 out:
     rep[1] = errno;
-    send(link, rep, sizeof rep, MSG_NOSIGNAL);
+    if (write(link, rep, sizeof rep) < 0) _exit(126);  /* the link, or the init's pipe */
     _exit(127);
 }
 
@@ -293,17 +334,21 @@ int main(int argc, char **argv) {
         for (int i = 0; i < 3; i++)
             if (fds[i] >= 0) close(fds[i]);
         if (rep[0] == 0) {
-            ssize_t k = recv(link, rep, sizeof rep, 0);  /* EOF: exec'd (the link is cloexec) */
+            ssize_t k = recv(link, rep, sizeof rep, 0);  /* from the call's init */
             if (k != sizeof rep) rep[0] = rep[1] = 0;
             if (msg[0] != 'G') rep[0] = 4;
         }
-        close(link);
+        int ran = link;  /* the call's init reports its command's status here */
         say2("S", rep[0], rep[1]);
         pid_t running = next;
         next = spawn_next(&link);  /* it builds its root while the call runs */
         int status = 0;
         while (waitpid(running, &status, 0) < 0 && errno == EINTR) {
         }
+        int32_t w[2];
+        if (recv(ran, w, sizeof w, MSG_DONTWAIT) == (ssize_t)sizeof w && w[0] == 'W')
+            status = w[1];
+        close(ran);
         say2("X", status, 0);
         next = await_ready(next, &link);
     }
