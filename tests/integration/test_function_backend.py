@@ -331,6 +331,37 @@ async def test_destroy_kills_calls_in_flight(cenv: ContainerTestEnv) -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_next_sandbox_of_an_image_finds_its_workers_warm(
+    cenv: ContainerTestEnv,
+) -> None:
+    """A removed sandbox's image keeps its workers (LINGER_S): create, call, kill, create."""
+    backend = FunctionBackend(
+        cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
+    )
+    spec = SandboxSpec(backend="function")
+    first, first_paths = cenv.sandbox()
+    second, second_paths = cenv.sandbox()
+    try:
+        await backend.create(first, spec, first_paths)
+        res = await agent_client.call(first_paths.agent_socket, {"op": "exec", "cmd": "true"})
+        assert res.result["exit_code"] == 0
+        before = {w["pid"] for w in (await backend.stats())["workers"]}
+        await backend.destroy(first, first_paths)
+        assert backend.leaked(first, first_paths) == []
+        await backend.create(second, spec, second_paths)
+        ready = {w["pid"] for w in (await backend.stats())["workers"] if w["state"] == "ready"}
+        assert ready
+        assert ready <= before  # no new worker had to start
+        res = await agent_client.call(second_paths.agent_socket, {"op": "exec", "cmd": "true"})
+        assert res.result["exit_code"] == 0
+        await backend.destroy(second, second_paths)
+    finally:
+        await backend.close()
+        backend.release_host_setup()
+    assert backend.leaked(second, second_paths) == []
+
+
+@pytest.mark.asyncio
 async def test_network_rules_are_refused(cenv: ContainerTestEnv) -> None:
     backend = FunctionBackend(
         cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
