@@ -21,8 +21,10 @@
  * into it and waits.  Per call it forks the command (pid 2: takes its pipes, becomes the
  * user, loads the filter and execs) and stays as the call's init: it forwards the signals
  * it gets to the command's process group (a command as pid 1 would ignore SIGTERM without
- * a handler), reaps orphans, and when the command exits it reports the command's status
- * on the link and exits, so the kernel kills all the call started.
+ * a handler), reaps orphans, and when the command exits it writes the command's wait
+ * status to its status pipe and exits, so the kernel kills all the call started.  The init
+ * is off the start's path: it closes the link at once, so the zygote still sees the exec
+ * (or the command's failure) on the link itself.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -133,24 +135,20 @@ static char *str(const char **p, const char *end) {
     return (char *)s;
 }
 
-/* The call's init (pid 1): pass on the command's start, forward signals, reap, report. */
-static void call_init(pid_t cmd, int link, int ready) {
+/* The call's init (pid 1): forward signals to the command, reap, report its status. */
+static void call_init(pid_t cmd, int status_fd) {
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);  /* taken with sigwaitinfo, never delivered */
     setsid();
     for (int i = 0; i < 3; i++) close(i);  /* the command's pipes: EOF when it is done */
-    int32_t rep[2] = {0, 0};
-    if (read(ready, rep, sizeof rep) != (ssize_t)sizeof rep) rep[0] = rep[1] = 0;  /* exec'd */
-    close(ready);
-    send(link, rep, sizeof rep, MSG_NOSIGNAL);
     for (;;) {
         int status;
         pid_t p;
         while ((p = waitpid(-1, &status, WNOHANG)) > 0) {
             if (p == cmd) {
-                int32_t w[2] = {'W', status};
-                send(link, w, sizeof w, MSG_NOSIGNAL);
+                int32_t w = status;
+                if (write(status_fd, &w, sizeof w) < 0) _exit(1);
                 _exit(0);
             }
         }
@@ -161,7 +159,7 @@ static void call_init(pid_t cmd, int link, int ready) {
 }
 
 /* In the new process: wait for the call, then run it.  Only returns on failure. */
-static void serve(int link) {
+static void serve(int link, int status_fd) {
     struct msghdr mh = {0};
     struct iovec iov = {msg, MAX_MSG};
     char cbuf[CMSG_SPACE(3 * sizeof(int))];
@@ -202,16 +200,12 @@ static void serve(int link) {
         if (dup2(fds[i], i) < 0) goto out;
     for (int i = 0; i < 3; i++)
         if (fds[i] > 2) close(fds[i]);
-    int ready[2];
-    if (pipe2(ready, O_CLOEXEC)) goto out;
     pid_t cmd = fork();
     if (cmd < 0) goto out;
     if (cmd > 0) {
-        close(ready[1]);
-        call_init(cmd, link, ready[0]);
+        close(link);  /* the command's exec closes the last copy: the zygote sees it */
+        call_init(cmd, status_fd);
     }
-    close(ready[0]);
-    link = ready[1];  /* a failure goes to the init, which passes it on */
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -228,22 +222,30 @@ static void serve(int link) {
     execve(path, argv, envp);
 out:
     rep[1] = errno;
-    if (write(link, rep, sizeof rep) < 0) _exit(126);  /* the link, or the init's pipe */
+    send(link, rep, sizeof rep, MSG_NOSIGNAL);
     _exit(127);
 }
 
 /* Fork the next call's process (it builds its root on its own); return its pid, or -1. */
-static pid_t spawn_next(int *link) {
-    int sp[2];
+static pid_t spawn_next(int *link, int *status_fd) {
+    int sp[2], st[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp)) return fail("socketpair");
+    if (pipe2(st, O_CLOEXEC)) {
+        close(sp[0]);
+        close(sp[1]);
+        return fail("pipe");
+    }
     pid_t pid = (pid_t)syscall(SYS_clone, CALL_NS | SIGCHLD, NULL, NULL, NULL, NULL);
     if (pid < 0) {
         close(sp[0]);
         close(sp[1]);
+        close(st[0]);
+        close(st[1]);
         return fail("clone");
     }
     if (pid == 0) {
         close(sp[0]);
+        close(st[0]);
         close(WORKER);
         prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
         char ok = build_root() ? 'E' : 'R';
@@ -254,11 +256,14 @@ static pid_t spawn_next(int *link) {
             _exit(1);
         }
         send(sp[1], &ok, 1, MSG_NOSIGNAL);
-        serve(sp[1]);
+        serve(sp[1], st[1]);
         _exit(127);
     }
     close(sp[1]);
+    close(st[1]);
+    fcntl(st[0], F_SETFL, O_NONBLOCK);
     *link = sp[0];
+    *status_fd = st[0];
     return pid;
 }
 
@@ -305,9 +310,10 @@ int main(int argc, char **argv) {
     if (!msg || n <= 0 || n % sizeof(struct sock_filter)) return 1;
     filter.len = (unsigned short)(n / sizeof(struct sock_filter));
     filter.filter = (struct sock_filter *)prog;
-    int link = -1;
-    pid_t next = spawn_next(&link);
+    int link = -1, status_fd = -1;
+    pid_t next = spawn_next(&link, &status_fd);
     next = await_ready(next, &link);
+    if (next < 0 && status_fd >= 0) close(status_fd);
     for (;;) {
         char cbuf[CMSG_SPACE(3 * sizeof(int))];
         struct iovec iov = {msg, MAX_MSG};
@@ -334,23 +340,29 @@ int main(int argc, char **argv) {
         for (int i = 0; i < 3; i++)
             if (fds[i] >= 0) close(fds[i]);
         if (rep[0] == 0) {
-            ssize_t k = recv(link, rep, sizeof rep, 0);  /* from the call's init */
+            ssize_t k = recv(link, rep, sizeof rep, 0);  /* EOF: exec'd (the link is cloexec) */
             if (k != sizeof rep) rep[0] = rep[1] = 0;
             if (msg[0] != 'G') rep[0] = 4;
         }
-        int ran = link;  /* the call's init reports its command's status here */
+        close(link);
+        link = -1;
+        int ran = status_fd;  /* the call's init writes its command's status here */
+        status_fd = -1;
         say2("S", rep[0], rep[1]);
         pid_t running = next;
-        next = spawn_next(&link);  /* it builds its root while the call runs */
+        next = spawn_next(&link, &status_fd);  /* it builds its root while the call runs */
         int status = 0;
         while (waitpid(running, &status, 0) < 0 && errno == EINTR) {
         }
-        int32_t w[2];
-        if (recv(ran, w, sizeof w, MSG_DONTWAIT) == (ssize_t)sizeof w && w[0] == 'W')
-            status = w[1];
+        int32_t w;
+        if (read(ran, &w, sizeof w) == (ssize_t)sizeof w) status = w;  /* else: the init's */
         close(ran);
         say2("X", status, 0);
         next = await_ready(next, &link);
+        if (next < 0 && status_fd >= 0) {
+            close(status_fd);
+            status_fd = -1;
+        }
     }
     if (next > 0) {
         kill(next, SIGKILL);
