@@ -21,10 +21,12 @@
  * into it and waits.  Per call it forks the command (pid 2: takes its pipes, becomes the
  * user, loads the filter and execs) and stays as the call's init: it forwards the signals
  * it gets to the command's process group (a command as pid 1 would ignore SIGTERM without
- * a handler), reaps orphans, and when the command exits it writes the command's wait
- * status to its status pipe and exits, so the kernel kills all the call started.  The init
- * is off the start's path: it closes the link at once, so the zygote still sees the exec
- * (or the command's failure) on the link itself.
+ * a handler), reaps orphans, and when the command exits it kills and reaps all the call
+ * started, writes the command's wait status to its status pipe and exits.  The zygote
+ * reports the exit ("X") as soon as that status is written: the teardown of the call's
+ * namespaces and mounts (at the init's exit) is off the call's path.  The init is off the
+ * start's path too: it closes the link at once, so the zygote still sees the exec (or the
+ * command's failure) on the link itself.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -146,7 +148,10 @@ static void call_init(pid_t cmd, int status_fd) {
         int status;
         pid_t p;
         while ((p = waitpid(-1, &status, WNOHANG)) > 0) {
-            if (p == cmd) {
+            if (p == cmd) {  /* end the call now; its namespaces are torn down after */
+                kill(-1, SIGKILL);  /* everything else the call started (not the init) */
+                while (waitpid(-1, NULL, 0) > 0 || errno == EINTR) {
+                }
                 int32_t w = status;
                 if (write(status_fd, &w, sizeof w) < 0) _exit(1);
                 _exit(0);
@@ -261,7 +266,6 @@ static pid_t spawn_next(int *link, int *status_fd) {
     }
     close(sp[1]);
     close(st[1]);
-    fcntl(st[0], F_SETFL, O_NONBLOCK);
     *link = sp[0];
     *status_fd = st[0];
     return pid;
@@ -352,12 +356,15 @@ int main(int argc, char **argv) {
         pid_t running = next;
         next = spawn_next(&link, &status_fd);  /* it builds its root while the call runs */
         int status = 0;
+        int32_t w;
+        ssize_t got;
+        while ((got = read(ran, &w, sizeof w)) < 0 && errno == EINTR) {
+        }
+        close(ran);
+        if (got == (ssize_t)sizeof w) say2("X", w, 0);  /* nothing of the call runs now */
         while (waitpid(running, &status, 0) < 0 && errno == EINTR) {
         }
-        int32_t w;
-        if (read(ran, &w, sizeof w) == (ssize_t)sizeof w) status = w;  /* else: the init's */
-        close(ran);
-        say2("X", status, 0);
+        if (got != (ssize_t)sizeof w) say2("X", status, 0);  /* the init died: killed */
         next = await_ready(next, &link);
         if (next < 0 && status_fd >= 0) {
             close(status_fd);
