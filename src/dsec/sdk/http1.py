@@ -73,8 +73,7 @@ class Http1Pool:
                 if not self._idle:
                     return None
                 conn = self._idle.pop()
-            sock = conn.sock
-            if sock is not None and not select.select([sock], [], [], 0)[0]:
+            if conn.sock is not None and not _readable(conn.sock.fileno()):
                 return conn
             conn.close()  # closed by the server (or it sent something unasked)
 
@@ -139,3 +138,10 @@ class Http1Pool:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` has data or EOF waiting (poll: fds above 1023 work too)."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
