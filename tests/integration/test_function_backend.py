@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from dsec.agent import protocol
 from dsec.core.errors import BackendUnavailable, InvalidArgument
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
@@ -194,6 +195,50 @@ async def test_call_over_its_time_limit_is_killed(fn: Fn) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_signal_reaches_a_command_without_a_handler(fn: Fn) -> None:
+    """The call's init (pid 1) forwards SIGTERM: a command that is not pid 1 dies of it."""
+    req = {"op": "exec", "cmd": "echo $$; exec sleep 30", "timeout": 60}
+    stream = await agent_client.open_stream(fn.paths.agent_socket, req)
+    t0 = time.monotonic()
+    try:
+        started = False
+        async for kind, payload in stream:
+            if kind == protocol.KIND_JSON and b'"started"' in payload and not started:
+                started = True
+            elif kind == protocol.KIND_OUT:
+                assert payload.strip() == b"2"  # the command is pid 2, its init pid 1
+                await stream.send_json({"signal": 15})
+    finally:
+        await stream.aclose()
+    assert started
+    assert stream.final is not None
+    out = stream.final["result"]
+    assert (out["signal"], out["exit_code"], out["timed_out"]) == (15, 143, False)
+    assert time.monotonic() - t0 < 20
+
+
+ZOMBIES = """
+import glob, os, time
+if os.fork() == 0:
+    if os.fork() == 0:
+        os._exit(0)  # an orphan once its parent is gone
+    os._exit(0)
+os.wait()
+time.sleep(0.5)
+stats = [open(f).read() for f in glob.glob("/proc/[0-9]*/stat")]
+print(sum(s.rsplit(")", 1)[1].split()[0] == "Z" for s in stats))
+"""
+
+
+@pytest.mark.asyncio
+async def test_orphans_are_reaped_while_the_command_runs(fn: Fn) -> None:
+    """An orphan goes to the call's init, which reaps it (the command does not)."""
+    res, out = await fn.run(["python3", "-c", ZOMBIES])
+    assert out["exit_code"] == 0, res.stderr
+    assert res.stdout.strip() == b"0"
+
+
+@pytest.mark.asyncio
 async def test_call_over_its_memory_limit_is_oom_killed(fn: Fn) -> None:
     hog = ["python3", "-c", "x = bytearray(200 * 2**20); print('survived')"]
     res, out = await fn.run(hog, memory_mb=48)
@@ -283,6 +328,37 @@ async def test_destroy_kills_calls_in_flight(cenv: ContainerTestEnv) -> None:
         await backend.close()
         backend.release_host_setup()
     assert backend.leaked(sid, paths) == []
+
+
+@pytest.mark.asyncio
+async def test_the_next_sandbox_of_an_image_finds_its_workers_warm(
+    cenv: ContainerTestEnv,
+) -> None:
+    """A removed sandbox's image keeps its workers (LINGER_S): create, call, kill, create."""
+    backend = FunctionBackend(
+        cenv.paths, "e0a1", image_store=cenv.store, cgroup_parent=cenv.cgroup_parent
+    )
+    spec = SandboxSpec(backend="function")
+    first, first_paths = cenv.sandbox()
+    second, second_paths = cenv.sandbox()
+    try:
+        await backend.create(first, spec, first_paths)
+        res = await agent_client.call(first_paths.agent_socket, {"op": "exec", "cmd": "true"})
+        assert res.result["exit_code"] == 0
+        before = {w["pid"] for w in (await backend.stats())["workers"]}
+        await backend.destroy(first, first_paths)
+        assert backend.leaked(first, first_paths) == []
+        await backend.create(second, spec, second_paths)
+        ready = {w["pid"] for w in (await backend.stats())["workers"] if w["state"] == "ready"}
+        assert ready
+        assert ready <= before  # no new worker had to start
+        res = await agent_client.call(second_paths.agent_socket, {"op": "exec", "cmd": "true"})
+        assert res.result["exit_code"] == 0
+        await backend.destroy(second, second_paths)
+    finally:
+        await backend.close()
+        backend.release_host_setup()
+    assert backend.leaked(second, second_paths) == []
 
 
 @pytest.mark.asyncio

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from dsec.core.errors import DeadlineExceeded, Internal, error_from_wire
 DEFAULT_LIMIT = 32 * 1024 * 1024
 CONNECT_RETRY_S = 5.0  # how long a socket that is not there yet (or refuses) is retried
 MAX_EVENTS = 10_000
+INLINE_STDIN = 64 * 1024  # sent with the request (the socket buffer takes it whole)
+RECV_SIZE = 256 * 1024
 _RETRY = (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN)
 
 Frame = tuple[int, bytes]
@@ -185,30 +188,59 @@ async def call(
 async def _call(
     path: str | Path, request: dict[str, Any], stdin: bytes | None, limit: int
 ) -> CallResult:
-    stream = await open_stream(path, request)
+    """One call on a bare non-blocking socket (no transport, stream reader or tasks: this
+    is every exec's path). Small stdin goes out with the request; larger stdin is sent by
+    a task while the output is read, so neither side can block the other."""
+    loop = asyncio.get_running_loop()
+    sock = await _connect_socket(path, CONNECT_RETRY_S)
     sender: asyncio.Future[None] | None = None
     try:
+        head = protocol.encode_json(request)
+        if stdin is not None and len(stdin) <= INLINE_STDIN:
+            head += (protocol.encode(KIND_IN, stdin) if stdin else b"") + protocol.encode(
+                KIND_CLOSE
+            )
+            stdin = None
+        await loop.sock_sendall(sock, head)
         if stdin is not None:
-            sender = asyncio.ensure_future(_send_stdin(stream, stdin))
+            sender = asyncio.ensure_future(_send_stdin_socket(sock, stdin))
         out, err = bytearray(), bytearray()
         events: list[dict[str, Any]] = []
         used, truncated = 0, False
-        async for kind, payload in stream:
-            if stream.final is not None:
-                break
-            if used + len(payload) > limit or (kind == KIND_JSON and len(events) >= MAX_EVENTS):
-                truncated = True
-                continue
-            used += len(payload)
-            if kind == KIND_OUT:
-                out += payload
-            elif kind == KIND_ERR:
-                err += payload
-            else:
-                events.append(protocol.decode_json(payload))
-        if stream.final is None:
-            raise ProtocolError("the agent closed the connection without a final frame")
-        return CallResult(stream.final, bytes(out), bytes(err), tuple(events), truncated)
+        buf = bytearray()
+        final: dict[str, Any] | None = None
+        while final is None:
+            chunk = await loop.sock_recv(sock, RECV_SIZE)
+            if not chunk:
+                raise ProtocolError("the agent closed the connection without a final frame")
+            buf += chunk
+            pos = 0
+            while final is None and len(buf) - pos >= protocol.HEADER.size:
+                length, kind = protocol.parse_header(bytes(buf[pos : pos + protocol.HEADER.size]))
+                start = pos + protocol.HEADER.size
+                if len(buf) - start < length:
+                    break
+                payload = bytes(buf[start : start + length])
+                pos = start + length
+                if kind == KIND_JSON:
+                    obj = protocol.decode_json(payload)
+                    if is_final(obj):
+                        final = obj
+                        break
+                elif kind not in (KIND_OUT, KIND_ERR):
+                    raise ProtocolError(f"the agent sent frame kind {kind:#x}")
+                if used + length > limit or (kind == KIND_JSON and len(events) >= MAX_EVENTS):
+                    truncated = True
+                    continue
+                used += length
+                if kind == KIND_OUT:
+                    out += payload
+                elif kind == KIND_ERR:
+                    err += payload
+                else:
+                    events.append(obj)
+            del buf[:pos]
+        return CallResult(final, bytes(out), bytes(err), tuple(events), truncated)
     finally:
         try:
             if sender is not None:
@@ -220,13 +252,36 @@ async def _call(
                     if task is not None and task.cancelling():
                         raise
         finally:
-            await stream.aclose()
+            sock.close()
 
 
-async def _send_stdin(stream: AgentStream, data: bytes) -> None:
+async def _connect_socket(path: str | Path, retry_s: float) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + retry_s
+    delay = 0.005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, str(path))
+            return sock
+        except BaseException as exc:
+            sock.close()
+            if not isinstance(exc, OSError) or exc.errno not in _RETRY:
+                raise
+            if time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+async def _send_stdin_socket(sock: socket.socket, data: bytes) -> None:
+    loop = asyncio.get_running_loop()
     try:
-        if data:
-            await stream.send(KIND_IN, data)
-        await stream.send(KIND_CLOSE)
+        for start in range(0, len(data), protocol.CHUNK):
+            await loop.sock_sendall(
+                sock, protocol.encode(KIND_IN, data[start : start + protocol.CHUNK])
+            )
+        await loop.sock_sendall(sock, protocol.encode(KIND_CLOSE))
     except (ConnectionError, OSError):
         pass  # the call ended (or failed) before taking all input; its answer says why

@@ -1,4 +1,5 @@
-"""The blocking I/O shell of the SDK: one keep-alive ``httpx.Client`` plus runtime WebSockets.
+"""The blocking I/O shell of the SDK: keep-alive HTTP (``http1`` for JSON calls, an
+``httpx.Client`` for the rest) plus runtime WebSockets.
 
 It only sends what ``wire``/``runtime_calls``/``streams`` build and translates foreign
 exceptions (httpx, websockets, OS errors) into ``dsec.core.errors`` exactly once, here.
@@ -19,6 +20,7 @@ from websockets.sync.client import connect as ws_connect
 from dsec.agent.protocol import CHUNK, MAX_FRAME
 from dsec.core.errors import DeadlineExceeded, DsecError, Internal
 from dsec.sdk.config import ClientConfig, tls_verify
+from dsec.sdk.http1 import Http1Pool, usable
 from dsec.sdk.models import ExecEvent, HttpResponse
 from dsec.sdk.runtime_calls import port_response
 from dsec.sdk.streams import CLOSE_MESSAGE, RuntimeStream, input_messages, runtime_url
@@ -132,6 +134,11 @@ class SyncTransport:
         )
         self._timeouts: dict[float | None, httpx.Timeout] = {}
         self._urls: dict[str, httpx.URL] = {}
+        self._pool = (
+            Http1Pool(config.api_url, self._headers, tls_verify(config.api_url))
+            if http_transport is None and usable(config.api_url)
+            else None
+        )
 
     def _url(self, path: str) -> httpx.URL:
         """The absolute URL of ``path``, parsed once (httpx's base-URL merge is slow)."""
@@ -162,16 +169,22 @@ class SyncTransport:
         except httpx.HTTPError as exc:
             raise translate_httpx(self.config.api_url, exc, req.timeout) from None
 
+    def _unary(self, req: Request, content: Content | None) -> tuple[int, bytes]:
+        """(status, body) of a request whose body is in memory: through the pool if any."""
+        if self._pool is not None and (content is None or isinstance(content, bytes)):
+            return self._pool.request(req, req.body if content is None else content)
+        resp = self.send(req, content)
+        return resp.status_code, resp.content
+
     def call(self, call: Call[T], content: Content | None = None) -> T:
-        resp = self.send(call.request, content)
-        return finish(call, resp.status_code, resp.content)
+        return finish(call, *self._unary(call.request, content))
 
     def fetch(self, req: Request) -> bytes:
         """Send ``req`` and return the raw body of a successful answer."""
-        resp = self.send(req)
-        if resp.status_code >= 300:
-            raise error_for_status(resp.status_code, resp.content)[0]
-        return resp.content
+        status, body = self._unary(req, None)
+        if status >= 300:
+            raise error_for_status(status, body)[0]
+        return body
 
     def port(self, req: Request) -> HttpResponse:
         resp = self.send(req)
@@ -245,6 +258,8 @@ class SyncTransport:
             raise failures[0]
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         self._http.close()
 
 

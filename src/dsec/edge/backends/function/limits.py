@@ -2,9 +2,10 @@
 
 Each worker gets ``<parent>/w<n>`` in the memory, pids and cpu hierarchies (v1, hybrid or
 v2, as :mod:`dsec.edge.backends.container.cgroups` detects them); each call's child is
-born in it. The pool writes the call's limits just before it hands the call over; once a
-worker has exited and its cgroup is empty the cgroup serves the next worker, so starting
-a worker costs no mkdir/rmdir.
+born in it. The pool writes the call's limits just before it hands the call over (only
+those that differ from what the cgroup already has: back-to-back calls of one sandbox
+write nothing); once a worker has exited and its cgroup is empty the cgroup serves the
+next worker, so starting a worker costs no mkdir/rmdir.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class WorkerCgroups:
     def __init__(self, layout: cgroups.CgroupLayout, parent: str) -> None:
         self.layout = layout
         self.parent = "/" + parent.strip("/")
+        self._limits: dict[str, tuple[int, float, int]] = {}  # cgroup -> limits it holds
 
     def dirs(self, rel: str) -> list[Path]:
         out: list[Path] = []
@@ -54,6 +56,9 @@ class WorkerCgroups:
         return str(d / ("memory.oom_control" if "memory" in self.layout.v1 else "memory.events"))
 
     def set_limits(self, rel: str, memory_mb: int, cpu: float, pids: int) -> None:
+        if self._limits.get(rel) == (memory_mb, cpu, pids):
+            return
+        self._limits.pop(rel, None)  # unknown until every write below succeeded
         mem = self.layout.controller_dir("memory", rel)
         if mem is not None:
             limit = str(memory_mb * 1024 * 1024)
@@ -77,9 +82,11 @@ class WorkerCgroups:
                 _write(cd / "cpu.cfs_quota_us", str(quota), optional=True)
             else:
                 _write(cd / "cpu.max", f"{quota} 100000", optional=True)
+        self._limits[rel] = (memory_mb, cpu, pids)
 
     def remove(self, rel: str) -> list[Path]:
         """Kill what is left in it and remove it; return what could not be removed."""
+        self._limits.pop(rel, None)
         return cgroups.remove(self.layout, rel)
 
     def remove_stale(self) -> None:

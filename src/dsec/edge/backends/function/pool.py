@@ -16,7 +16,9 @@ protocol on it, so the edge relays calls exactly as it does for containers:
   worker reports the child's pid and then ``done``, and serves the next call.
 
 Workers are long-lived: ``WARM`` idle ones per image, more while calls queue (up to
-``MAX_WORKERS``), the extra ones retired when they fall idle.
+``MAX_WORKERS``), the extra ones retired when they fall idle. An image's workers stay
+``LINGER_S`` after its last sandbox is removed, so a sandbox made next (create, call,
+kill, create...) finds them warm; workers hold no sandbox's data, so sharing them is safe.
 
 One thread, one ``selectors`` loop: control messages, listening sockets, half-read
 requests, worker sockets (``ready``/``pid N``/``done``), worker pidfds (exit) and call
@@ -50,6 +52,7 @@ from dsec.paths import Paths
 
 WARM = int(os.environ.get("DSEC_FUNCTION_WARM", "4"))  # idle workers kept per image
 MAX_WORKERS = max(WARM, int(os.environ.get("DSEC_FUNCTION_MAX_WORKERS", "16")))  # per image
+LINGER_S = float(os.environ.get("DSEC_FUNCTION_LINGER_S", "30"))  # an unused image's workers
 DEFAULT_CALL_TIMEOUT_S = 300.0
 DEADLINE_GRACE_S = 2.0  # the worker enforces the timeout; the pool kills it after this
 MAX_REQUEST = 4 * 1024 * 1024
@@ -122,6 +125,7 @@ class ImagePool:
     busy: int = 0
     pending: collections.deque[PendingCall] = field(default_factory=collections.deque)
     failures: int = 0
+    unused_since: float = 0.0  # when its last sandbox went (0: it has sandboxes)
 
 
 class Pool:
@@ -165,6 +169,7 @@ class Pool:
 
     def _next_deadline(self) -> float | None:
         busy = [w.deadline for w in self.workers.values() if w.phase == "busy"]
+        busy += [p.unused_since + LINGER_S for p in self.images.values() if p.unused_since]
         return max(0.0, min(busy) - time.monotonic()) if busy else None
 
     def _enforce_deadlines(self) -> None:
@@ -174,6 +179,9 @@ class Pool:
                 _log(f"the call in worker {w.pid} overran its deadline; killing it")
                 self._kill_call(w)
                 w.deadline = now + 3600
+        for image, pool in list(self.images.items()):
+            if pool.unused_since and pool.unused_since + LINGER_S <= now:
+                self._drop_image(image)
 
     def _on_wakeup(self, _: None) -> None:
         with contextlib.suppress(OSError):
@@ -248,6 +256,7 @@ class Pool:
         self.sel.register(listener, selectors.EVENT_READ, ("accept", sb))
         pool = self.images.setdefault(sb.image, ImagePool())
         pool.users += 1
+        pool.unused_since = 0.0
         pool.failures = 0  # a new sandbox tries again
         self._refill(sb.image)
 
@@ -270,9 +279,15 @@ class Pool:
             call.conn.close()
         pool.users -= 1
         if pool.users <= 0:
-            while pool.ready:
-                self._kill(pool.ready.popleft())
-            del self.images[sb.image]
+            pool.unused_since = time.monotonic()
+            if LINGER_S <= 0 or not self.running:
+                self._drop_image(sb.image)
+
+    def _drop_image(self, image: tuple[str, ...]) -> None:
+        """Retire an image none of whose sandboxes is left: its idle workers are killed."""
+        pool = self.images.pop(image)
+        while pool.ready:
+            self._kill(pool.ready.popleft())
 
     # ---- calls -------------------------------------------------------------------------
 

@@ -24,7 +24,8 @@ child is pid 1 of a new pid namespace and
 The worker reports the running child's pid to the pool, prepares the next child, waits
 for the running one and says ``done``. Each child serves exactly one call.
 
-When the child exits the kernel kills whatever the command left behind (it was pid 1),
+The child stays as the call's init (pid 1) and forks the command (``zygote.c``); when the
+command exits so does the child, and the kernel kills whatever the command left behind,
 and its tmpfs, ipc objects and mounts go with its namespaces, so nothing carries over to
 the next call; the worker itself never runs a call's code and never holds its data
 (requests are read into one buffer that is zeroed after each fork).

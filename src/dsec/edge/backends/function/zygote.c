@@ -12,13 +12,21 @@
  *                                  with its pidfd (after the previous call's "X")
  *                    "S" stage err the call's process exec'd (stage 0) or failed
  *                                  (1 cwd, 2 exec, 3 other, 4 discarded)
- *                    "X" status    the call's process (pid 1 of its pid namespace) exited
+ *                    "X" status    the call's command exited (its wait status; that of
+ *                                  the call's process if it died first, e.g. killed)
  *                    "E" text      a process could not be prepared
  *
  * A prepared process is pid 1 of new pid, mount, ipc and cgroup namespaces: it mounts a
  * fresh tmpfs on /call, an overlay of the layers over it, its own /proc and /dev, pivots
- * into it and waits.  Per call it takes its pipes, becomes the user, loads the filter and
- * execs the command; when it exits, the kernel kills all it started.
+ * into it and waits.  Per call it forks the command (pid 2: takes its pipes, becomes the
+ * user, loads the filter and execs) and stays as the call's init: it forwards the signals
+ * it gets to the command's process group (a command as pid 1 would ignore SIGTERM without
+ * a handler), reaps orphans, and when the command exits it kills and reaps all the call
+ * started, writes the command's wait status to its status pipe and exits.  The zygote
+ * reports the exit ("X") as soon as that status is written: the teardown of the call's
+ * namespaces and mounts (at the init's exit) is off the call's path.  The init is off the
+ * start's path too: it closes the link at once, so the zygote still sees the exec (or the
+ * command's failure) on the link itself.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -129,8 +137,34 @@ static char *str(const char **p, const char *end) {
     return (char *)s;
 }
 
-/* In the new process: wait for the call, then become it.  Only returns on failure. */
-static void serve(int link) {
+/* The call's init (pid 1): forward signals to the command, reap, report its status. */
+static void call_init(pid_t cmd, int status_fd) {
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);  /* taken with sigwaitinfo, never delivered */
+    setsid();
+    for (int i = 0; i < 3; i++) close(i);  /* the command's pipes: EOF when it is done */
+    for (;;) {
+        int status;
+        pid_t p;
+        while ((p = waitpid(-1, &status, WNOHANG)) > 0) {
+            if (p == cmd) {  /* end the call now; its namespaces are torn down after */
+                kill(-1, SIGKILL);  /* everything else the call started (not the init) */
+                while (waitpid(-1, NULL, 0) > 0 || errno == EINTR) {
+                }
+                int32_t w = status;
+                if (write(status_fd, &w, sizeof w) < 0) _exit(1);
+                _exit(0);
+            }
+        }
+        siginfo_t si;
+        int sig = sigwaitinfo(&all, &si);
+        if (sig > 0 && sig != SIGCHLD && kill(-cmd, sig) < 0) kill(cmd, sig);
+    }
+}
+
+/* In the new process: wait for the call, then run it.  Only returns on failure. */
+static void serve(int link, int status_fd) {
     struct msghdr mh = {0};
     struct iovec iov = {msg, MAX_MSG};
     char cbuf[CMSG_SPACE(3 * sizeof(int))];
@@ -171,6 +205,12 @@ static void serve(int link) {
         if (dup2(fds[i], i) < 0) goto out;
     for (int i = 0; i < 3; i++)
         if (fds[i] > 2) close(fds[i]);
+    pid_t cmd = fork();
+    if (cmd < 0) goto out;
+    if (cmd > 0) {
+        close(link);  /* the command's exec closes the last copy: the zygote sees it */
+        call_init(cmd, status_fd);
+    }
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -192,17 +232,25 @@ out:
 }
 
 /* Fork the next call's process (it builds its root on its own); return its pid, or -1. */
-static pid_t spawn_next(int *link) {
-    int sp[2];
+static pid_t spawn_next(int *link, int *status_fd) {
+    int sp[2], st[2];
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp)) return fail("socketpair");
+    if (pipe2(st, O_CLOEXEC)) {
+        close(sp[0]);
+        close(sp[1]);
+        return fail("pipe");
+    }
     pid_t pid = (pid_t)syscall(SYS_clone, CALL_NS | SIGCHLD, NULL, NULL, NULL, NULL);
     if (pid < 0) {
         close(sp[0]);
         close(sp[1]);
+        close(st[0]);
+        close(st[1]);
         return fail("clone");
     }
     if (pid == 0) {
         close(sp[0]);
+        close(st[0]);
         close(WORKER);
         prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
         char ok = build_root() ? 'E' : 'R';
@@ -213,11 +261,13 @@ static pid_t spawn_next(int *link) {
             _exit(1);
         }
         send(sp[1], &ok, 1, MSG_NOSIGNAL);
-        serve(sp[1]);
+        serve(sp[1], st[1]);
         _exit(127);
     }
     close(sp[1]);
+    close(st[1]);
     *link = sp[0];
+    *status_fd = st[0];
     return pid;
 }
 
@@ -264,9 +314,10 @@ int main(int argc, char **argv) {
     if (!msg || n <= 0 || n % sizeof(struct sock_filter)) return 1;
     filter.len = (unsigned short)(n / sizeof(struct sock_filter));
     filter.filter = (struct sock_filter *)prog;
-    int link = -1;
-    pid_t next = spawn_next(&link);
+    int link = -1, status_fd = -1;
+    pid_t next = spawn_next(&link, &status_fd);
     next = await_ready(next, &link);
+    if (next < 0 && status_fd >= 0) close(status_fd);
     for (;;) {
         char cbuf[CMSG_SPACE(3 * sizeof(int))];
         struct iovec iov = {msg, MAX_MSG};
@@ -298,14 +349,27 @@ int main(int argc, char **argv) {
             if (msg[0] != 'G') rep[0] = 4;
         }
         close(link);
+        link = -1;
+        int ran = status_fd;  /* the call's init writes its command's status here */
+        status_fd = -1;
         say2("S", rep[0], rep[1]);
         pid_t running = next;
-        next = spawn_next(&link);  /* it builds its root while the call runs */
+        next = spawn_next(&link, &status_fd);  /* it builds its root while the call runs */
         int status = 0;
+        int32_t w;
+        ssize_t got;
+        while ((got = read(ran, &w, sizeof w)) < 0 && errno == EINTR) {
+        }
+        close(ran);
+        if (got == (ssize_t)sizeof w) say2("X", w, 0);  /* nothing of the call runs now */
         while (waitpid(running, &status, 0) < 0 && errno == EINTR) {
         }
-        say2("X", status, 0);
+        if (got != (ssize_t)sizeof w) say2("X", status, 0);  /* the init died: killed */
         next = await_ready(next, &link);
+        if (next < 0 && status_fd >= 0) {
+            close(status_fd);
+            status_fd = -1;
+        }
     }
     if (next > 0) {
         kill(next, SIGKILL);

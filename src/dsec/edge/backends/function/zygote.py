@@ -125,7 +125,10 @@ class ZygoteChild(spawn.Child):
         self.pidfd = zyg.take_pidfd()
 
     def exit_fd(self) -> int:
-        return os.dup(self.pidfd)  # the zygote may have reaped it already: no pidfd_open
+        """Readable once the command's end is known: the zygote's "X" is the next message
+        (sent once the call's init has ended everything the call started, before the
+        call's namespaces are torn down)."""
+        return os.dup(self.zygote.sock.fileno())
 
     def close_pipes(self) -> None:
         super().close_pipes()
