@@ -1,8 +1,9 @@
 """Projects, quotas and admission: the part of :class:`dsec.iam.db.IamDb` that decides
 whether a sandbox may start.
 
-Usage is never a counter: it is the sum of ``allocations`` rows beneath a project, read and
-written inside one ``BEGIN IMMEDIATE`` transaction, and a quota on a project bounds its
+Usage is never a counter the code keeps: it is the sum of ``allocations`` rows beneath a
+project (per-project sums that SQLite triggers keep with the rows), read and written inside
+one ``BEGIN IMMEDIATE`` transaction, and a quota on a project bounds its
 whole subtree, so admission checks every ancestor (see ``dsec.core.projects``).
 """
 
@@ -238,6 +239,7 @@ class QuotasMixin:
             db.execute("DELETE FROM api_keys WHERE project = ?", (name,))  # all revoked above
             db.execute("DELETE FROM grants WHERE project = ?", (name,))
             db.execute("DELETE FROM projects WHERE name = ?", (name,))
+            db.execute("DELETE FROM project_usage WHERE project = ?", (name,))  # all zeros
             audit.append(
                 db,
                 AuditEvent(
@@ -265,11 +267,12 @@ _ALLOC_SELECT = (
 
 def _subtree_usage(db: sqlite3.Connection, project: str) -> tuple[int, int, int]:
     """(sandboxes, cpu millicores, memory MiB) allocated in ``project`` and beneath it."""
-    # Two index range scans (the project, then everything from "p/" up to "p0"), not a
-    # table scan: '0' is the character after '/'.
+    # The per-project sums the triggers keep (db.py's _USAGE), in two primary key range
+    # scans (the project, then everything from "p/" up to "p0"; '0' follows '/').
     row = db.execute(
-        "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
-        "FROM allocations WHERE project = ? OR (project >= ? AND project < ?)",
+        "SELECT coalesce(sum(sandboxes), 0), coalesce(sum(cpu_milli), 0), "
+        "coalesce(sum(memory_mb), 0) "
+        "FROM project_usage WHERE project = ? OR (project >= ? AND project < ?)",
         (project, project + "/", project + "0"),
     ).fetchone()
     return int(row[0]), int(row[1]), int(row[2])
