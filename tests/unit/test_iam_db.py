@@ -11,7 +11,9 @@ from typing import cast
 import pytest
 
 from dsec.core import errors as e
+from dsec.core.audit import AuditEvent
 from dsec.core.ids import new_sandbox_id
+from dsec.iam import audit as iam_audit
 from dsec.iam.audit import AuditQuery
 from dsec.iam.db import DEFAULT_PROJECT, Admission, IamDb, Project
 from dsec.store.api import StateStore
@@ -366,4 +368,32 @@ def test_a_database_from_before_project_usage_gets_its_sums(tmp_path: Path) -> N
     d.close()
     d = IamDb(tmp_path / "old.db")  # opened again: the sums are not added twice
     assert _summed(tmp_path / "old.db") == {"p": (3, 750, 192)}
+    d.close()
+
+
+def test_admissions_and_audit_entries_commit_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = IamDb(tmp_path / "iam.db")
+    d.put_project(Project("p", 1, 0, 0))
+    before = d.verify_audit()[0]
+    event = AuditEvent(ts=0, actor="admin (key k)", action="sandbox.create", project="p")
+    verdicts, entries = d.admit_and_append(
+        [Admission("p", sid("ab12", 1), 1, 1), Admission("p", sid("ab12", 2), 1, 1)],
+        [event, event],
+    )
+    assert verdicts[0] is True
+    assert isinstance(verdicts[1], e.QuotaExceeded)
+    assert [x.seq for x in entries] == [before + 1, before + 2]
+    assert entries[0].ts > 0
+    assert d.verify_audit() == (before + 2, None, entries[1].hash)
+
+    def broken(*_: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(iam_audit, "append_many", broken)
+    d.release(sid("ab12", 1))
+    with pytest.raises(sqlite3.OperationalError):
+        d.admit_and_append([Admission("p", sid("ab12", 3), 1, 1)], [event])
+    assert d.allocations() == []  # the admission went with the failed audit entry
     d.close()

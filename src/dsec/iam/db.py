@@ -477,7 +477,7 @@ class IamDb(QuotasMixin):
 
         with self._write() as db:
             now = self._clock()
-            return [audit.append(db, e if e.ts else replace(e, ts=now)) for e in events]
+            return audit.append_many(db, [e if e.ts else replace(e, ts=now) for e in events])
 
     def query_audit(self, q: audit.AuditQuery) -> list[AuditEvent]:
         try:

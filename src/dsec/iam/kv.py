@@ -546,6 +546,17 @@ class KvIam:
             out += await self._admit_batch(chunk)
         return out
 
+    async def admit_and_append(
+        self, admissions: Sequence[Admission], events: Sequence[AuditEvent]
+    ) -> tuple[list[bool | Exception], list[AuditEvent]]:
+        """:meth:`admit_many` and :meth:`append_audit_many` side by side (each its own
+        transactions: a store transaction holds only so many keys)."""
+        verdicts, entries = await asyncio.gather(
+            self.admit_many(admissions) if admissions else _nothing(),
+            self.append_audit_many(events) if events else _nothing(),
+        )
+        return list(verdicts), list(entries)
+
     async def _admit_batch(self, batch: Sequence[Admission]) -> list[bool | Exception]:
         async def fn(stm: Stm) -> list[bool | Exception]:
             await stm.prefetch(sorted(set().union(*(_admission_keys(a) for a in batch))))
@@ -718,3 +729,7 @@ def _alloc(sandbox_id: str, r: dict[str, Any]) -> Allocation:
     return Allocation(
         sandbox_id, r["p"], edge_of(sandbox_id), int(r["c"]) / 1000, int(r["m"]), float(r["t"])
     )
+
+
+async def _nothing() -> list[Any]:
+    return []

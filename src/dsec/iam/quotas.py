@@ -12,6 +12,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 from dsec.core import projects
@@ -117,16 +118,31 @@ class QuotasMixin:
         is what :meth:`admit` would return or raise. If the commit itself fails, this raises
         (nothing was admitted).
         """
-        out: list[bool | Exception] = []
         with self._write() as db:
-            for a in batch:
-                db.execute("SAVEPOINT admit")
-                try:
-                    out.append(self._admit_one(db, a))
-                except Exception as exc:
-                    db.execute("ROLLBACK TO admit")
-                    out.append(exc)
-                db.execute("RELEASE admit")
+            return self._admit_each(db, batch)
+
+    def admit_and_append(
+        self, admissions: Sequence[Admission], events: Sequence[AuditEvent]
+    ) -> tuple[list[bool | Exception], list[AuditEvent]]:
+        """:meth:`admit_many` and ``append_audit_many`` in one transaction (one disk sync)."""
+        with self._write() as db:
+            verdicts = self._admit_each(db, admissions)
+            now = self._clock()
+            entries = audit.append_many(db, [e if e.ts else replace(e, ts=now) for e in events])
+        return verdicts, entries
+
+    def _admit_each(
+        self, db: sqlite3.Connection, batch: Sequence[Admission]
+    ) -> list[bool | Exception]:
+        out: list[bool | Exception] = []
+        for a in batch:
+            db.execute("SAVEPOINT admit")
+            try:
+                out.append(self._admit_one(db, a))
+            except Exception as exc:
+                db.execute("ROLLBACK TO admit")
+                out.append(exc)
+            db.execute("RELEASE admit")
         return out
 
     def _admit_one(self, db: sqlite3.Connection, a: Admission) -> bool:
