@@ -25,7 +25,7 @@ from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
-from dsec.rpc.convert import spec_from_pb
+from dsec.rpc.convert import spec_json
 
 MAX_EDGE_TRIES = 3
 
@@ -41,7 +41,7 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
         "started_at": info.started_at,
         "expires_at": info.expires_at,
         "error": info.error,
-        "spec": spec_from_pb(info.spec).to_dict(),
+        "spec": spec_json(info.spec),
         "network_stats": dict(info.network_stats),
     }
 

@@ -34,7 +34,7 @@ from dsec.core.ids import (
 )
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
-from dsec.rpc.convert import spec_from_pb
+from dsec.rpc.convert import spec_from_pb, spec_json
 
 FROM_SNAPSHOT_FIELDS = {"snapshot", "project", "timeout_s", "metadata"}
 
@@ -51,7 +51,7 @@ def snapshot_json(info: pb.SnapshotInfo) -> dict[str, Any]:
         "size_bytes": info.size_bytes,
         "created_at": info.created_at,
         "edge_id": info.edge_id,
-        "spec": spec_from_pb(info.spec).to_dict(),
+        "spec": spec_json(info.spec),
     }
 
 
