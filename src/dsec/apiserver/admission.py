@@ -48,7 +48,7 @@ async def admit_and_create(
         try:
             info = await rpc(
                 f"edge {entry.edge_id}",
-                c.upstream.edge_stub(entry).CreateSandbox(
+                c.upstream.edge_stub(entry, plain=True).CreateSandbox(
                     create, metadata=p.metadata(), timeout=create_deadline_s(spec.backend)
                 ),
             )

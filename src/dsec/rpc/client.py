@@ -53,6 +53,7 @@ def secure_channel(
     *,
     server: Identity | None = None,
     component: str | None = None,
+    translate: bool = True,
 ) -> grpc.aio.Channel:
     """Open an mTLS channel to ``target`` presenting the certificate of ``name``.
 
@@ -65,6 +66,9 @@ def secure_channel(
             (checked through its ``<name>.<role>.dsec`` DNS SAN) rather than any of our CA.
         component: how errors name the peer (default: the server identity's role, else the
             target).
+        translate: False leaves out :class:`TranslateErrors` (calls raise
+            ``grpc.aio.AioRpcError``; translate them with :mod:`dsec.rpc.errors`): a grpc.aio
+            interceptor costs about 0.2 ms of CPU per call, worth saving on hot paths.
 
     Returns:
         A ``grpc.aio`` channel; close it with ``await channel.close()`` or ``async with``.
@@ -77,5 +81,5 @@ def secure_channel(
         target,
         channel_credentials(pki_dir, name),
         options=options,
-        interceptors=[TranslateErrors(f"{who} ({target})")],
+        interceptors=[TranslateErrors(f"{who} ({target})")] if translate else None,
     )
