@@ -14,10 +14,15 @@ creates/s and p50/p99 latency of ``POST /v1/sandboxes`` (authentication, admissi
 the project's quota, placement, the edge's create and the audit entry).
 
     .venv/bin/python -m bench.cluster [--seconds 20] [--concurrency 32] [--only sqlite|etcd]
-        [--apiservers N]
+        [--apiservers N] [--compare SRC --rounds N]
 
 ``--apiservers N`` runs N apiserver processes sharing one port (``--reuse-port``), as one
-would on an N-core host.
+would on an N-core host. ``--compare SRC`` runs each row first with the code in SRC (a
+``src`` directory, e.g. from ``git archive REV src``) and then with this checkout's, for
+``--rounds`` rounds, and reports the medians: on a shared machine only rows measured side
+by side compare. Each row also reports the CPU the processes spend idle (heartbeats,
+polling) and what a create adds beyond it. ``BENCH_PYSPY=DIR`` samples every process with
+py-spy during the run.
 
 Prints a Markdown table and writes ``bench/results/cluster.json``.
 """
