@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -397,3 +398,32 @@ def test_admissions_and_audit_entries_commit_together(
         d.admit_and_append([Admission("p", sid("ab12", 3), 1, 1)], [event])
     assert d.allocations() == []  # the admission went with the failed audit entry
     d.close()
+
+
+def test_on_a_store_a_failed_audit_append_leaves_the_admissions_standing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a StateStore admissions and audit entries commit in separate transactions: when
+    the entries fail, the admissions (already committed) still get their verdicts."""
+    from dsec.iam.kv import KvIam
+
+    async def run() -> None:
+        kv = KvIam(MemoryStore())
+        await kv.put_project(Project("p", 1, 0, 0))
+
+        async def broken(events: object) -> list[AuditEvent]:
+            raise e.StoreUnavailable("etcd: no leader")
+
+        monkeypatch.setattr(kv, "append_audit_many", broken)
+        event = AuditEvent(ts=1.0, actor="admin (key k)", action="sandbox.create")
+        verdicts, entries = await kv.admit_and_append(
+            [Admission("p", sid("ab12", 1), 1, 1), Admission("p", sid("ab12", 2), 1, 1)],
+            [event],
+        )
+        assert verdicts[0] is True
+        assert isinstance(verdicts[1], e.QuotaExceeded)
+        assert len(entries) == 1
+        assert isinstance(entries[0], e.StoreUnavailable)
+        assert [a.sandbox_id for a in await kv.allocations()] == [sid("ab12", 1)]
+
+    asyncio.run(run())

@@ -34,7 +34,7 @@ from dsec.core.ids import (
 )
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
-from dsec.rpc.convert import spec_from_pb, spec_json
+from dsec.rpc.convert import spec_json
 
 FROM_SNAPSHOT_FIELDS = {"snapshot", "project", "timeout_s", "metadata"}
 
@@ -173,7 +173,7 @@ async def create_sandbox(request: web.Request, body: dict[str, Any]) -> pb.Sandb
     projects.validate(project)
     p.require_on(project, "member")
     request["audit_project"] = project
-    d = spec_from_pb(snap.spec).to_dict()
+    d = spec_json(snap.spec)
     d["timeout_s"] = body.get("timeout_s", d["timeout_s"])
     d["metadata"] = body.get("metadata") or {}
     spec = SandboxSpec.from_dict(d)

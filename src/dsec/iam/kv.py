@@ -548,14 +548,18 @@ class KvIam:
 
     async def admit_and_append(
         self, admissions: Sequence[Admission], events: Sequence[AuditEvent]
-    ) -> tuple[list[bool | Exception], list[AuditEvent]]:
-        """:meth:`admit_many` and :meth:`append_audit_many` side by side (each its own
-        transactions: a store transaction holds only so many keys)."""
-        verdicts, entries = await asyncio.gather(
+    ) -> tuple[Sequence[bool | Exception], Sequence[AuditEvent | Exception]]:
+        """:meth:`admit_many` and :meth:`append_audit_many` side by side, each in its own
+        transactions (a store transaction holds only so many keys), so one failing leaves
+        the other's answers standing."""
+        admitted: list[Any] | BaseException
+        appended: list[Any] | BaseException
+        admitted, appended = await asyncio.gather(
             self.admit_many(admissions) if admissions else _nothing(),
             self.append_audit_many(events) if events else _nothing(),
+            return_exceptions=True,
         )
-        return list(verdicts), list(entries)
+        return _each(admitted, len(admissions)), _each(appended, len(events))
 
     async def _admit_batch(self, batch: Sequence[Admission]) -> list[bool | Exception]:
         async def fn(stm: Stm) -> list[bool | Exception]:
@@ -733,3 +737,12 @@ def _alloc(sandbox_id: str, r: dict[str, Any]) -> Allocation:
 
 async def _nothing() -> list[Any]:
     return []
+
+
+def _each(result: list[Any] | BaseException, n: int) -> list[Any]:
+    """A batch's answers, or its one failure as every item's answer."""
+    if isinstance(result, Exception):
+        return [result] * n
+    if isinstance(result, BaseException):  # cancelled: not an answer
+        raise result
+    return result
