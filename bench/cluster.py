@@ -14,10 +14,15 @@ creates/s and p50/p99 latency of ``POST /v1/sandboxes`` (authentication, admissi
 the project's quota, placement, the edge's create and the audit entry).
 
     .venv/bin/python -m bench.cluster [--seconds 20] [--concurrency 32] [--only sqlite|etcd]
-        [--apiservers N]
+        [--apiservers N] [--compare SRC --rounds N]
 
 ``--apiservers N`` runs N apiserver processes sharing one port (``--reuse-port``), as one
-would on an N-core host.
+would on an N-core host. ``--compare SRC`` runs each row first with the code in SRC (a
+``src`` directory, e.g. from ``git archive REV src``) and then with this checkout's, for
+``--rounds`` rounds, and reports the medians: on a shared machine only rows measured side
+by side compare. Each row also reports the CPU the processes spend idle (heartbeats,
+polling) and what a create adds beyond it. ``BENCH_PYSPY=DIR`` samples every process with
+py-spy during the run.
 
 Prints a Markdown table and writes ``bench/results/cluster.json``.
 """
@@ -56,6 +61,7 @@ from dsec.testing.etcd import etcd_binary, etcd_cluster
 EDGES = 100
 PROJECTS = 100
 INVENTORY = 100_000
+IDLE_S = 6.0
 
 
 def _edge_ids() -> list[str]:
@@ -132,6 +138,25 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
                                 start_new_session=True)  # fmt: skip
 
 
+def _profile(
+    procs: list[subprocess.Popen[bytes]], names: list[str], seconds: float
+) -> list[subprocess.Popen[bytes]]:
+    """With BENCH_PYSPY=DIR: sample each process with py-spy over the measured run, only
+    while it holds the GIL (raw stacks, DIR/<process><n>.txt). py-spy must be installed."""
+    out = os.environ.get("BENCH_PYSPY")
+    if not out:
+        return []
+    Path(out).mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    argv = [spy, "record", "--nonblocking", "--gil", "-r", "200", "-f", "raw"]
+    spies = []
+    for i, (p, name) in enumerate(zip(procs, names, strict=True)):
+        where = f"{out}/{name.replace(' ', '_')}{i}.txt"
+        run = [*argv, "-d", str(int(seconds + 3)), "-p", str(p.pid), "-o", where]
+        spies.append(subprocess.Popen(run, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return spies
+
+
 async def _wait_edges(api: str, key: str, n: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as c:
@@ -185,20 +210,31 @@ async def load(api: str, key: str, seconds: float, concurrency: int) -> dict[str
     }
 
 
-async def run_one(
-    backend: str, root: Path, seconds: float, concurrency: int, apiservers: int = 1
-) -> dict[str, Any]:
-    home = root / backend
-    iam_home, w_home = home / "iam", home / "watcher"
-    a_homes = [home / f"apiserver{i}" for i in range(apiservers)]
-    for h in (iam_home, w_home, *a_homes):
-        h.mkdir(parents=True)
-    pki = iam_home / "pki"
+def _make_pki(pki: Path) -> None:
     idents = [Identity.singleton(r) for r in ("iam", "watcher", "apiserver", "admin")]
     ensure_pki(pki, [*idents, *(Identity.edge(e) for e in _edge_ids())])
+
+
+async def run_one(
+    backend: str, home: Path, seconds: float, concurrency: int, apiservers: int = 1, *,
+    src: str = "", sqlite_template: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One row: fresh processes (of the code in ``src`` when given) over a fresh copy of the
+    state; SQLite state is copied from ``sqlite_template`` when given."""
+    iam_home, w_home = home / "iam", home / "watcher"
+    a_homes = [home / f"apiserver{i}" for i in range(apiservers)]
+    if sqlite_template is not None:
+        shutil.copytree(sqlite_template, iam_home)
+    for h in (iam_home, w_home, *a_homes):
+        h.mkdir(parents=True, exist_ok=True)
+    pki = iam_home / "pki"
+    if not pki.exists():
+        _make_pki(pki)
     for h in (w_home, *a_homes):
         shutil.copytree(pki, h / "pki")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if src:  # another version of dsec, ahead of the installed one
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     procs: list[subprocess.Popen[bytes]] = []
     store_args: list[str] = []
     cluster_cm = None
@@ -210,9 +246,9 @@ async def run_one(
             assert cluster.pki is not None
             tls_dir = home / "etcd-tls"
             tls_dir.mkdir()
-            for name, src in (("ca.pem", cluster.pki.ca), ("client.pem", cluster.pki.client_cert),
+            for name, pem in (("ca.pem", cluster.pki.ca), ("client.pem", cluster.pki.client_cert),
                               ("client-key.pem", cluster.pki.client_key)):  # fmt: skip
-                shutil.copy2(src, tls_dir / name)
+                shutil.copy2(pem, tls_dir / name)
             store = EtcdStore(cluster.endpoints, tls=cluster.client_tls())
             try:
                 await load_kv(iam_home, store)
@@ -220,10 +256,11 @@ async def run_one(
                 await store.aclose()
             store_args = ["--store", "etcd://" + ",".join(cluster.endpoints),
                           "--etcd-tls", str(tls_dir)]  # fmt: skip
-        else:
+        elif sqlite_template is None:
             await asyncio.to_thread(load_sqlite, iam_home)
         loaded_s = time.monotonic() - t0
-        print(f"  {backend}: {INVENTORY} allocations loaded in {loaded_s:.0f} s", flush=True)
+        if sqlite_template is None:
+            print(f"  {backend}: {INVENTORY} allocations loaded in {loaded_s:.0f} s", flush=True)
         iam_port, w_port, a_port = free_port(), free_port(), free_port()
         py = sys.executable
         procs.append(_spawn([py, "-m", "dsec.iam", "--home", str(iam_home), "--listen",
@@ -250,14 +287,30 @@ async def run_one(
         api = f"http://127.0.0.1:{a_port}"
         await _wait_edges(api, key, EDGES)
         names = ["iam", "watcher", *["apiserver"] * apiservers, "simulated edges"]
+        idle0 = [_cpu_s(p.pid) for p in procs]
+        await asyncio.sleep(IDLE_S)  # what each process spends with no creates (heartbeats)
+        idle = [(_cpu_s(p.pid) - b) * 1000 / IDLE_S for p, b in zip(procs, idle0, strict=True)]
+        spies = _profile(procs, names, seconds)
         before = [_cpu_s(p.pid) for p in procs]
         result = await load(api, key, seconds, concurrency)
+        for s in spies:
+            s.wait()
         spent = [_cpu_s(p.pid) - b for p, b in zip(procs, before, strict=True)]
         n = max(1, result["creates"])
         cpu: dict[str, float] = {}
         for k, v in zip(names, spent, strict=True):
             cpu[k] = cpu.get(k, 0.0) + v * 1000 / n
         result["cpu_ms_per_create"] = {k: round(v, 2) for k, v in cpu.items()}
+        idle_ms: dict[str, float] = {}
+        for k, v in zip(names, idle, strict=True):
+            idle_ms[k] = idle_ms.get(k, 0.0) + v
+        result["idle_cpu_ms_per_s"] = {k: round(v, 1) for k, v in idle_ms.items()}
+        # what a create adds: the CPU of the run less what the processes spend idle (their
+        # heartbeats and polling, which a low rate on a loaded machine inflates per create)
+        rate = max(0.1, result["creates_per_s"])
+        result["added_cpu_ms_per_create"] = {
+            k: round(max(0.0, cpu[k] - idle_ms[k] / rate), 2) for k in cpu
+        }
         result["apiservers"] = apiservers
         result["load_average"] = os.getloadavg()
         result["inventory_load_s"] = round(loaded_s, 1)
@@ -277,18 +330,62 @@ async def run_one(
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Rows in turn, ``--rounds`` times; with ``--compare SRC`` each round runs the code in
+    SRC first, then this checkout's (same load, same machine, minutes apart)."""
     backends = ["sqlite", "etcd"] if not args.only else [args.only]
     if "etcd" in backends and etcd_binary() is None:
         print("  etcd: skipped (no etcd binary; apt-get install etcd-server)")
         backends.remove("etcd")
+    variants = [("compare", args.compare), ("now", "")] if args.compare else [("now", "")]
     out: dict[str, Any] = {}
     root = Path(tempfile.mkdtemp(prefix=f"dsec-bench-{secrets.token_hex(2)}-", dir="/tmp"))
     try:
-        for b in backends:
-            out[b] = await run_one(b, root, args.seconds, args.concurrency, args.apiservers)
+        template = None
+        if "sqlite" in backends:  # loaded once, copied for each row
+            template = root / "sqlite-template"
+            template.mkdir()
+            t0 = time.monotonic()
+            await asyncio.to_thread(load_sqlite, template)
+            _make_pki(template / "pki")
+            print(f"  sqlite: {INVENTORY} allocations loaded in {time.monotonic() - t0:.0f} s")
+        for rnd in range(args.rounds):
+            for b in backends:
+                for label, src in variants:
+                    name = b if label == "now" else f"{b} ({label}: {args.compare})"
+                    home = root / f"{b}-{label}-{rnd}"
+                    t = template if b == "sqlite" else None
+                    r = await run_one(b, home, args.seconds, args.concurrency, args.apiservers,
+                                      src=src, sqlite_template=t)  # fmt: skip
+                    shutil.rmtree(home, ignore_errors=True)
+                    print(f"  {name}, round {rnd + 1}: {r['creates_per_s']}/s, "
+                          f"p99 {r['p99_ms']} ms, load {r['load_average'][0]:.1f}",
+                          flush=True)  # fmt: skip
+                    out.setdefault(name, []).append(r)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return out
+    return {name: _median_row(rows) for name, rows in out.items()}
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each number over the rounds (the rounds themselves kept in "runs")."""
+    if len(rows) == 1:
+        return rows[0]
+
+    def med(key: str, sub: str = "") -> float:
+        return round(float(statistics.median(r[key][sub] if sub else r[key] for r in rows)), 2)
+
+    errors: dict[str, int] = {}
+    for r in rows:
+        for k, v in r["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    return {
+        "creates_per_s": med("creates_per_s"), "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"),
+        "cpu_ms_per_create": {k: med("cpu_ms_per_create", k) for k in rows[0]["cpu_ms_per_create"]},
+        "idle_cpu_ms_per_s": {k: med("idle_cpu_ms_per_s", k) for k in rows[0]["idle_cpu_ms_per_s"]},
+        "added_cpu_ms_per_create": {k: med("added_cpu_ms_per_create", k)
+                                    for k in rows[0]["added_cpu_ms_per_create"]},
+        "errors": errors, "load_average": [r["load_average"][0] for r in rows], "runs": rows,
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -299,6 +396,10 @@ def main() -> None:
     ap.add_argument("--apiservers", type=int, default=1, help="apiserver processes on one port")
     ap.add_argument("--out", default="", help="results file (default bench/results/cluster.json)")
     ap.add_argument("--inventory", type=int, default=INVENTORY, help="live sandboxes at start")
+    ap.add_argument("--compare", default="",
+                    help="also run the code in this src directory (e.g. of `git archive REV src`) "
+                         "before each row of this checkout's")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=1, help="rows per variant (medians reported)")
     args = ap.parse_args()
     globals()["INVENTORY"] = args.inventory
     results = asyncio.run(run(args))
@@ -306,16 +407,23 @@ def main() -> None:
           f"{args.concurrency} concurrent clients, {args.apiservers} apiserver(s), "
           f"{args.seconds:g} s, load average at the end "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")  # fmt: skip
-    print("| iam state | creates/s | p50 ms | p99 ms | CPU ms per create | errors |")
-    print("|---|---|---|---|---|---|")
+    print("| iam state | creates/s | p50 ms | p99 ms | CPU ms per create | of it added by "
+          "the create | idle CPU ms/s | errors |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+
+    def parts(d: dict[str, float]) -> str:
+        return " / ".join(f"{v}" for v in d.values()) + f" = {sum(d.values()):.2f}"
+
     for name, r in results.items():
-        cpu = ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_create"].items())
-        print(f"| {name} | {r['creates_per_s']} | {r['p50_ms']} | {r['p99_ms']} | {cpu} | "
-              f"{r['errors'] or '-'} |")  # fmt: skip
+        print(f"| {name} | {r['creates_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
+              f"{parts(r['cpu_ms_per_create'])} | {parts(r['added_cpu_ms_per_create'])} | "
+              f"{parts(r['idle_cpu_ms_per_s'])} | {r['errors'] or '-'} |")  # fmt: skip
+    print(f"\n(CPU columns: {' / '.join(next(iter(results.values()))['cpu_ms_per_create'])})")
     out = Path(args.out or Path(__file__).parent / "results" / "cluster.json")
     out.write_text(json.dumps({"edges": EDGES, "inventory": INVENTORY,
                                "concurrency": args.concurrency, "apiservers": args.apiservers,
-                               "seconds": args.seconds, "results": results},
+                               "seconds": args.seconds, "rounds": args.rounds,
+                               "compare": args.compare, "results": results},
                               indent=2) + "\n")  # fmt: skip
 
 

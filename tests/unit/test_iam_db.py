@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -11,7 +12,9 @@ from typing import cast
 import pytest
 
 from dsec.core import errors as e
+from dsec.core.audit import AuditEvent
 from dsec.core.ids import new_sandbox_id
+from dsec.iam import audit as iam_audit
 from dsec.iam.audit import AuditQuery
 from dsec.iam.db import DEFAULT_PROJECT, Admission, IamDb, Project
 from dsec.store.api import StateStore
@@ -307,3 +310,120 @@ def test_a_database_from_before_roles_keeps_its_platform_admin(tmp_path: Path) -
     raw.close()
     assert not d.bootstrap(lambda _k, _t: None)
     assert ("*", "admin", "admin") in {(g.project, g.subject, g.role) for g in d.list_grants()}
+
+
+def _summed(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Usage per project summed from the allocation rows, and as project_usage keeps it."""
+    raw = sqlite3.connect(path)
+    try:
+        rows = raw.execute(
+            "SELECT project, count(*), sum(cpu_milli), sum(memory_mb) FROM allocations "
+            "GROUP BY project"
+        ).fetchall()
+        kept = raw.execute("SELECT * FROM project_usage WHERE sandboxes > 0").fetchall()
+    finally:
+        raw.close()
+    from_rows = {r[0]: (r[1], r[2], r[3]) for r in rows}
+    assert {r[0]: (r[1], r[2], r[3]) for r in kept} == from_rows
+    return from_rows
+
+
+def test_project_usage_follows_the_allocation_rows(tmp_path: Path, clock: Clock) -> None:
+    d = IamDb(tmp_path / "iam.db", clock=clock)
+    d.put_project(Project("org", 0, 0, 0))
+    d.put_project(Project("org/a", 3, 0, 0))
+    d.put_project(Project("org/b", 0, 0, 0))
+    for i in range(3):
+        d.admit("org/a", sid("ab12", i), 0.5, 10)
+    over = Admission("org/a", sid("cd34", 2), 1, 20)  # a fourth in org/a: refused
+    d.admit_many([Admission("org/b", sid("cd34", 1), 1, 20), over])
+    assert _summed(tmp_path / "iam.db") == {"org/a": (3, 1500, 30), "org/b": (1, 1000, 20)}
+    d.release(sid("ab12", 0))
+    clock.now += 60
+    d.reconcile("cd34", [], grace_s=30)
+    assert _summed(tmp_path / "iam.db") == {"org/a": (2, 1000, 20)}
+    assert (d.usage("org").sandboxes, d.usage("org").memory_mb) == (2, 20)
+    d.put_project(Project("org", 2, 0, 0))  # the parent's quota bounds the subtree
+    with pytest.raises(e.QuotaExceeded):
+        d.admit("org/b", sid("cd34", 3), 1, 1)
+    d.close()
+
+
+def test_a_database_from_before_project_usage_gets_its_sums(tmp_path: Path) -> None:
+    d = IamDb(tmp_path / "old.db")
+    d.put_project(Project("p", 3, 0, 0))
+    for i in range(2):
+        d.admit("p", sid("ab12", i), 0.25, 64)
+    d.close()
+    raw = sqlite3.connect(tmp_path / "old.db")
+    with raw:  # as written by a version without the per-project sums
+        for trigger in ("add", "sub", "move"):
+            raw.execute(f"DROP TRIGGER project_usage_{trigger}")
+        raw.execute("DROP TABLE project_usage")
+    raw.close()
+    d = IamDb(tmp_path / "old.db")
+    assert _summed(tmp_path / "old.db") == {"p": (2, 500, 128)}
+    d.admit("p", sid("ab12", 2), 0.25, 64)
+    with pytest.raises(e.QuotaExceeded, match="max_sandboxes 3"):
+        d.admit("p", sid("ab12", 3), 0.25, 64)
+    d.close()
+    d = IamDb(tmp_path / "old.db")  # opened again: the sums are not added twice
+    assert _summed(tmp_path / "old.db") == {"p": (3, 750, 192)}
+    d.close()
+
+
+def test_admissions_and_audit_entries_commit_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = IamDb(tmp_path / "iam.db")
+    d.put_project(Project("p", 1, 0, 0))
+    before = d.verify_audit()[0]
+    event = AuditEvent(ts=0, actor="admin (key k)", action="sandbox.create", project="p")
+    verdicts, entries = d.admit_and_append(
+        [Admission("p", sid("ab12", 1), 1, 1), Admission("p", sid("ab12", 2), 1, 1)],
+        [event, event],
+    )
+    assert verdicts[0] is True
+    assert isinstance(verdicts[1], e.QuotaExceeded)
+    assert [x.seq for x in entries] == [before + 1, before + 2]
+    assert entries[0].ts > 0
+    assert d.verify_audit() == (before + 2, None, entries[1].hash)
+
+    def broken(*_: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(iam_audit, "append_many", broken)
+    d.release(sid("ab12", 1))
+    with pytest.raises(sqlite3.OperationalError):
+        d.admit_and_append([Admission("p", sid("ab12", 3), 1, 1)], [event])
+    assert d.allocations() == []  # the admission went with the failed audit entry
+    d.close()
+
+
+def test_on_a_store_a_failed_audit_append_leaves_the_admissions_standing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a StateStore admissions and audit entries commit in separate transactions: when
+    the entries fail, the admissions (already committed) still get their verdicts."""
+    from dsec.iam.kv import KvIam
+
+    async def run() -> None:
+        kv = KvIam(MemoryStore())
+        await kv.put_project(Project("p", 1, 0, 0))
+
+        async def broken(events: object) -> list[AuditEvent]:
+            raise e.StoreUnavailable("etcd: no leader")
+
+        monkeypatch.setattr(kv, "append_audit_many", broken)
+        event = AuditEvent(ts=1.0, actor="admin (key k)", action="sandbox.create")
+        verdicts, entries = await kv.admit_and_append(
+            [Admission("p", sid("ab12", 1), 1, 1), Admission("p", sid("ab12", 2), 1, 1)],
+            [event],
+        )
+        assert verdicts[0] is True
+        assert isinstance(verdicts[1], e.QuotaExceeded)
+        assert len(entries) == 1
+        assert isinstance(entries[0], e.StoreUnavailable)
+        assert [a.sandbox_id for a in await kv.allocations()] == [sid("ab12", 1)]
+
+    asyncio.run(run())

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -116,7 +115,7 @@ async def errors_and_auth(request: web.Request, handler: Handler) -> web.StreamR
         if request.match_info.route.resource
         else "unmatched"
     )
-    rid = request.headers.get("X-Request-Id", "")[:64] or uuid.uuid4().hex[:16]
+    rid = request.headers.get("X-Request-Id", "")[:64] or os.urandom(8).hex()
     request["request_id"] = rid
     status_code = 500
     try:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import grpc
+
 from dsec.core.batching import Batcher
 from dsec.core.errors import error_from_wire
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+from dsec.rpc.errors import error_from_rpc
 
 MAX_BATCH = 256  # items per call
 _Item = pb.AdmitRequest | pb.AuditEntry
@@ -38,7 +41,10 @@ class IamBatch:
             admissions=[i for i in items if isinstance(i, pb.AdmitRequest)],
             audit=[i for i in items if isinstance(i, pb.AuditEntry)],
         )
-        reply = await self._iam.AdmitMany(call, timeout=self._timeout)  # errors translated
+        try:
+            reply = await self._iam.AdmitMany(call, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:  # a channel without TranslateErrors (hot path)
+            raise error_from_rpc(exc, "iam") from None
         verdicts = iter(reply.verdicts)
         out: list[Exception | None] = []
         for i in items:

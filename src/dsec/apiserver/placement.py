@@ -49,6 +49,7 @@ class Placement:
     _pending: dict[str, int] = field(default_factory=dict)  # sum of _recent's MiB
     _view: list[EdgeEntry] | None = None
     _offers: list[_Offer] = field(default_factory=list)
+    _by_backend: dict[str, list[_Offer]] = field(default_factory=dict)  # of _offers
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -79,6 +80,7 @@ class Placement:
                        - e.view.status.memory_allocated_mb, e.view.last_seen)
                 for e in edges if e.healthy
             ]  # fmt: skip
+            self._by_backend = {}
         return self._offers
 
     def _fit(self, offer: list[_Offer], memory_mb: int, now: float) -> list[_Scored]:
@@ -92,7 +94,9 @@ class Placement:
         healthy = self._offers_of(edges)
         if not healthy:
             raise Unavailable("no healthy edge is reporting to the watcher")
-        offer = [o for o in healthy if backend in o.backends]
+        offer = self._by_backend.get(backend)
+        if offer is None:
+            offer = self._by_backend[backend] = [o for o in healthy if backend in o.backends]
         if not offer:
             offered = sorted({b for o in healthy for b in o.backends})
             raise BackendUnavailable(

@@ -11,6 +11,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
 from dsec.apiserver import audit
+from dsec.apiserver.admission import admit_and_create, release
 from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.roles import require_admin_on
@@ -19,14 +20,12 @@ from dsec.core import projects
 from dsec.core.errors import (
     DsecError,
     InvalidArgument,
-    NodeFull,
-    Unavailable,
 )
 from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
-from dsec.core.spec import SandboxSpec, create_deadline_s
+from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
-from dsec.rpc.convert import spec_from_pb, spec_to_pb
+from dsec.rpc.convert import spec_json
 
 MAX_EDGE_TRIES = 3
 
@@ -42,7 +41,7 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
         "started_at": info.started_at,
         "expires_at": info.expires_at,
         "error": info.error,
-        "spec": spec_from_pb(info.spec).to_dict(),
+        "spec": spec_json(info.spec),
         "network_stats": dict(info.network_stats),
     }
 
@@ -71,53 +70,10 @@ async def create(request: web.Request) -> web.Response:
 
 async def create_sandbox(request: web.Request, project: str, spec: SandboxSpec) -> pb.SandboxInfo:
     """Admit and place one sandbox (trying up to MAX_EDGE_TRIES edges) and start it."""
-    c, p = ctx(request), principal(request)
-    req_spec = spec_to_pb(spec)
-    last: DsecError = NodeFull("every edge is full")
-    placement = c.upstream.placement
+    c = ctx(request)
     edges = await c.upstream.edges()
-    for entry in placement.order(edges, spec.backend, spec.memory_mb, limit=MAX_EDGE_TRIES):
-        sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
-        request[audit.TARGET] = sid
-        admit = pb.AdmitRequest(
-            project=project,
-            sandbox_id=sid,
-            cpu=spec.cpu,
-            memory_mb=spec.memory_mb,
-            edge_id=entry.edge_id,
-        )
-        await c.upstream.iam_batch.admit(admit)
-        try:
-            info = await rpc(
-                f"edge {entry.edge_id}",
-                c.upstream.edge_stub(entry).CreateSandbox(
-                    pb.CreateSandboxRequest(
-                        spec=req_spec, project=project, owner=p.subject, sandbox_id=sid
-                    ),
-                    metadata=p.metadata(),
-                    timeout=create_deadline_s(spec.backend),
-                ),
-            )
-        except BaseException as exc:
-            await asyncio.shield(_release(request, sid))
-            if isinstance(exc, Unavailable):  # full, or unreachable (died since its report)
-                last = exc
-                continue
-            raise
-        placement.placed(entry.edge_id, spec.memory_mb)
-        c.metrics.inc("sandboxes_created")
-        assert isinstance(info, pb.SandboxInfo)
-        return info
-    raise last
-
-
-async def _release(request: web.Request, sid: str) -> None:
-    try:
-        await rpc(
-            "iam", ctx(request).upstream.iam.Release(pb.ReleaseRequest(sandbox_id=sid), timeout=10)
-        )
-    except DsecError:
-        pass  # the edge's periodic reconcile frees it
+    order = c.upstream.placement.order(edges, spec.backend, spec.memory_mb, limit=MAX_EDGE_TRIES)
+    return await admit_and_create(request, project, spec, order)
 
 
 async def list_(request: web.Request) -> web.Response:
@@ -287,8 +243,6 @@ async def fork(request: web.Request) -> web.Response:
         req = pb.ForkSandboxRequest(sandbox_id=sid, count=count, child_ids=ids)
         reply = await rpc("edge", stub.ForkSandbox(req, metadata=p.metadata(), timeout=300))
     except BaseException:
-        from dsec.apiserver.snapshots import release
-
         await asyncio.shield(release(request, admitted))
         raise
     children = list(reply.sandboxes)

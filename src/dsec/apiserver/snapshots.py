@@ -16,11 +16,11 @@ from typing import Any
 from aiohttp import web
 
 from dsec.apiserver import audit
+from dsec.apiserver.admission import admit_and_create
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.upstream import EdgeEntry, rpc
 from dsec.core import projects
 from dsec.core.errors import (
-    DsecError,
     InvalidArgument,
     NodeFull,
     SnapshotNotFound,
@@ -29,13 +29,12 @@ from dsec.core.errors import (
 from dsec.core.ids import (
     RANDOM_BYTES,
     edge_of,
-    new_sandbox_id,
     new_snapshot_id,
     snapshot_edge_of,
 )
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
-from dsec.rpc.convert import spec_from_pb, spec_to_pb
+from dsec.rpc.convert import spec_json
 
 FROM_SNAPSHOT_FIELDS = {"snapshot", "project", "timeout_s", "metadata"}
 
@@ -52,7 +51,7 @@ def snapshot_json(info: pb.SnapshotInfo) -> dict[str, Any]:
         "size_bytes": info.size_bytes,
         "created_at": info.created_at,
         "edge_id": info.edge_id,
-        "spec": spec_from_pb(info.spec).to_dict(),
+        "spec": spec_json(info.spec),
     }
 
 
@@ -174,51 +173,17 @@ async def create_sandbox(request: web.Request, body: dict[str, Any]) -> pb.Sandb
     projects.validate(project)
     p.require_on(project, "member")
     request["audit_project"] = project
-    d = spec_from_pb(snap.spec).to_dict()
+    d = spec_json(snap.spec)
     d["timeout_s"] = body.get("timeout_s", d["timeout_s"])
     d["metadata"] = body.get("metadata") or {}
     spec = SandboxSpec.from_dict(d)
-    sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
-    request[audit.TARGET] = sid
-    admit = pb.AdmitRequest(project=project, sandbox_id=sid, cpu=spec.cpu,
-                            memory_mb=spec.memory_mb, edge_id=entry.edge_id)  # fmt: skip
-    await rpc("iam", c.upstream.iam.Admit(admit, timeout=10))
     try:
-        info = await rpc(
-            f"edge {entry.edge_id}",
-            stub.CreateSandbox(
-                pb.CreateSandboxRequest(
-                    spec=spec_to_pb(spec),
-                    project=project,
-                    owner=p.subject,
-                    sandbox_id=sid,
-                    from_snapshot=snap_id,
-                ),
-                metadata=p.metadata(),
-                timeout=120,
-            ),
-        )
-    except BaseException as exc:
-        await asyncio.shield(release(request, [sid]))
-        if isinstance(exc, NodeFull):
-            raise NodeFull(
-                f"edge {entry.edge_id}, which holds snapshot {snap_id}, is full "
-                f"(snapshots are not copied between edges): {exc.message}"
-            ) from exc
-        raise
-    c.upstream.placement.placed(entry.edge_id, spec.memory_mb)
-    c.metrics.inc("sandboxes_created")
-    assert isinstance(info, pb.SandboxInfo)
-    return info
-
-
-async def release(request: web.Request, sids: list[str]) -> None:
-    iam = ctx(request).upstream.iam
-    for sid in sids:
-        try:
-            await rpc("iam", iam.Release(pb.ReleaseRequest(sandbox_id=sid), timeout=10))
-        except DsecError:
-            pass  # the edge's periodic reconcile frees it
+        return await admit_and_create(request, project, spec, [entry], from_snapshot=snap_id)
+    except NodeFull as exc:
+        raise NodeFull(
+            f"edge {entry.edge_id}, which holds snapshot {snap_id}, is full "
+            f"(snapshots are not copied between edges): {exc.message}"
+        ) from exc
 
 
 ROUTES: list[tuple[str, str, Any]] = [

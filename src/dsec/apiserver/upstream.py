@@ -54,9 +54,13 @@ class Upstream:
         self._iam_ch = secure_channel(pki, name, iam)
         self._watcher_ch = secure_channel(pki, name, watcher)
         self.iam = pb_grpc.IamStub(self._iam_ch)
-        self.iam_batch = IamBatch(self.iam)
+        # the hot paths (every create's admission, audit entry and edge call) go over
+        # channels without the error-translating interceptor and translate themselves
+        self._iam_plain = secure_channel(pki, name, iam, translate=False)
+        self.iam_batch = IamBatch(pb_grpc.IamStub(self._iam_plain))
         self.watcher = pb_grpc.WatcherStub(self._watcher_ch)
         self._edge_channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
+        self._plain_edges: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
         self._view: list[EdgeEntry] = []
         self._view_at = 0.0
         self.placement = Placement(placement)
@@ -81,17 +85,21 @@ class Upstream:
                     return self.edge_stub(e)
         raise SandboxNotFound(f"no sandbox {sandbox_id} (its edge {edge_id} is unknown)")
 
-    def edge_stub(self, entry: EdgeEntry) -> pb_grpc.EdgeAsyncStub:
-        cached = self._edge_channels.get(entry.edge_id)
+    def edge_stub(self, entry: EdgeEntry, *, plain: bool = False) -> pb_grpc.EdgeAsyncStub:
+        """The edge's stub; ``plain``: one whose unary calls raise ``AioRpcError`` (await
+        them through :func:`rpc`), for the create path."""
+        table = self._plain_edges if plain else self._edge_channels
+        cached = table.get(entry.edge_id)
         if cached is not None and cached[0] == entry.address:
             return cached[2]
-        ch = secure_channel(self._pki, self._name, entry.address)
+        ch = secure_channel(self._pki, self._name, entry.address, translate=not plain)
         stub = pb_grpc.EdgeStub(ch)
-        self._edge_channels[entry.edge_id] = (entry.address, ch, stub)
+        table[entry.edge_id] = (entry.address, ch, stub)
         return stub
 
     async def aclose(self) -> None:
         await self._iam_ch.close()
+        await self._iam_plain.close()
         await self._watcher_ch.close()
-        for _, ch, _ in self._edge_channels.values():
+        for _, ch, _ in [*self._edge_channels.values(), *self._plain_edges.values()]:
             await ch.close()

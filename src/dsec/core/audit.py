@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from dsec.core.errors import InvalidArgument
 
@@ -46,21 +46,22 @@ class AuditEvent:
             raise InvalidArgument("audit details too long")
 
 
-def _payload(e: AuditEvent) -> bytes:
-    body = asdict(e)
-    del body["hash"]
+_HASHED = tuple(f.name for f in fields(AuditEvent) if f.name != "hash")
+
+
+def _payload(e: AuditEvent, **override: object) -> bytes:
+    """What the hash covers: every field but the hash, as sorted compact JSON."""
+    body = {name: getattr(e, name) for name in _HASHED}
+    body.update(override)
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def chain(prev: AuditEvent | None, event: AuditEvent) -> AuditEvent:
     """``event`` as the entry after ``prev``: numbered, linked and hashed."""
-    linked = replace(
-        event,
-        seq=(prev.seq + 1) if prev else 1,
-        prev_hash=prev.hash if prev else GENESIS,
-        hash="",
-    )
-    return replace(linked, hash=hashlib.sha256(_payload(linked)).hexdigest())
+    seq = (prev.seq + 1) if prev else 1
+    prev_hash = prev.hash if prev else GENESIS
+    digest = hashlib.sha256(_payload(event, seq=seq, prev_hash=prev_hash)).hexdigest()
+    return replace(event, seq=seq, prev_hash=prev_hash, hash=digest)
 
 
 def verify(entries: Iterable[AuditEvent], *, after: AuditEvent | None = None) -> int | None:
@@ -74,7 +75,7 @@ def verify(entries: Iterable[AuditEvent], *, after: AuditEvent | None = None) ->
         expected_prev = prev.hash if prev else GENESIS
         if e.seq != expected_seq or e.prev_hash != expected_prev:
             return e.seq if e.seq == expected_seq else expected_seq
-        if hashlib.sha256(_payload(replace(e, hash=""))).hexdigest() != e.hash:
+        if hashlib.sha256(_payload(e)).hexdigest() != e.hash:
             return e.seq
         prev = e
     return None

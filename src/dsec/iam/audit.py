@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 from dsec.core.audit import AuditEvent, chain
 
@@ -62,13 +62,20 @@ def head(db: sqlite3.Connection) -> AuditEvent | None:
 
 def append(db: sqlite3.Connection, event: AuditEvent) -> AuditEvent:
     """Insert ``event`` after the current head; call inside a write transaction."""
-    entry = chain(head(db), event)
-    row = dict(zip(_ORDER, astuple(entry), strict=True))
-    db.execute(
-        f"INSERT INTO audit ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
-        [row[c] for c in _COLUMNS],
-    )
-    return entry
+    return append_many(db, [event])[0]
+
+
+def append_many(db: sqlite3.Connection, events: Sequence[AuditEvent]) -> list[AuditEvent]:
+    """Insert ``events`` in order after the current head (read once); call inside a write
+    transaction."""
+    out: list[AuditEvent] = []
+    prev = head(db)
+    insert = f"INSERT INTO audit ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+    for event in events:
+        prev = chain(prev, event)
+        db.execute(insert, [getattr(prev, c) for c in _COLUMNS])
+        out.append(prev)
+    return out
 
 
 def query(db: sqlite3.Connection, q: AuditQuery) -> list[AuditEvent]:

@@ -6,8 +6,9 @@ Theory of operation:
   single thread (:class:`dsec.iam.service.IamService` runs every call on a one-thread
   executor). The database is in WAL mode with ``synchronous=FULL``: a commit that returned is
   on disk.
-* Quota usage is never stored as a counter: it is the sum over ``allocations`` rows of the
-  project. :meth:`IamDb.admit` reads that sum and inserts the new row inside one
+* Quota usage is never a counter the code keeps: it is the sum over ``allocations`` rows of
+  the project, which SQLite triggers keep per project in ``project_usage`` in the same
+  statement as the row. :meth:`IamDb.admit` reads those sums and inserts the new row inside one
   ``BEGIN IMMEDIATE`` transaction, so two admissions can never both see the last free slot,
   even from two processes. :meth:`IamDb.admit_many` decides a batch in one transaction
   (each request in its own savepoint) so a burst shares one fsync.
@@ -78,6 +79,41 @@ CREATE TABLE IF NOT EXISTS revocations (
 """
 REVOCATION_KINDS = frozenset({"token", "key", "subject"})
 
+# Per-project sums of ``allocations``, kept by SQLite itself: the triggers change them in the
+# statement that inserts or deletes the allocation, so they cannot drift from the rows, and
+# an admission reads a few sums instead of every allocation of the subtree. Created and
+# filled from the rows in one transaction when an older database is opened (an empty
+# project_usage means no allocation was ever made since it exists).
+_USAGE = """
+BEGIN IMMEDIATE;
+CREATE TABLE IF NOT EXISTS project_usage (
+    project TEXT PRIMARY KEY,
+    sandboxes INTEGER NOT NULL,
+    cpu_milli INTEGER NOT NULL,
+    memory_mb INTEGER NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS project_usage_add AFTER INSERT ON allocations BEGIN
+    INSERT INTO project_usage VALUES (NEW.project, 1, NEW.cpu_milli, NEW.memory_mb)
+    ON CONFLICT (project) DO UPDATE SET sandboxes = sandboxes + 1,
+        cpu_milli = cpu_milli + NEW.cpu_milli, memory_mb = memory_mb + NEW.memory_mb;
+END;
+CREATE TRIGGER IF NOT EXISTS project_usage_sub AFTER DELETE ON allocations BEGIN
+    UPDATE project_usage SET sandboxes = sandboxes - 1, cpu_milli = cpu_milli - OLD.cpu_milli,
+        memory_mb = memory_mb - OLD.memory_mb WHERE project = OLD.project;
+END;
+CREATE TRIGGER IF NOT EXISTS project_usage_move AFTER UPDATE ON allocations BEGIN
+    UPDATE project_usage SET sandboxes = sandboxes - 1, cpu_milli = cpu_milli - OLD.cpu_milli,
+        memory_mb = memory_mb - OLD.memory_mb WHERE project = OLD.project;
+    INSERT INTO project_usage VALUES (NEW.project, 1, NEW.cpu_milli, NEW.memory_mb)
+    ON CONFLICT (project) DO UPDATE SET sandboxes = sandboxes + 1,
+        cpu_milli = cpu_milli + NEW.cpu_milli, memory_mb = memory_mb + NEW.memory_mb;
+END;
+INSERT INTO project_usage
+    SELECT project, count(*), sum(cpu_milli), sum(memory_mb) FROM allocations
+    WHERE NOT EXISTS (SELECT 1 FROM project_usage) GROUP BY project;
+COMMIT;
+"""
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS projects (
@@ -144,6 +180,12 @@ class IamDb(QuotasMixin):
             self._db.executescript(_SCHEMA)
             self._db.executescript(audit.SCHEMA)
             self._db.executescript(_REVOCATIONS)
+            try:
+                self._db.executescript(_USAGE)
+            except sqlite3.Error:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
         except sqlite3.Error as e:
             raise Unavailable(f"cannot open IAM database {path}: {e}") from e
 
@@ -435,7 +477,7 @@ class IamDb(QuotasMixin):
 
         with self._write() as db:
             now = self._clock()
-            return [audit.append(db, e if e.ts else replace(e, ts=now)) for e in events]
+            return audit.append_many(db, [e if e.ts else replace(e, ts=now) for e in events])
 
     def query_audit(self, q: audit.AuditQuery) -> list[AuditEvent]:
         try:

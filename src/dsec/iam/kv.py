@@ -546,6 +546,21 @@ class KvIam:
             out += await self._admit_batch(chunk)
         return out
 
+    async def admit_and_append(
+        self, admissions: Sequence[Admission], events: Sequence[AuditEvent]
+    ) -> tuple[Sequence[bool | Exception], Sequence[AuditEvent | Exception]]:
+        """:meth:`admit_many` and :meth:`append_audit_many` side by side, each in its own
+        transactions (a store transaction holds only so many keys), so one failing leaves
+        the other's answers standing."""
+        admitted: list[Any] | BaseException
+        appended: list[Any] | BaseException
+        admitted, appended = await asyncio.gather(
+            self.admit_many(admissions) if admissions else _nothing(),
+            self.append_audit_many(events) if events else _nothing(),
+            return_exceptions=True,
+        )
+        return _each(admitted, len(admissions)), _each(appended, len(events))
+
     async def _admit_batch(self, batch: Sequence[Admission]) -> list[bool | Exception]:
         async def fn(stm: Stm) -> list[bool | Exception]:
             await stm.prefetch(sorted(set().union(*(_admission_keys(a) for a in batch))))
@@ -718,3 +733,16 @@ def _alloc(sandbox_id: str, r: dict[str, Any]) -> Allocation:
     return Allocation(
         sandbox_id, r["p"], edge_of(sandbox_id), int(r["c"]) / 1000, int(r["m"]), float(r["t"])
     )
+
+
+async def _nothing() -> list[Any]:
+    return []
+
+
+def _each(result: list[Any] | BaseException, n: int) -> list[Any]:
+    """A batch's answers, or its one failure as every item's answer."""
+    if isinstance(result, Exception):
+        return [result] * n
+    if isinstance(result, BaseException):  # cancelled: not an answer
+        raise result
+    return result

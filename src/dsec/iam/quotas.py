@@ -1,8 +1,9 @@
 """Projects, quotas and admission: the part of :class:`dsec.iam.db.IamDb` that decides
 whether a sandbox may start.
 
-Usage is never a counter: it is the sum of ``allocations`` rows beneath a project, read and
-written inside one ``BEGIN IMMEDIATE`` transaction, and a quota on a project bounds its
+Usage is never a counter the code keeps: it is the sum of ``allocations`` rows beneath a
+project (per-project sums that SQLite triggers keep with the rows), read and written inside
+one ``BEGIN IMMEDIATE`` transaction, and a quota on a project bounds its
 whole subtree, so admission checks every ancestor (see ``dsec.core.projects``).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 from dsec.core import projects
@@ -116,16 +118,31 @@ class QuotasMixin:
         is what :meth:`admit` would return or raise. If the commit itself fails, this raises
         (nothing was admitted).
         """
-        out: list[bool | Exception] = []
         with self._write() as db:
-            for a in batch:
-                db.execute("SAVEPOINT admit")
-                try:
-                    out.append(self._admit_one(db, a))
-                except Exception as exc:
-                    db.execute("ROLLBACK TO admit")
-                    out.append(exc)
-                db.execute("RELEASE admit")
+            return self._admit_each(db, batch)
+
+    def admit_and_append(
+        self, admissions: Sequence[Admission], events: Sequence[AuditEvent]
+    ) -> tuple[list[bool | Exception], list[AuditEvent]]:
+        """:meth:`admit_many` and ``append_audit_many`` in one transaction (one disk sync)."""
+        with self._write() as db:
+            verdicts = self._admit_each(db, admissions)
+            now = self._clock()
+            entries = audit.append_many(db, [e if e.ts else replace(e, ts=now) for e in events])
+        return verdicts, entries
+
+    def _admit_each(
+        self, db: sqlite3.Connection, batch: Sequence[Admission]
+    ) -> list[bool | Exception]:
+        out: list[bool | Exception] = []
+        for a in batch:
+            db.execute("SAVEPOINT admit")
+            try:
+                out.append(self._admit_one(db, a))
+            except Exception as exc:
+                db.execute("ROLLBACK TO admit")
+                out.append(exc)
+            db.execute("RELEASE admit")
         return out
 
     def _admit_one(self, db: sqlite3.Connection, a: Admission) -> bool:
@@ -238,6 +255,7 @@ class QuotasMixin:
             db.execute("DELETE FROM api_keys WHERE project = ?", (name,))  # all revoked above
             db.execute("DELETE FROM grants WHERE project = ?", (name,))
             db.execute("DELETE FROM projects WHERE name = ?", (name,))
+            db.execute("DELETE FROM project_usage WHERE project = ?", (name,))  # all zeros
             audit.append(
                 db,
                 AuditEvent(
@@ -265,11 +283,12 @@ _ALLOC_SELECT = (
 
 def _subtree_usage(db: sqlite3.Connection, project: str) -> tuple[int, int, int]:
     """(sandboxes, cpu millicores, memory MiB) allocated in ``project`` and beneath it."""
-    # Two index range scans (the project, then everything from "p/" up to "p0"), not a
-    # table scan: '0' is the character after '/'.
+    # The per-project sums the triggers keep (db.py's _USAGE), in two primary key range
+    # scans (the project, then everything from "p/" up to "p0"; '0' follows '/').
     row = db.execute(
-        "SELECT count(*), coalesce(sum(cpu_milli), 0), coalesce(sum(memory_mb), 0) "
-        "FROM allocations WHERE project = ? OR (project >= ? AND project < ?)",
+        "SELECT coalesce(sum(sandboxes), 0), coalesce(sum(cpu_milli), 0), "
+        "coalesce(sum(memory_mb), 0) "
+        "FROM project_usage WHERE project = ? OR (project >= ? AND project < ?)",
         (project, project + "/", project + "0"),
     ).fetchone()
     return int(row[0]), int(row[1]), int(row[2])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -64,21 +65,33 @@ class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
         self._signing = signing
         self._metrics = metrics or Metrics("dsec_iam")
         self._grace = reconcile_grace_s
-        self._admissions: Batcher[Admission, bool] = Batcher(state.admit_many)
-        self._audits: Batcher[AuditEvent, AuditEvent] = Batcher(state.append_audit_many)
+        # admissions and audit entries queue together: one transaction decides a burst
+        self._queue: Batcher[Admission | AuditEvent, bool | AuditEvent] = Batcher(self._decide)
+
+    async def _decide(
+        self, items: Sequence[Admission | AuditEvent]
+    ) -> list[bool | AuditEvent | Exception]:
+        admissions = [i for i in items if isinstance(i, Admission)]
+        events = [i for i in items if isinstance(i, AuditEvent)]
+        verdicts, entries = await self._state.admit_and_append(admissions, events)
+        v, e = iter(verdicts), iter(entries)
+        return [next(v) if isinstance(i, Admission) else next(e) for i in items]
 
     async def admit(self, admission: Admission) -> bool:
         """Admit through the batching queue; same answers as ``IamDb.admit``."""
-        return await self._admissions.submit(admission)
+        new = await self._queue.submit(admission)
+        assert isinstance(new, bool)
+        return new
 
     async def batched_audit(self, event: AuditEvent) -> AuditEvent:
         """Append through the batching queue."""
-        return await self._audits.submit(event)
+        entry = await self._queue.submit(event)
+        assert isinstance(entry, AuditEvent)
+        return entry
 
     async def close(self) -> None:
         """Let queued admissions finish, then close the state."""
-        await self._admissions.wait_idle()
-        await self._audits.wait_idle()
+        await self._queue.wait_idle()
         await self._state.close()
 
     async def Authenticate(self, request: pb.AuthenticateRequest, context: _Ctx) -> pb.Principal:

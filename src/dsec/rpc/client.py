@@ -54,6 +54,7 @@ def secure_channel(
     *,
     server: Identity | None = None,
     component: str | None = None,
+    translate: bool = True,
 ) -> grpc.aio.Channel:
     """Open an mTLS channel to ``target`` presenting the certificate of ``name``.
 
@@ -66,6 +67,9 @@ def secure_channel(
             (checked through its ``<name>.<role>.dsec`` DNS SAN) rather than any of our CA.
         component: how errors name the peer (default: the server identity's role, else the
             target).
+        translate: False leaves out :class:`TranslateErrors` (calls raise
+            ``grpc.aio.AioRpcError``; translate them with :mod:`dsec.rpc.errors`): a grpc.aio
+            interceptor costs about 0.2 ms of CPU per call, worth saving on hot paths.
 
     Returns:
         A ``grpc.aio`` channel; close it with ``await channel.close()`` or ``async with``.
@@ -75,11 +79,13 @@ def secure_channel(
     if server is not None:
         options.append(("grpc.ssl_target_name_override", server.dns_name))
     who = component or (server.role if server is not None else target)
-
     def make(files: PkiFiles) -> grpc.aio.Channel:
         creds = grpc.ssl_channel_credentials(files.ca, files.key, files.cert)
         return grpc.aio.secure_channel(
-            target, creds, options=options, interceptors=[TranslateErrors(f"{who} ({target})")]
+            target,
+            creds,
+            options=options,
+            interceptors=[TranslateErrors(f"{who} ({target})")] if translate else None,
         )
 
     return ReloadingChannel(PkiFiles(pki_dir, name), make)

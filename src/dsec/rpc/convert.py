@@ -5,6 +5,8 @@ One place for both directions, used by the apiserver and the edge alike.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
@@ -27,18 +29,25 @@ def spec_to_pb(spec: SandboxSpec) -> pb.SandboxSpec:
 
 def spec_from_pb(msg: pb.SandboxSpec) -> SandboxSpec:
     """The spec a message carries; unset fields take the defaults (validated)."""
-    return SandboxSpec(
-        backend=msg.backend or "container",
-        image=msg.image or "base",
-        cpu=msg.cpu or 1.0,
-        memory_mb=msg.memory_mb or 512,
-        pids=msg.pids or 1024,
-        timeout_s=msg.timeout_s or 300,
-        env=dict(msg.env),
-        metadata=dict(msg.metadata),
-        network=policy_from_pb(msg.network),
-        on_timeout=msg.on_timeout or "kill",
-    )
+    d = spec_json(msg)
+    return SandboxSpec(**{**d, "network": policy_from_pb(msg.network)})
+
+
+def spec_json(msg: pb.SandboxSpec) -> dict[str, Any]:
+    """``spec_from_pb(msg).to_dict()`` without validating again what an edge answered (an
+    API answer carries one per sandbox)."""
+    return {
+        "backend": msg.backend or "container",
+        "image": msg.image or "base",
+        "cpu": msg.cpu or 1.0,
+        "memory_mb": msg.memory_mb or 512,
+        "pids": msg.pids or 1024,
+        "timeout_s": msg.timeout_s or 300,
+        "env": dict(msg.env),
+        "metadata": dict(msg.metadata),
+        "network": {"allow": list(msg.network.allow), "deny": list(msg.network.deny)},
+        "on_timeout": msg.on_timeout or "kill",
+    }
 
 
 def policy_from_pb(msg: pb.NetworkPolicy) -> NetworkPolicy:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
+import functools
 import ipaddress
 import logging
 import os
@@ -97,6 +98,7 @@ class Identity:
         return cls(role="edge", name=validate_edge_id(edge_id), extra_sans=tuple(extra_sans))
 
 
+@functools.lru_cache(maxsize=4096)  # every call a server takes asks (identities are frozen)
 def parse_spiffe_id(uri: str) -> Identity:
     """Turn ``spiffe://dsec/<role>/<name>`` back into an :class:`Identity`.
 
