@@ -79,6 +79,7 @@ def secure_channel(
     if server is not None:
         options.append(("grpc.ssl_target_name_override", server.dns_name))
     who = component or (server.role if server is not None else target)
+
     def make(files: PkiFiles) -> grpc.aio.Channel:
         creds = grpc.ssl_channel_credentials(files.ca, files.key, files.cert)
         return grpc.aio.secure_channel(
