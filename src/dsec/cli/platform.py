@@ -77,22 +77,6 @@ def _setup_microvm(paths: Paths, progress: Callable[[str], None], *, kernel: boo
     vm_setup.prepare(paths, progress, build_kernel=kernel)
 
 
-def _setup_kernel(paths: Paths) -> None:
-    """Only the microVM guest kernel (``--kernel-only``), one progress line at a time: what
-    scripts/test runs in the background while the rest of setup and the tests go on."""
-    from dsec.edge.backends.microvm import kernel
-    from dsec.edge.backends.microvm import setup as vm_setup
-
-    why = vm_setup.missing()
-    if why:
-        raise click.ClickException(f"cannot build the guest kernel: {why}")
-    try:
-        built = kernel.build_kernel(paths.data, lambda msg: _err.log(msg, markup=False))
-    except kernel.KernelBuildError as exc:
-        raise click.ClickException(exc.message) from exc
-    _err.print(f"guest kernel ready: {built}", markup=False)
-
-
 def _setup_vm_image(paths: Paths, progress: Callable[[str], None], *, build: bool) -> None:
     """The vm backend's system image: built with --vm-image (minutes), then kept in step
     with the agent bundle on every setup (seconds when only the bundle changed)."""
@@ -128,25 +112,14 @@ def _setup_vm_image(paths: Paths, progress: Callable[[str], None], *, build: boo
 @click.option(
     "--no-kernel",
     is_flag=True,
-    help="Leave out the microVM guest kernel (about 11 min the first time).",
+    help="Leave out the microVM guest kernel (about 11 min the first time; scripts/install "
+    "builds it beside the rest with `python3 -m dsec.edge.backends.microvm.kernel`).",
 )
-@click.option(
-    "--kernel-only",
-    is_flag=True,
-    help="Build only the microVM guest kernel (run it beside a --no-kernel setup).",
-)
-def setup(
-    data: Path | None, code_interpreter: bool, vm_image: bool, no_kernel: bool, kernel_only: bool
-) -> None:
+def setup(data: Path | None, code_interpreter: bool, vm_image: bool, no_kernel: bool) -> None:
     """Build the agent bundle and the base image (cached; fast when already done)."""
     if data is not None:
         os.environ["DSEC_DATA"] = str(data)
     paths = Paths.from_env()
-    if kernel_only:
-        if no_kernel or code_interpreter or vm_image:
-            raise click.UsageError("--kernel-only goes with no other build option")
-        _setup_kernel(paths)
-        return
     _setup(paths, vm_image=vm_image, kernel=not no_kernel)
     if code_interpreter:
         from dsec.edge.images.store import ImageStore

@@ -1,10 +1,11 @@
 """The guest kernel build scripts/test runs in the background, and waiting for it.
 
-scripts/install (with ``DSEC_KERNEL_BUILD=DIR``) starts ``dsec setup --kernel-only`` in its
-own process group, writing its output to ``DIR/log``, its pid to ``DIR/pid`` and, when it
-ends, its exit status to ``DIR/rc``. tests/conftest.py waits here before the first test
-marked ``guest_kernel``; scripts/test waits with ``python -m dsec.testing.kernel_build``
-at the end, so a failed build fails the run even when no such test was selected.
+scripts/install (with ``DSEC_KERNEL_BUILD=DIR``) starts
+``python3 -m dsec.edge.backends.microvm.kernel`` in its own process group, writing its
+output to ``DIR/log``, its pid to ``DIR/pid`` and, when it ends, its exit status to
+``DIR/rc``. tests/conftest.py waits here before the first test marked ``guest_kernel``;
+scripts/test waits with ``python -m dsec.testing.kernel_build`` at the end, so a failed
+build fails the run even when no such test was selected.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ def missing() -> str | None:
 
 
 def prepare(paths: Paths, progress: Callable[[str], None], *, build_kernel: bool = True) -> None:
-    """Build the guest kernel (unless ``build_kernel`` is False: ``dsec setup --no-kernel``
-    leaves it to a ``--kernel-only`` run beside it), the initramfs, the bundle image and
-    the scratch base; none of the images needs the kernel."""
+    """Build the guest kernel (unless ``build_kernel`` is False: ``dsec setup --no-kernel``,
+    the kernel builds beside it), the initramfs, the bundle image and the scratch base;
+    none of the images needs the kernel."""
     from dsec.core.errors import ImageNotFound
     from dsec.edge.images.store import ImageStore
 
