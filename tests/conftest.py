@@ -1,39 +1,31 @@
-"""Test order for scripts/test, which builds the microVM guest kernel in the background
-(``DSEC_KERNEL_BUILD``, see dsec.testing.kernel_build): the tests marked ``guest_kernel``
-run last, and the first of them waits for the build; a failed build fails them with the
-end of its log. Without that variable the order and the tests are unchanged."""
+"""``--guest-kernel-tests``: scripts/test runs the suite in two passes, the tests that do not
+boot the microVM guest kernel while it builds in the background (``none``), then, once it
+is built, the ones marked ``guest_kernel`` (``only``). A separate pass, because the
+platform the end-to-end tests share looks for the kernel once, when its edge starts."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsec.testing import kernel_build
 
-_WAITED = pytest.StashKey[str | None]()
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--guest-kernel-tests",
+        choices=("all", "none", "only"),
+        default="all",
+        help="run all tests, none or only those marked guest_kernel (scripts/test's passes)",
+    )
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture scope
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if kernel_build.from_env() is not None:
-        items.sort(key=lambda item: item.get_closest_marker("guest_kernel") is not None)
-
-
-@pytest.hookimpl(tryfirst=True)  # before the item's fixtures look for the kernel
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    build = kernel_build.from_env()
-    if build is None or item.get_closest_marker("guest_kernel") is None:
+    which = config.getoption("--guest-kernel-tests")
+    if which == "all":
         return
-    stash = item.config.stash
-    if _WAITED not in stash:
-        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
-
-        def progress(msg: str) -> None:
-            if reporter is not None:
-                reporter.write_line(msg)
-
-        if build.status() is None:
-            progress(f"the tests that need the guest kernel wait for its build: {build.log}")
-        stash[_WAITED] = build.wait(progress)
-    why = stash[_WAITED]
-    if why:
-        pytest.fail(why, pytrace=False)
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        marked = item.get_closest_marker("guest_kernel") is not None
+        (keep if marked == (which == "only") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

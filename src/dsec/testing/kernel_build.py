@@ -3,9 +3,9 @@
 scripts/install (with ``DSEC_KERNEL_BUILD=DIR``) starts
 ``python3 -m dsec.edge.backends.microvm.kernel`` in its own process group, writing its
 output to ``DIR/log``, its pid to ``DIR/pid`` and, when it ends, its exit status to
-``DIR/rc``. tests/conftest.py waits here before the first test marked ``guest_kernel``;
-scripts/test waits with ``python -m dsec.testing.kernel_build`` at the end, so a failed
-build fails the run even when no such test was selected.
+``DIR/rc``. scripts/test waits here (``python -m dsec.testing.kernel_build``) between its
+pytest pass without the tests marked ``guest_kernel`` and the pass with only them; a
+failed build fails the run with the end of its log.
 """
 
 from __future__ import annotations
