@@ -23,9 +23,7 @@ from typing import Any
 
 import pytest
 
-from dsec.agent.bundle import build_bundle
 from dsec.core.errors import SandboxFailed
-from dsec.core.ids import new_sandbox_id
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import RuntimeState, SandboxPaths
 from dsec.edge.backends.container import cgroups, testkit
@@ -35,6 +33,7 @@ from dsec.edge.backends.microvm.firecracker import pid_alive
 from dsec.edge.images.base import BASE_IMAGE
 from dsec.paths import Paths
 from tests.fakes.swagger import find_spec
+from tests.integration import vmkit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,18 +49,9 @@ def _skip_reason() -> str | None:
 
 
 @dataclass
-class Env:
-    paths: Paths
-    backend: MicrovmBackend
+class Env(vmkit.Env[MicrovmBackend]):
     record: Path
     mem: Path
-
-    def sandbox(self) -> tuple[str, SandboxPaths]:
-        sid = new_sandbox_id("e0f1", os.urandom(13))
-        return sid, SandboxPaths(
-            state_dir=self.backend.sandboxes_dir / sid,
-            agent_socket=self.paths.run / "sbx" / f"{sid}.sock",
-        )
 
     def seen(self) -> list[dict[str, Any]]:
         if not self.record.exists():
@@ -76,30 +66,9 @@ def _make_env(kernel_image: Path) -> Iterator[Env]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="dsec-fctest-"))
-    run = Path(tempfile.mkdtemp(prefix="dsf", dir="/tmp"))  # unix socket paths: short
-    mem = Path(tempfile.mkdtemp(prefix="dsec-fctest-", dir="/dev/shm"))
-    paths = Paths(home=root / "home", data=root / "data", run=run)
-    (run / "sbx").mkdir()
-    build_bundle(paths.agent_bundle)
-    parent = f"dsectest-{os.urandom(4).hex()}"
-    be = MicrovmBackend(
-        paths,
-        "e0f1",
-        image_store=testkit.shared_base_store(),
-        cgroup_parent=parent,
-        mem_dir=mem,
-        kernel_image=kernel_image,
-        vmm="firecracker",
-    )
-    try:
-        yield Env(paths, be, root / "requests.jsonl", mem)
-    finally:
-        left = cgroups.list_children(cgroups.detect(), parent)
-        cgroups.remove(cgroups.detect(), "/" + parent)
-        for d in (root, run, mem):
-            shutil.rmtree(d, ignore_errors=True)
-    assert not left, f"cgroups left: {left}"
+    with vmkit.node("dsec-fctest-", "dsf") as n:
+        be = n.microvm("e0f1", kernel_image=kernel_image, vmm="firecracker")
+        yield Env(n.paths, be, n.cgroup_parent, "e0f1", n.root / "requests.jsonl", n.mem)
 
 
 @pytest.fixture
@@ -331,6 +300,7 @@ def real_env() -> Iterator[Env]:
     yield from _make_env(kern)
 
 
+@pytest.mark.guest_kernel
 @pytest.mark.asyncio
 async def test_lifecycle_on_real_firecracker(real_env: Env) -> None:
     from dsec.edge import agent_client
