@@ -26,26 +26,16 @@ import pytest
 from dsec.core.errors import SandboxFailed
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import RuntimeState, SandboxPaths
-from dsec.edge.backends.container import cgroups, testkit
+from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.microvm import kernel, kvm, snapshots
 from dsec.edge.backends.microvm.backend import MicrovmBackend
 from dsec.edge.backends.microvm.firecracker import pid_alive
-from dsec.edge.images.base import BASE_IMAGE
 from dsec.paths import Paths
 from tests.fakes.swagger import find_spec
 from tests.integration import vmkit
+from tests.integration.vmkit import node_skip_reason as _skip_reason
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (cgroups)"
-    if shutil.which("mkfs.erofs") is None:
-        return "needs mkfs.erofs (apt-get install erofs-utils)"
-    if not testkit.installed_store().has(BASE_IMAGE) and testkit.base_tar() is None:
-        return "the base image is not built (run `dsec setup`)"
-    return None
 
 
 @dataclass

@@ -30,19 +30,24 @@ from dsec.paths import Paths
 B = TypeVar("B", bound=MicrovmBackend)
 
 
-def microvm_skip_reason() -> str | None:
-    """Why QEMU microVMs with the guest kernel `dsec setup` built cannot run here."""
+def node_skip_reason() -> str | None:
+    """Why a microVM backend's node cannot be made here (cgroups, erofs image layers)."""
     if os.geteuid() != 0:
-        return "needs root"
-    why = qemu.available()
-    if why:
-        return why
-    if kernel.current_kernel(Paths.from_env().data) is None:
-        return "no guest kernel: run `dsec setup` (builds it from linux-source-6.1)"
+        return "needs root (cgroups)"
     if shutil.which("mkfs.erofs") is None:
         return "needs mkfs.erofs (apt-get install erofs-utils)"
     if not testkit.installed_store().has(BASE_IMAGE) and testkit.base_tar() is None:
         return "the base image is not built (run `dsec setup`)"
+    return None
+
+
+def microvm_skip_reason() -> str | None:
+    """Why QEMU microVMs with the guest kernel `dsec setup` built cannot run here."""
+    why = node_skip_reason() or qemu.available()
+    if why:
+        return why
+    if kernel.current_kernel(Paths.from_env().data) is None:
+        return "no guest kernel: run `dsec setup` (builds it from linux-source-6.1)"
     return None
 
 
