@@ -299,6 +299,7 @@ class FunctionBackend:
         made it) where they are empty; the pool removes the rest when it closes."""
         with contextlib.suppress(OSError, DsecError):
             layout = cgroups.detect()
-            if cgroups.remove_if_empty(layout, "/" + self.cgroup):
-                cgroups.remove_if_empty(layout, "/" + self.cgroup.rsplit("/", 1)[0])
+            parent = self.cgroup.rpartition("/")[0]
+            if cgroups.remove_if_empty(layout, "/" + self.cgroup) and parent:
+                cgroups.remove_if_empty(layout, "/" + parent)
         shutil.rmtree(self.state_dir, ignore_errors=True)
