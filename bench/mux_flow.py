@@ -1,7 +1,8 @@
 """The microVM agent-channel multiplexer with and without per-channel flow control.
 
 Host mux and guest mux (the real classes) over a socketpair, the guest's "aether" a unix
-server, no VM: it measures the multiplexer alone.
+server (tests/unit/muxkit.py, what the mux tests use), no VM: it measures the multiplexer
+alone.
 
 * one stream: 32 MiB from the host through the guest and back (an echo), MB/s;
 * a small call (20 KB echo) while another channel is stuck (its receiver stopped reading
@@ -21,67 +22,18 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from dsec.agent import vmport
-from dsec.edge.backends.microvm.mux import HostMux, Stream
+from dsec.edge.backends.microvm.mux import HostMux
+from tests.unit.muxkit import PairLink, sink_and_flood_server
 
 STREAM_MB = 32
 STALL_LIMIT_S = 5.0
-
-
-def _aether(path: Path) -> socket.socket:
-    """Echo; a connection that starts with ``SINK`` is never read again."""
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(str(path))
-    srv.listen(64)
-    stop = threading.Event()
-
-    def serve(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):
-            data = conn.recv(65536)
-            if data.startswith(b"SINK"):
-                stop.wait()
-                return
-            while data:
-                conn.sendall(data)
-                data = conn.recv(65536)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                stop.set()
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    return srv
-
-
-class _PairLink:
-    def __init__(self, target: Path) -> None:
-        self.target = target
-        self.guest_socks: list[socket.socket] = []  # the guest mux uses the fd: keep it open
-
-    async def open(self) -> Stream:
-        host, guest = socket.socketpair()
-        self.guest_socks.append(guest)
-        mux = vmport.GuestMux(guest.fileno(), str(self.target))
-
-        def serve() -> None:
-            with contextlib.suppress(OSError):
-                mux.run(retry_eof=False)
-
-        threading.Thread(target=serve, daemon=True).start()
-        return await asyncio.open_connection(sock=host)
 
 
 async def _stream(sock: Path, total: int) -> float:
@@ -136,8 +88,8 @@ async def run_one(flow: bool, runs: int) -> dict[str, Any]:
     if not flow:
         vmport.WINDOW = 0  # the host offers no window: the old protocol
     d = Path(tempfile.mkdtemp(prefix="dsmb-", dir="/tmp"))
-    srv = _aether(d / "aether.sock")
-    mux = HostMux(d / "agent.sock", _PairLink(d / "aether.sock"))
+    srv = sink_and_flood_server(d / "aether.sock")
+    mux = HostMux(d / "agent.sock", PairLink(d / "aether.sock"))
     try:
         await mux.start()
         await mux.wait_ready(5)

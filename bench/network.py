@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -94,11 +96,11 @@ async def bulk_mbps(netns: Path, mib: int = 1024) -> float:
     return round(best, 1)
 
 
-async def tap_compare(n: int) -> dict[str, Any]:
-    """Cold create and destroy of a container's network vs a microVM's (same slot + TAP
-    and bridge), alternating, so both see the same load."""
+@contextlib.asynccontextmanager
+async def bench_network(name: str) -> AsyncIterator[tuple[EdgeNetwork, FakeInternet, Path]]:
+    """A started edge network on a fake internet, in a temp dir; all of it removed after."""
     inet = FakeInternet().start()
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-tap-"))
+    tmp = Path(tempfile.mkdtemp(prefix=f"dsec-{name}-"))
     cfg = NetConfig(
         pool="10.213.0.0/16",
         upstream_dns=f"{DNS_IP}:53",
@@ -106,21 +108,28 @@ async def tap_compare(n: int) -> dict[str, Any]:
         netns_dir=tmp / "netns",
         gateway_netns=inet.gw_path,
     )
-    net = EdgeNetwork("benchtap", cfg)
+    net = EdgeNetwork(name, cfg)
     await net.start()
-    times: dict[str, list[float]] = {k: [] for k in ("veth", "tap", "veth_rm", "tap_rm")}
     try:
-        for i in range(n):
-            for kind in ("veth", "tap"):
-                sid = f"{kind}-{i}"
-                times[kind].append(await timed(net.create(sid, POLICY, tap=kind == "tap")))
-                times[f"{kind}_rm"].append(await timed(net.destroy(sid)))
+        yield net, inet, tmp
     finally:
         for sid in list(net._nets):
             await net.destroy(sid)
         await net.release()
         inet.close()
-        shutil.rmtree(tmp)
+        shutil.rmtree(tmp)  # records and empty dirs only: every namespace is unmounted
+
+
+async def tap_compare(n: int) -> dict[str, Any]:
+    """Cold create and destroy of a container's network vs a microVM's (same slot + TAP
+    and bridge), alternating, so both see the same load."""
+    times: dict[str, list[float]] = {k: [] for k in ("veth", "tap", "veth_rm", "tap_rm")}
+    async with bench_network("benchtap") as (net, _inet, _tmp):
+        for i in range(n):
+            for kind in ("veth", "tap"):
+                sid = f"{kind}-{i}"
+                times[kind].append(await timed(net.create(sid, POLICY, tap=kind == "tap")))
+                times[f"{kind}_rm"].append(await timed(net.destroy(sid)))
     return {
         "create_container": summary(times["veth"]),
         "create_microvm_tap": summary(times["tap"]),
@@ -188,19 +197,8 @@ async def warm_compare(n: int, present: int) -> dict[str, Any]:
 
 
 async def run(n: int, scale: int) -> dict[str, Any]:
-    inet = FakeInternet().start()
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-net-"))
-    cfg = NetConfig(
-        pool="10.213.0.0/16",
-        upstream_dns=f"{DNS_IP}:53",
-        state_dir=tmp / "state",
-        netns_dir=tmp / "netns",
-        gateway_netns=inet.gw_path,
-    )
-    net = EdgeNetwork("bench", cfg)
-    await net.start()
     out: dict[str, Any] = {}
-    try:
+    async with bench_network("bench") as (net, inet, tmp):
         create, policy_times, destroy, dns = [], [], [], []
         for i in range(n):
             sid = f"bench-{i}"
@@ -216,7 +214,7 @@ async def run(n: int, scale: int) -> dict[str, Any]:
         warm_net = EdgeNetwork(
             "benchw",
             replace(
-                cfg,
+                net.config,
                 warm=2,
                 state_dir=tmp / "wstate",
                 netns_dir=tmp / "wnetns",
@@ -280,12 +278,6 @@ async def run(n: int, scale: int) -> dict[str, Any]:
             for sid in list(net._nets):
                 await net.destroy(sid)
             out[f"destroy_{scale + 5}_total_s"] = round(time.perf_counter() - t, 2)
-    finally:
-        for sid in list(net._nets):
-            await net.destroy(sid)
-        await net.release()
-        inet.close()
-        shutil.rmtree(tmp)  # records and empty dirs only: every namespace is unmounted
     return out
 
 

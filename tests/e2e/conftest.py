@@ -19,6 +19,7 @@ def platform() -> Iterator[RunningPlatform]:
         pytest.skip(_MISSING)
     with running_platform() as p:
         yield p
+    assert not p.cgroups_left, f"the platform's edge left its cgroups: {p.cgroups_left}"
 
 
 @pytest.fixture

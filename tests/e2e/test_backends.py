@@ -51,7 +51,14 @@ def _backend_info(api: Client, name: str) -> dict[str, Any]:
 
 
 # The first test of a SHARED backend also waits for its boot (minutes on a loaded host).
-PARAMS = [pytest.param(b, marks=pytest.mark.timeout(900)) if b in SHARED else b for b in BACKENDS]
+PARAMS = [
+    pytest.param(b, marks=pytest.mark.timeout(900))
+    if b in SHARED
+    else pytest.param(b, marks=pytest.mark.guest_kernel)
+    if b == "microvm"
+    else b
+    for b in BACKENDS
+]
 
 
 @pytest.fixture(scope="module", params=PARAMS)

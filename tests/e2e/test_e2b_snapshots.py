@@ -93,6 +93,7 @@ async def test_async_snapshot_and_create_from(e2b_env: str) -> None:
                 await s.kill()
 
 
+@pytest.mark.guest_kernel
 @pytest.mark.timeout(300)  # TCG boots under a loaded CI machine
 def test_microvm_snapshot_and_fork(e2b_env: str, platform: RunningPlatform) -> None:
     reason = _skip_reason()

@@ -12,6 +12,8 @@ from dsec.paths import Paths
 from dsec.sdk import Client, Sandbox
 from dsec.testing.platform import RunningPlatform
 
+pytestmark = pytest.mark.guest_kernel
+
 
 def _skip_reason() -> str | None:
     data = Paths.from_env().data

@@ -101,6 +101,7 @@ def test_fork_children_count_against_the_quota(platform: RunningPlatform, api: C
         member.close()
 
 
+@pytest.mark.guest_kernel
 @pytest.mark.timeout(300)  # TCG boots under a loaded CI machine
 def test_microvm_full_snapshot_resumes_processes(platform: RunningPlatform, api: Client) -> None:
     reason = _skip_reason()

@@ -20,6 +20,7 @@ from dsec.edge.backends.microvm.firecracker import FirecrackerVmm
 from dsec.edge.backends.microvm.vmm import VmConfig
 from dsec.paths import Paths
 
+pytestmark = pytest.mark.guest_kernel
 CMDLINE = "console=ttyS0 reboot=k panic=1 pci=off acpi=off"
 
 

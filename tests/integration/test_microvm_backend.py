@@ -7,57 +7,28 @@ runtime calls, pause/resume, fork and destroy; the fault tests use the failure p
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dsec.agent.bundle import build_bundle
 from dsec.core.errors import DeadlineExceeded, SandboxFailed
-from dsec.core.ids import new_sandbox_id
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
 from dsec.edge.backends.api import RuntimeState, SandboxPaths
-from dsec.edge.backends.container import cgroups, testkit
+from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.microvm import backend as vmbackend
-from dsec.edge.backends.microvm import kernel, qemu, snapshots
+from dsec.edge.backends.microvm import kernel, snapshots
 from dsec.edge.backends.microvm.backend import MicrovmBackend
-from dsec.edge.images.base import BASE_IMAGE
 from dsec.paths import Paths
+from tests.integration import vmkit
+from tests.integration.vmkit import microvm_skip_reason as _skip_reason
+from tests.integration.vmkit import qemu_pids_under as _qemu_pids_under
+from tests.integration.vmkit import sh as _sh
 
-
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    why = qemu.available()
-    if why:
-        return why
-    if kernel.current_kernel(Paths.from_env().data) is None:
-        return "no guest kernel: run `dsec setup` (builds it from linux-source-6.1)"
-    if shutil.which("mkfs.erofs") is None:
-        return "needs mkfs.erofs (apt-get install erofs-utils)"
-    if not testkit.installed_store().has(BASE_IMAGE) and testkit.base_tar() is None:
-        return "the base image is not built (run `dsec setup`)"
-    return None
-
-
-@dataclass
-class Env:
-    paths: Paths
-    backend: MicrovmBackend
-    cgroup_parent: str
-
-    def sandbox(self) -> tuple[str, SandboxPaths]:
-        sid = new_sandbox_id("e0a1", os.urandom(13))
-        return sid, SandboxPaths(
-            state_dir=self.backend.sandboxes_dir / sid,
-            agent_socket=self.paths.run / "sbx" / f"{sid}.sock",
-        )
+pytestmark = pytest.mark.guest_kernel
+Env = vmkit.Env[MicrovmBackend]
 
 
 @pytest.fixture(scope="module")
@@ -65,36 +36,9 @@ def env() -> Iterator[Env]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="dsec-vmtest-"))
-    run = Path(tempfile.mkdtemp(prefix="dsv", dir="/tmp"))
-    mem = Path(tempfile.mkdtemp(prefix="dsec-vmtest-", dir="/dev/shm"))
-    paths = Paths(home=root / "home", data=root / "data", run=run)
-    (run / "sbx").mkdir()
-    build_bundle(paths.agent_bundle)
-    parent = f"dsectest-{os.urandom(4).hex()}"
-    be = MicrovmBackend(
-        paths,
-        "e0a1",
-        image_store=testkit.shared_base_store(),
-        cgroup_parent=parent,
-        mem_dir=mem,
-        kernel_image=kernel.current_kernel(Paths.from_env().data),
-    )
-    try:
-        yield Env(paths, be, parent)
-    finally:
-        left = cgroups.list_children(cgroups.detect(), parent)
-        cgroups.remove(cgroups.detect(), "/" + parent)
-        for d in (root, run, mem):
-            shutil.rmtree(d, ignore_errors=True)
-    assert not left, f"cgroups left: {left}"
-
-
-async def _sh(sock: Path, cmd: str) -> str:
-    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=30)
-    out = res.result
-    assert out.get("exit_code") == 0, (cmd, out, res.stderr)
-    return res.stdout.decode()
+    with vmkit.node("dsec-vmtest-", "dsv") as n:
+        be = n.microvm("e0a1", kernel_image=kernel.current_kernel(Paths.from_env().data))
+        yield Env(n.paths, be, n.cgroup_parent, "e0a1")
 
 
 async def _shell(sock: Path, cmd: str, session: str = "s1") -> dict[str, Any]:
@@ -102,20 +46,6 @@ async def _shell(sock: Path, cmd: str, session: str = "s1") -> dict[str, Any]:
         sock, {"op": "shell.run", "cmd": cmd, "session": session}, timeout=30
     )
     return {**res.result, "stdout": res.stdout.decode()}
-
-
-def _qemu_pids_under(path: Path) -> list[int]:
-    """QEMU processes whose command line names ``path`` (only ours)."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if qemu.QEMU in cmd and str(path) in cmd:
-                out.append(int(p.name))
-    return out
 
 
 @pytest.mark.asyncio

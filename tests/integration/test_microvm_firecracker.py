@@ -23,45 +23,25 @@ from typing import Any
 
 import pytest
 
-from dsec.agent.bundle import build_bundle
 from dsec.core.errors import SandboxFailed
-from dsec.core.ids import new_sandbox_id
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import RuntimeState, SandboxPaths
-from dsec.edge.backends.container import cgroups, testkit
+from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.microvm import kernel, kvm, snapshots
 from dsec.edge.backends.microvm.backend import MicrovmBackend
 from dsec.edge.backends.microvm.firecracker import pid_alive
-from dsec.edge.images.base import BASE_IMAGE
 from dsec.paths import Paths
 from tests.fakes.swagger import find_spec
+from tests.integration import vmkit
+from tests.integration.vmkit import node_skip_reason as _skip_reason
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (cgroups)"
-    if shutil.which("mkfs.erofs") is None:
-        return "needs mkfs.erofs (apt-get install erofs-utils)"
-    if not testkit.installed_store().has(BASE_IMAGE) and testkit.base_tar() is None:
-        return "the base image is not built (run `dsec setup`)"
-    return None
-
-
 @dataclass
-class Env:
-    paths: Paths
-    backend: MicrovmBackend
+class Env(vmkit.Env[MicrovmBackend]):
     record: Path
     mem: Path
-
-    def sandbox(self) -> tuple[str, SandboxPaths]:
-        sid = new_sandbox_id("e0f1", os.urandom(13))
-        return sid, SandboxPaths(
-            state_dir=self.backend.sandboxes_dir / sid,
-            agent_socket=self.paths.run / "sbx" / f"{sid}.sock",
-        )
 
     def seen(self) -> list[dict[str, Any]]:
         if not self.record.exists():
@@ -76,30 +56,9 @@ def _make_env(kernel_image: Path) -> Iterator[Env]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="dsec-fctest-"))
-    run = Path(tempfile.mkdtemp(prefix="dsf", dir="/tmp"))  # unix socket paths: short
-    mem = Path(tempfile.mkdtemp(prefix="dsec-fctest-", dir="/dev/shm"))
-    paths = Paths(home=root / "home", data=root / "data", run=run)
-    (run / "sbx").mkdir()
-    build_bundle(paths.agent_bundle)
-    parent = f"dsectest-{os.urandom(4).hex()}"
-    be = MicrovmBackend(
-        paths,
-        "e0f1",
-        image_store=testkit.shared_base_store(),
-        cgroup_parent=parent,
-        mem_dir=mem,
-        kernel_image=kernel_image,
-        vmm="firecracker",
-    )
-    try:
-        yield Env(paths, be, root / "requests.jsonl", mem)
-    finally:
-        left = cgroups.list_children(cgroups.detect(), parent)
-        cgroups.remove(cgroups.detect(), "/" + parent)
-        for d in (root, run, mem):
-            shutil.rmtree(d, ignore_errors=True)
-    assert not left, f"cgroups left: {left}"
+    with vmkit.node("dsec-fctest-", "dsf") as n:
+        be = n.microvm("e0f1", kernel_image=kernel_image, vmm="firecracker")
+        yield Env(n.paths, be, n.cgroup_parent, "e0f1", n.root / "requests.jsonl", n.mem)
 
 
 @pytest.fixture
@@ -331,6 +290,7 @@ def real_env() -> Iterator[Env]:
     yield from _make_env(kern)
 
 
+@pytest.mark.guest_kernel
 @pytest.mark.asyncio
 async def test_lifecycle_on_real_firecracker(real_env: Env) -> None:
     from dsec.edge import agent_client

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,23 +18,23 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from dsec.agent.bundle import build_bundle
 from dsec.core.errors import InvalidArgument
 from dsec.core.ids import new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
 from dsec.edge.backends.api import SandboxPaths
-from dsec.edge.backends.container import cgroups, testkit
+from dsec.edge.backends.container import testkit
 from dsec.edge.backends.microvm import kernel
 from dsec.edge.backends.microvm.backend import MicrovmBackend
 from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.paths import Paths
+from tests.integration import vmkit
 from tests.integration.fakenet import DNS_IP, POOL, WEB1, WEB2, WEB3, FakeInternet, probe
-from tests.integration.test_microvm_backend import _skip_reason
+from tests.integration.vmkit import microvm_skip_reason as _skip_reason
 
-pytestmark = [pytest.mark.root]
+pytestmark = [pytest.mark.root, pytest.mark.guest_kernel]
 LISTEN = (
     "import socket;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
     "s.bind(('',{port}));s.listen()\n"
@@ -58,43 +56,30 @@ def internet() -> Iterator[FakeInternet]:
 
 @pytest_asyncio.fixture
 async def vmnet(internet: FakeInternet) -> AsyncIterator[tuple[MicrovmBackend, EdgeNetwork]]:
-    root = Path(tempfile.mkdtemp(prefix="dsec-vmnet-"))
-    run = Path(tempfile.mkdtemp(prefix="dsn", dir="/tmp"))
-    mem = Path(tempfile.mkdtemp(prefix="dsec-vmnet-", dir="/dev/shm"))
-    paths = Paths(home=root / "home", data=root / "data", run=run)
-    (run / "sbx").mkdir()
-    build_bundle(paths.agent_bundle)
-    sandboxes = paths.home / "edge" / "sandboxes"
-    cfg = NetConfig(
-        pool=POOL,
-        upstream_dns=f"{DNS_IP}:53",
-        state_dir=paths.home / "edge" / "net",
-        netns_dir=sandboxes / ".netns",
-        gateway_netns=internet.gw_path,
-        warm=1,
-    )
-    net = EdgeNetwork(f"vmnet{os.urandom(3).hex()}", cfg)
-    await net.start()
-    parent = f"dsectest-{os.urandom(4).hex()}"
-    be = MicrovmBackend(
-        paths,
-        "e0a1",
-        image_store=testkit.shared_base_store(),
-        cgroup_parent=parent,
-        sandboxes_dir=sandboxes,
-        mem_dir=mem,
-        kernel_image=kernel.current_kernel(Paths.from_env().data),
-        network=net,
-    )
-    try:
-        yield be, net
-    finally:
-        for sid in list(net._nets):
-            await net.destroy(sid)
-        await net.release()
-        cgroups.remove(cgroups.detect(), "/" + parent)
-        for d in (root, run, mem):
-            shutil.rmtree(d, ignore_errors=True)
+    with vmkit.node("dsec-vmnet-", "dsn", check_cgroups=False) as n:
+        sandboxes = n.paths.home / "edge" / "sandboxes"
+        cfg = NetConfig(
+            pool=POOL,
+            upstream_dns=f"{DNS_IP}:53",
+            state_dir=n.paths.home / "edge" / "net",
+            netns_dir=sandboxes / ".netns",
+            gateway_netns=internet.gw_path,
+            warm=1,
+        )
+        net = EdgeNetwork(f"vmnet{os.urandom(3).hex()}", cfg)
+        await net.start()
+        be = n.microvm(
+            "e0a1",
+            sandboxes_dir=sandboxes,
+            kernel_image=kernel.current_kernel(Paths.from_env().data),
+            network=net,
+        )
+        try:
+            yield be, net
+        finally:
+            for sid in list(net._nets):
+                await net.destroy(sid)
+            await net.release()
 
 
 async def sh(sock: Path, cmd: str) -> tuple[int, str]:

@@ -8,26 +8,24 @@ runtime calls (exec, files), pause/resume and destroy, which must leave nothing 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from dsec.core.errors import ImageNotFound, InvalidArgument
-from dsec.core.ids import new_sandbox_id
 from dsec.core.spec import SandboxSpec
 from dsec.edge import agent_client
-from dsec.edge.backends.api import RuntimeState, SandboxPaths
+from dsec.edge.backends.api import RuntimeState
 from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.microvm import qemu
 from dsec.edge.backends.vm import image as vm_image
 from dsec.edge.backends.vm.backend import VmBackend
 from dsec.edge.images.store import ImageStore
 from dsec.paths import Paths
+from tests.integration import vmkit
+from tests.integration.vmkit import qemu_pids_under as _qemu_pids_under
 
 
 def _skip_reason() -> str | None:
@@ -41,18 +39,7 @@ def _skip_reason() -> str | None:
     return None
 
 
-@dataclass
-class Env:
-    paths: Paths
-    backend: VmBackend
-    cgroup_parent: str
-
-    def sandbox(self) -> tuple[str, SandboxPaths]:
-        sid = new_sandbox_id("e0f1", os.urandom(13))
-        return sid, SandboxPaths(
-            state_dir=self.backend.sandboxes_dir / sid,
-            agent_socket=self.paths.run / "sbx" / f"{sid}.sock",
-        )
+Env = vmkit.Env[VmBackend]
 
 
 @pytest.fixture(scope="module")
@@ -60,50 +47,21 @@ def env() -> Iterator[Env]:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    root = Path(tempfile.mkdtemp(prefix="dsec-fullvm-"))
-    run = Path(tempfile.mkdtemp(prefix="dsf", dir="/tmp"))
-    mem = Path(tempfile.mkdtemp(prefix="dsec-fullvm-", dir="/dev/shm"))
     # The system image (with the agent baked in) is read from the installed data dir.
-    paths = Paths(home=root / "home", data=Paths.from_env().data, run=run)
-    (run / "sbx").mkdir()
-    parent = f"dsectest-{os.urandom(4).hex()}"
-    be = VmBackend(
-        paths,
-        "e0f1",
-        image_store=ImageStore(root / "images"),
-        cgroup_parent=parent,
-        sandboxes_dir=root / "sandboxes",
-        mem_dir=mem,
-    )
-    try:
-        yield Env(paths, be, parent)
-    finally:
-        left = cgroups.list_children(cgroups.detect(), parent)
-        cgroups.remove(cgroups.detect(), "/" + parent)
-        for d in (root, run, mem):
-            shutil.rmtree(d, ignore_errors=True)
-    assert not left, f"cgroups left: {left}"
+    with vmkit.node("dsec-fullvm-", "dsf", data=Paths.from_env().data) as n:
+        be = VmBackend(
+            n.paths,
+            "e0f1",
+            image_store=ImageStore(n.root / "images"),
+            cgroup_parent=n.cgroup_parent,
+            sandboxes_dir=n.root / "sandboxes",
+            mem_dir=n.mem,
+        )
+        yield Env(n.paths, be, n.cgroup_parent, "e0f1")
 
 
 async def _sh(sock: Path, cmd: str, timeout: float = 60) -> str:
-    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=timeout)
-    out = res.result
-    assert out.get("exit_code") == 0, (cmd, out, res.stdout, res.stderr)
-    return res.stdout.decode()
-
-
-def _qemu_pids_under(path: Path) -> list[int]:
-    """QEMU processes whose command line names ``path`` (only ours)."""
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if qemu.QEMU in cmd and str(path) in cmd:
-                out.append(int(p.name))
-    return out
+    return await vmkit.sh(sock, cmd, timeout)
 
 
 @pytest.mark.asyncio

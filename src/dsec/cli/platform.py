@@ -36,7 +36,9 @@ home_option = click.option(
 )
 
 
-def _setup(paths: Paths, *, quiet: bool = False, vm_image: bool = False) -> None:
+def _setup(
+    paths: Paths, *, quiet: bool = False, vm_image: bool = False, kernel: bool = True
+) -> None:
     from dsec.agent.bundle import build_bundle
     from dsec.edge.images.base import build_base_image
     from dsec.edge.images.store import ImageStore
@@ -52,7 +54,7 @@ def _setup(paths: Paths, *, quiet: bool = False, vm_image: bool = False) -> None
         st.update("preparing the base image (Debian bookworm minbase + python3)")
         build_base_image(ImageStore(paths.images), progress=progress)
         _setup_function(paths, progress)
-        _setup_microvm(paths, progress)
+        _setup_microvm(paths, progress, kernel=kernel)
         _setup_vm_image(paths, progress, build=vm_image)
 
 
@@ -64,7 +66,7 @@ def _setup_function(paths: Paths, progress: Callable[[str], None]) -> None:
     zygote.binary(paths.data)
 
 
-def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
+def _setup_microvm(paths: Paths, progress: Callable[[str], None], *, kernel: bool) -> None:
     """The microVM guest kernel and shared images (skipped without linux-source)."""
     from dsec.edge.backends.microvm import setup as vm_setup
 
@@ -72,7 +74,7 @@ def _setup_microvm(paths: Paths, progress: Callable[[str], None]) -> None:
     if why:
         progress(f"microVM backend skipped: {why}")
         return
-    vm_setup.prepare(paths, progress)
+    vm_setup.prepare(paths, progress, build_kernel=kernel)
 
 
 def _setup_vm_image(paths: Paths, progress: Callable[[str], None], *, build: bool) -> None:
@@ -107,12 +109,18 @@ def _setup_vm_image(paths: Paths, progress: Callable[[str], None], *, build: boo
     is_flag=True,
     help="Also build the vm backend's Debian system image (a few minutes, then cached).",
 )
-def setup(data: Path | None, code_interpreter: bool, vm_image: bool) -> None:
+@click.option(
+    "--no-kernel",
+    is_flag=True,
+    help="Leave out the microVM guest kernel (about 11 min the first time; scripts/install "
+    "builds it beside the rest with `python3 -m dsec.edge.backends.microvm.kernel`).",
+)
+def setup(data: Path | None, code_interpreter: bool, vm_image: bool, no_kernel: bool) -> None:
     """Build the agent bundle and the base image (cached; fast when already done)."""
     if data is not None:
         os.environ["DSEC_DATA"] = str(data)
     paths = Paths.from_env()
-    _setup(paths, vm_image=vm_image)
+    _setup(paths, vm_image=vm_image, kernel=not no_kernel)
     if code_interpreter:
         from dsec.edge.images.store import ImageStore
         from dsec.interpreter.image import build_image

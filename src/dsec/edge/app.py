@@ -74,7 +74,11 @@ def node_capacity(args: argparse.Namespace) -> NodeCapacity:
 
 
 def candidate_backends(
-    paths: Paths, edge_id: str, network: EdgeNetwork | None = None, vmm: str = "auto"
+    paths: Paths,
+    edge_id: str,
+    network: EdgeNetwork | None = None,
+    vmm: str = "auto",
+    cgroup_parent: str = "dsec",
 ) -> list[Backend]:
     """Every backend built into this edge, whether or not it can run on this host."""
     from dsec.edge.backends.container.backend import ContainerBackend
@@ -84,10 +88,16 @@ def candidate_backends(
     from dsec.edge.images.store import ImageStore
 
     store = ImageStore(paths.images)
-    container = ContainerBackend(paths, edge_id, image_store=store, network=network)
-    function = FunctionBackend(paths, edge_id, image_store=store)
-    microvm = MicrovmBackend(paths, edge_id, image_store=store, vmm=vmm, network=network)
-    fullvm = VmBackend(paths, edge_id, image_store=store, network=network)
+    container = ContainerBackend(
+        paths, edge_id, image_store=store, network=network, cgroup_parent=cgroup_parent
+    )
+    function = FunctionBackend(paths, edge_id, image_store=store, cgroup_parent=cgroup_parent)
+    microvm = MicrovmBackend(
+        paths, edge_id, image_store=store, vmm=vmm, network=network, cgroup_parent=cgroup_parent
+    )
+    fullvm = VmBackend(
+        paths, edge_id, image_store=store, network=network, cgroup_parent=cgroup_parent
+    )
     return [container, function, microvm, fullvm]
 
 
@@ -156,7 +166,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     cap = node_capacity(args)
     network = make_network(args, paths, edge_id)
     real = args.backend == "real"
-    candidates = candidate_backends(paths, edge_id, network, args.vmm) if real else _fake()
+    candidates = (
+        candidate_backends(paths, edge_id, network, args.vmm, args.cgroup_parent)
+        if real
+        else _fake()
+    )
     backends = make_backends(candidates)
     if network is not None:
         for backend in backends.values():
@@ -261,17 +275,18 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await server.stop(grace=2)
         if args.stop_sandboxes_on_exit:
             await manager.stop_all("edge shut down")
-            if not manager.live_records():
-                if network is not None:
-                    await network.release()
-                for backend in backends.values():
-                    await asyncio.to_thread(backend.release_host_setup)
-        if network is not None:
-            await network.close()
         for backend in backends.values():
             close = getattr(backend, "close", None)
             if close is not None:  # the function pool (it would also stop with the edge)
                 await close()
+        # After the pool has closed: its cgroups would keep the shared parent from going.
+        if args.stop_sandboxes_on_exit and not manager.live_records():
+            if network is not None:
+                await network.release()
+            for backend in backends.values():
+                await asyncio.to_thread(backend.release_host_setup)
+        if network is not None:
+            await network.close()
         manager.close()
         records.close()
         if metrics_runner is not None:
@@ -325,6 +340,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-overcommit", type=float, default=16.0)
     ap.add_argument("--memory-overcommit", type=float, default=4.0)
     ap.add_argument("--stop-sandboxes-on-exit", action="store_true")
+    ap.add_argument(
+        "--cgroup-parent",
+        default="dsec",
+        help="cgroup every sandbox's cgroup goes under (removed when empty at a stop "
+        "with --stop-sandboxes-on-exit)",
+    )
     ap.add_argument("--backend", choices=["real", "fake"], default="real",
                     help="fake: dsec.testing.fake_backend (tests and benchmarks only)")  # fmt: skip
     ap.add_argument("--log-level", default="INFO")

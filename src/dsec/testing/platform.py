@@ -18,9 +18,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsec.core.errors import DsecError
 from dsec.paths import Paths
 from dsec.supervisor import EDGE_ARGS_ENV, PORTS, Layout, healthy, layout_path
 
@@ -64,6 +65,10 @@ class RunningPlatform:
     api_url: str
     admin_key: str
     process: subprocess.Popen[bytes]
+    cgroup_parent: str = ""
+    # After the platform stopped (not with keep_sandboxes): the edge's cgroups it left
+    # behind, which were then removed (the name is this platform's own).
+    cgroups_left: list[str] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
         return {
@@ -97,6 +102,8 @@ def running_platform(
     paths.home.mkdir()
     paths.logs.mkdir()
     base = free_port_base()
+    cgroup_parent = f"dsectest-{os.urandom(4).hex()}"  # its own: checked and removed after
+    edge_args = ["--cgroup-parent", cgroup_parent, *edge_args]
     argv = [sys.executable, "-m", "dsec.supervisor", str(paths.home), str(base)]
     if keep_sandboxes:
         argv.append("--keep-sandboxes")
@@ -116,6 +123,7 @@ def running_platform(
             env=env,
             start_new_session=True,
         )
+    running: RunningPlatform | None = None
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -128,7 +136,8 @@ def running_platform(
             time.sleep(0.05)
         lay = Layout.load(layout_path(paths))
         key = (paths.home / "admin.key").read_text().strip()
-        yield RunningPlatform(paths, lay, f"http://{lay.apiserver}", key, proc)
+        running = RunningPlatform(paths, lay, f"http://{lay.apiserver}", key, proc, cgroup_parent)
+        yield running
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -137,7 +146,25 @@ def running_platform(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if not keep_sandboxes:
+            left = _remove_cgroups(cgroup_parent)
+            if running is not None:
+                running.cgroups_left = left
         shutil.rmtree(top, ignore_errors=True)
+
+
+def _remove_cgroups(parent: str) -> list[str]:
+    """The edge's cgroup parent where it is left (then removed: the name is ours alone)."""
+    from dsec.edge.backends.container import cgroups
+
+    try:
+        layout = cgroups.detect()
+    except DsecError:
+        return []
+    left = [str(d) for d in cgroups.sandbox_cgroups(layout, "/" + parent)]
+    if left:
+        cgroups.remove(layout, "/" + parent)
+    return left
 
 
 def _logs(paths: Paths) -> str:

@@ -295,7 +295,11 @@ class FunctionBackend:
         return out
 
     def release_host_setup(self) -> None:
-        """Remove the pool's cgroup parent if it is empty (the pool removes the rest)."""
+        """Remove the pool's cgroup and the edge's cgroup parent (the pool's mkdir may have
+        made it) where they are empty; the pool removes the rest when it closes."""
         with contextlib.suppress(OSError, DsecError):
-            cgroups.remove_if_empty(cgroups.detect(), "/" + self.cgroup)
+            layout = cgroups.detect()
+            parent = self.cgroup.rpartition("/")[0]
+            if cgroups.remove_if_empty(layout, "/" + self.cgroup) and parent:
+                cgroups.remove_if_empty(layout, "/" + parent)
         shutil.rmtree(self.state_dir, ignore_errors=True)

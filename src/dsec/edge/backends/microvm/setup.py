@@ -19,13 +19,17 @@ def missing() -> str | None:
     return qemu.available()
 
 
-def prepare(paths: Paths, progress: Callable[[str], None]) -> None:
-    """Build the guest kernel, the initramfs, the bundle image and the scratch base."""
+def prepare(paths: Paths, progress: Callable[[str], None], *, build_kernel: bool = True) -> None:
+    """Build the guest kernel (unless ``build_kernel`` is False: ``dsec setup --no-kernel``,
+    the kernel builds beside it), the initramfs, the bundle image and the scratch base;
+    none of the images needs the kernel."""
     from dsec.core.errors import ImageNotFound
     from dsec.edge.images.store import ImageStore
 
-    kernel.build_kernel(paths.data, progress)
+    if build_kernel:
+        kernel.build_kernel(paths.data, progress)
     vm_dir = kernel.vm_dir(paths.data)
+    vm_dir.mkdir(parents=True, exist_ok=True)
     progress("microVM images: initramfs, agent bundle, scratch disk base")
     disks.initramfs(vm_dir)
     disks.bundle_image(paths.agent_bundle, vm_dir)
