@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,7 @@ def test_snapshot_manifest_accepts_an_intact_snapshot(tmp_path: Path) -> None:
 def test_snapshot_manifest_refuses_damage(tmp_path: Path, damage: str) -> None:
     snap = _snap(tmp_path)
     snapshots.write_manifest(snap)
+    _tick()
     if damage == "truncate_state":
         snap.state.write_bytes(snap.state.read_bytes()[:100])
     elif damage == "flip_state":
@@ -54,6 +57,72 @@ def test_snapshot_manifest_refuses_damage(tmp_path: Path, damage: str) -> None:
         (snap.dir / "manifest.json").unlink()
     with pytest.raises(snapshots.SnapshotCorrupt):
         snapshots.verify(snap)
+
+
+def _count_digests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    seen: list[str] = []
+    real = snapshots._digest
+
+    def counting(path: Path, sparse: bool) -> str:
+        seen.append(path.name)
+        return real(path, sparse)
+
+    monkeypatch.setattr(snapshots, "_digest", counting)
+    return seen
+
+
+def _tick() -> None:
+    """Let the kernel's file-time clock (coarse, a few ms) move on before a write, so the
+    write changes the stamp as any later tampering would."""
+    time.sleep(0.05)
+
+
+def test_unchanged_stamps_skip_hashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    snap = _snap(tmp_path)
+    snapshots.write_manifest(snap)
+    seen = _count_digests(monkeypatch)
+    snapshots.verify(snap)
+    assert seen == []
+    snapshots.verify(snap, trust_stamps=False)  # a snapshot from another edge: every file
+    assert sorted(seen) == ["qemu.json", "ram", "state"]
+
+
+def test_touched_file_is_hashed_and_accepted_when_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snap = _snap(tmp_path)
+    snapshots.write_manifest(snap)
+    _tick()
+    snap.state.write_bytes(snap.state.read_bytes())  # same bytes, new stamp
+    seen = _count_digests(monkeypatch)
+    snapshots.verify(snap)
+    assert seen == ["state"]
+    snapshots.restamp(snap)
+    seen.clear()
+    snapshots.verify(snap)
+    assert seen == []
+    snapshots.restamp(snap, keep=False)  # a VMM may write into the RAM: hash all next time
+    snapshots.verify(snap)
+    assert sorted(seen) == ["qemu.json", "ram", "state"]
+
+
+def test_manifest_without_digests_refuses_any_change(tmp_path: Path) -> None:
+    snap = _snap(tmp_path)
+    snapshots.write_manifest(snap, digests=False)
+    snapshots.verify(snap)
+    _tick()
+    with open(snap.mem_file, "r+b") as f:
+        f.write(b"a")  # the same byte: still refused, nothing to compare it with
+    with pytest.raises(snapshots.SnapshotCorrupt, match="changed since"):
+        snapshots.verify(snap)
+
+
+def test_ram_in_the_state_stream_is_not_listed(tmp_path: Path) -> None:
+    snap = replace(_snap(tmp_path), ram_in_file=False)
+    snapshots.write_manifest(snap)
+    assert json.loads((snap.dir / "manifest.json").read_text())["ram"] is None
+    snap.mem_file.unlink()  # another VM's template file: not part of this snapshot
+    snapshots.verify(snap)
 
 
 def test_sparse_digest_sees_offsets(tmp_path: Path) -> None:

@@ -521,7 +521,7 @@ class MicrovmBackend:
 
         ``verified``: the caller made (and hashed) this snapshot itself just now.
         """
-        check = None if verified else functools.partial(snapshots.verify, snap)
+        check = None if verified else functools.partial(_check_snapshot, snap, private)
         try:
             await vm.vmm.restore(
                 config, snap, private=private, timeout_s=RESTORE_TIMEOUT_S, check=check
@@ -595,11 +595,13 @@ class MicrovmBackend:
             frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
             # RAM mapped privately from an older template went into the state stream: that
             # template's file stays its own, this one gets an empty RAM file.
-            ram = snap.mem_file if _ram_in_file(vm.vmm) else None
+            ram = snap.mem_file if snap.ram_in_file else None
             scratch = _scratch(_vmm_of(meta))
             await asyncio.to_thread(_freeze, ram, frozen_mem, sd, tdir, scratch)
-            tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
-            await asyncio.to_thread(snapshots.write_manifest, tsnap)
+            tsnap = replace(snap, dir=tdir, mem_file=frozen_mem)
+            # Used at once by the parent and children restored from it (not re-checked):
+            # sizes and stamps, no digests to compute while they wait.
+            await asyncio.to_thread(snapshots.write_manifest, tsnap, digests=False)
             # The parent goes on from the template too (its own disk overlay on top).
             await asyncio.to_thread(
                 _writable_disk, tdir / scratch, sd / scratch, "qcow2", _vmm_of(meta)
@@ -619,7 +621,7 @@ class MicrovmBackend:
     ) -> None:
         try:
             config = self._config(sandbox_id, paths, meta)
-            await self._restore(sandbox_id, vm, paths, config, tsnap, private=True)
+            await self._restore(sandbox_id, vm, paths, config, tsnap, private=True, verified=True)
         except BaseException:
             await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
             raise
@@ -674,19 +676,18 @@ class MicrovmBackend:
             _refuse_networked(meta, "snapshot")
             tdir = self.templates_dir / snapshot_id
             tmem = self.mem_dir / f"tpl-{snapshot_id}.mem"
-            tsnap = Snapshot(dir=tdir, mem_file=tmem, state=tdir / "state")
             # Sandboxes made from it keep it and the templates its disk stands on.
             tmeta = {**meta, "templates": [*meta.get("templates", []), snapshot_id]}
             try:
                 try:
                     snap = await vm.vmm.snapshot(tdir)  # stops the guest
                     await asyncio.to_thread(
-                        _copy_template, snap, _ram_in_file(vm.vmm), tmem, sd, tdir,
-                        _scratch(_vmm_of(meta)),
-                    )  # fmt: skip
+                        _copy_template, snap, tmem, sd, tdir, _scratch(_vmm_of(meta))
+                    )
                 finally:
                     if vm.vmm.alive():
                         await vm.vmm.resume()
+                tsnap = replace(snap, mem_file=tmem)
                 await asyncio.to_thread(snapshots.write_manifest, tsnap)
                 await asyncio.to_thread(_save_meta, tdir, tmeta)
                 await asyncio.to_thread((tdir / PINNED).write_text, sandbox_id)
@@ -919,25 +920,25 @@ def _freeze(mem: Path | None, frozen_mem: Path, sd: Path, tdir: Path, scratch: s
     shutil.copyfile(sd / "config.img", tdir / "config.img")
 
 
-def _copy_template(
-    snap: Snapshot, ram_in_file: bool, tmem: Path, sd: Path, tdir: Path, scratch: str
-) -> None:
+def _copy_template(snap: Snapshot, tmem: Path, sd: Path, tdir: Path, scratch: str) -> None:
     """Copy a stopped guest's RAM file and disks into template ``tdir`` (data extents
     only: holes stay holes). When the RAM is in the state stream: an empty RAM file."""
     _settle(snap.state)
     with open(tmem, "wb") as dst:
-        if ram_in_file:
+        if snap.ram_in_file:
             _copy_extents(snap.mem_file, dst.fileno())
     with open(tdir / scratch, "wb") as dst:
         _copy_extents(sd / scratch, dst.fileno())
     shutil.copyfile(sd / "config.img", tdir / "config.img")
 
 
-def _ram_in_file(vmm: Vmm) -> bool:
-    """Whether a snapshot's guest RAM is in its ``mem_file``: QEMU's shared RAM file, or
-    the file Firecracker writes beside its state. QEMU running copy-on-write from an older
-    template writes its RAM into the state stream instead."""
-    return vmm.shared_ram or vmm.name == "firecracker"
+def _check_snapshot(snap: Snapshot, private: bool) -> None:
+    """Refuse ``snap`` unless it matches its manifest (unchanged stamps are trusted). A VMM
+    restored with its RAM shared (``private=False``) writes into the RAM file: the stamps
+    are dropped first, so should this snapshot be restored again, every file is hashed."""
+    snapshots.verify(snap)
+    if not private:
+        snapshots.restamp(snap, keep=False)
 
 
 def _refuse_networked(meta: dict[str, Any], what: str) -> None:

@@ -299,10 +299,14 @@ class QemuVmm:
                 raise SandboxFailed(f"snapshot failed: {info.get('error-desc', st)}")
             await asyncio.sleep(0.002)
         (dest / "qemu.json").write_text(json.dumps({"ignore_shared": self.shared_ram}))
-        return Snapshot(dir=dest, mem_file=self.mem_file, state=state)
+        return Snapshot(dir=dest, mem_file=self.mem_file, state=state, ram_in_file=self.shared_ram)
 
     def saved_snapshot(self, dest: Path, mem_file: Path) -> Snapshot:
-        return Snapshot(dir=dest, mem_file=mem_file, state=dest / "state")
+        try:
+            in_file = bool(json.loads((dest / "qemu.json").read_text()).get("ignore_shared"))
+        except (OSError, ValueError):
+            in_file = True
+        return Snapshot(dir=dest, mem_file=mem_file, state=dest / "state", ram_in_file=in_file)
 
     async def restore(
         self,
