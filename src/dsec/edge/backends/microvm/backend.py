@@ -641,10 +641,9 @@ class MicrovmBackend:
         try:
             meta = {**pmeta, "agent_socket": str(cp.agent_socket), "mem_gen": "",
                     "parent": parent}  # fmt: skip
-            await asyncio.to_thread(self._prepare_child, cp.state_dir, tsnap, meta)
-            spec = SandboxSpec(cpu=float(meta["vcpus"]), memory_mb=meta["memory_mib"])
-            await asyncio.to_thread(self._make_cgroup, cid, spec)
-            vm.keeper = await asyncio.to_thread(_start_keeper, cp.state_dir)
+            # one thread hop for the child's files, cgroup and keeper: many children start
+            # at once and the default executor has few threads
+            vm.keeper = await asyncio.to_thread(self._prepare_child, cid, cp.state_dir, tsnap, meta)
             config = self._config(cid, cp, meta)
             ident = {
                 "hostname": cid,
@@ -729,13 +728,15 @@ class MicrovmBackend:
         return Snapshot(dir=tdir, mem_file=self.mem_dir / f"tpl-{snapshot_id}.mem",
                         state=tdir / "state")  # fmt: skip
 
-    @staticmethod
-    def _prepare_child(sd: Path, tsnap: Snapshot, meta: dict[str, Any]) -> None:
+    def _prepare_child(self, cid: str, sd: Path, tsnap: Snapshot, meta: dict[str, Any]) -> int:
+        """A child's disk overlay, config disk, settings and cgroup; returns its keeper."""
         sd.mkdir(parents=True, exist_ok=True)
         scratch = _scratch(_vmm_of(meta))
         _writable_disk(tsnap.dir / scratch, sd / scratch, "qcow2", _vmm_of(meta))
         shutil.copyfile(tsnap.dir / "config.img", sd / "config.img")
         _save_meta(sd, meta)
+        self._make_cgroup(cid, SandboxSpec(cpu=float(meta["vcpus"]), memory_mb=meta["memory_mib"]))
+        return _start_keeper(sd)
 
     # --- destroy / usage ---------------------------------------------------------------
 
@@ -841,6 +842,16 @@ def _writable_disk(base: Path, dest: Path, base_format: str, vmm: str) -> None:
     """``dest``, a writable disk whose content starts as ``base``'s: a qcow2 overlay for
     QEMU; for Firecracker (raw files only) a copy, reflinked where the filesystem can,
     sparse (holes stay holes) elsewhere."""
+    if vmm == "qemu" and base_format == "qcow2":
+        # A template's disk: every overlay on it is the same small file (the base's path is
+        # all it holds), so qemu-img runs once per template, not once per fork child.
+        proto = base.with_name(base.name + ".child")
+        if not proto.exists():
+            tmp = base.with_name(f".{base.name}.{secrets.token_hex(4)}")
+            disks.make_overlay(base, tmp, base_format)
+            os.replace(tmp, proto)
+        shutil.copyfile(proto, dest)
+        return
     if vmm == "qemu":
         disks.make_overlay(base, dest, base_format)
         return
