@@ -33,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -368,6 +369,46 @@ class MicrovmBackend:
             else:
                 (cpu / "cpu.cfs_quota_us").write_text(str(quota))
 
+    @contextlib.asynccontextmanager
+    async def _charged_to_templates(self, sandbox_id: str, vmm: Vmm) -> AsyncIterator[None]:
+        """While a VMM whose RAM is mapped copy-on-write from a template writes a snapshot,
+        it runs in the edge's template memory cgroup: reading all guest RAM fills the
+        holes of that template's tmpfs file, and the state stream's page cache is written,
+        and neither is the VM's memory (charged to the VM, they counted the template's RAM
+        against its limit). A VMM that owns its RAM file stays where it is."""
+        if vmm.shared_ram or vmm.pid <= 0:
+            yield
+            return
+        pid = vmm.pid
+        tpl = f"/{self.cgroup_parent}/vm-templates"
+        try:
+            moved = await asyncio.to_thread(self._move_memory_cgroup, pid, tpl)
+        except OSError as exc:  # accounting only: the snapshot goes on where QEMU is
+            log(_log, "template cgroup refused the VMM", logging.WARNING, sandbox_id=sandbox_id,
+                error=str(exc))  # fmt: skip
+            moved = False
+        try:
+            yield
+        finally:
+            if moved:
+                if vmm.alive():
+                    with contextlib.suppress(OSError):
+                        await asyncio.to_thread(
+                            self._move_memory_cgroup, pid, self.cgroup_path(sandbox_id)
+                        )
+                with contextlib.suppress(OSError, DsecError):
+                    await asyncio.to_thread(cgroups.remove_if_empty, self.layout(), tpl)
+
+    def _move_memory_cgroup(self, pid: int, cgroup_path: str) -> bool:
+        """Put ``pid`` (all its threads) in ``cgroup_path``'s memory cgroup (made if need
+        be); False when this host has no memory controller."""
+        d = self.layout().controller_dir("memory", cgroup_path)
+        if d is None:
+            return False
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.procs").write_text(str(pid))
+        return True
+
     async def _attach(
         self,
         sandbox_id: str,
@@ -589,7 +630,8 @@ class MicrovmBackend:
         paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
         try:
             await self._detach(vm)
-            snap = await vm.vmm.snapshot(tdir)
+            async with self._charged_to_templates(sandbox_id, vm.vmm):
+                snap = await vm.vmm.snapshot(tdir)
             await vm.vmm.kill()
             await asyncio.to_thread(_settle, snap.state)
             frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
@@ -679,7 +721,8 @@ class MicrovmBackend:
             tmeta = {**meta, "templates": [*meta.get("templates", []), snapshot_id]}
             try:
                 try:
-                    snap = await vm.vmm.snapshot(tdir)  # stops the guest
+                    async with self._charged_to_templates(sandbox_id, vm.vmm):
+                        snap = await vm.vmm.snapshot(tdir)  # stops the guest
                     await asyncio.to_thread(
                         _copy_template, snap, tmem, sd, tdir, _scratch(_vmm_of(meta))
                     )
