@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -539,12 +538,12 @@ class MicrovmBackend:
             paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
             config = self._config(sandbox_id, paths, meta)
             snap = vm.vmm.saved_snapshot(dest, config.mem_file)
-            await self._restore(sandbox_id, vm, paths, config, snap, private=False)
+            phases = await self._restore(sandbox_id, vm, paths, config, snap, private=False)
             meta["paused"] = False
             meta["shared_ram"] = vm.vmm.shared_ram
             await asyncio.to_thread(_save_meta, sd, meta)
             await asyncio.to_thread(disks.remove, dest)
-            log(_log, "microvm resumed", sandbox_id=sandbox_id)
+            log(_log, "microvm resumed", logging.INFO, sandbox_id=sandbox_id, **phases)
 
     async def _restore(
         self,
@@ -557,18 +556,35 @@ class MicrovmBackend:
         private: bool,
         identity: dict[str, Any] | None = None,
         verified: bool = False,
-    ) -> None:
+    ) -> dict[str, float]:
         """Start the VMM on the snapshot while its digests are checked; refuse a bad one.
 
-        ``verified``: the caller made (and hashed) this snapshot itself just now.
-        """
-        check = None if verified else functools.partial(_check_snapshot, snap, private)
+        ``verified``: the caller made this snapshot itself just now. Returns how long each
+        phase took (ms): ``check_ms`` (the manifest check, beside the VMM's start),
+        ``vmm_ms`` (VMM started, state loaded, guest running), ``agent_ms`` (until the
+        guest's multiplexer answered)."""
+        phases = {"check_ms": 0.0}
+
+        def check() -> None:
+            t = time.perf_counter()
+            _check_snapshot(snap, private)
+            phases["check_ms"] = _ms(t)
+
+        t0 = time.perf_counter()
         try:
             await vm.vmm.restore(
-                config, snap, private=private, timeout_s=RESTORE_TIMEOUT_S, check=check
+                config,
+                snap,
+                private=private,
+                timeout_s=RESTORE_TIMEOUT_S,
+                check=None if verified else check,
             )
+            phases["vmm_ms"] = _ms(t0)
+            t1 = time.perf_counter()
             link = vm.vmm.link(config)
             await self._attach(sandbox_id, vm, paths, link, RESTORE_TIMEOUT_S, identity)
+            phases["agent_ms"] = _ms(t1)
+            return phases
         except BaseException:
             await self._detach(vm)
             await vm.vmm.kill()
@@ -984,6 +1000,10 @@ def _copy_template(snap: Snapshot, tmem: Path, sd: Path, tdir: Path, scratch: st
     with open(tdir / scratch, "wb") as dst:
         _copy_extents(sd / scratch, dst.fileno())
     shutil.copyfile(sd / "config.img", tdir / "config.img")
+
+
+def _ms(since: float) -> float:
+    return round((time.perf_counter() - since) * 1000, 1)
 
 
 def _check_snapshot(snap: Snapshot, private: bool) -> None:
