@@ -3,7 +3,9 @@
 Drives :class:`MicrovmBackend` directly in a temp node (no apiserver hop) and measures:
 
 * cold boot -> first ``exec("true")`` returns (create + one runtime call);
-* restore -> first exec: ``resume()`` of a paused (snapshotted, VMM quit) sandbox + one exec;
+* restore -> first exec: ``resume()`` of a paused (snapshotted, VMM quit) sandbox + one exec,
+  split into its phases (the manifest check, VMM start + state load + ``cont``, the agent
+  channel's handshake, from the backend's "microvm resumed" log line; then the first exec);
 * fork of 1 and of 10 children -> every child answered an exec;
 * host memory (PSS from ``/proc/<qemu>/smaps_rollup``) of the parent and of each child right
   after the fork, and the children's growth after each writes 32 MiB in its guest.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -39,6 +42,23 @@ from dsec.edge.backends.microvm.backend import MicrovmBackend
 from dsec.paths import Paths
 
 MiB = 1 << 20
+
+
+class Phases(logging.Handler):
+    """Collects the phase fields of the backend's "microvm resumed" log lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[dict[str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() == "microvm resumed":
+            fields = getattr(record, "fields", {})
+            self.seen.append({k: v for k, v in fields.items() if k.endswith("_ms")})
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 def pss_mib(pid: int) -> float:
@@ -90,6 +110,11 @@ async def run(runs: int, memory_mb: int) -> dict[str, Any]:
         "note": "TCG (no usable KVM here): these are not KVM figures",
     }
     live: list[tuple[str, SandboxPaths]] = []
+    phases = Phases()
+    vm_log = logging.getLogger("dsec.edge.backends.microvm.backend")
+    vm_log.setLevel(logging.INFO)
+    vm_log.addHandler(phases)
+    loads = [loadavg()]
     try:
         # Warm the shared images (erofs of the layers, bundle image, initramfs).
         sid, p = node.sandbox()
@@ -102,6 +127,7 @@ async def run(runs: int, memory_mb: int) -> dict[str, Any]:
         cold: list[float] = []
         restore: list[float] = []
         pause: list[float] = []
+        first_exec: list[float] = []
         for _ in range(runs):
             sid, p = node.sandbox()
             live.append((sid, p))
@@ -115,14 +141,21 @@ async def run(runs: int, memory_mb: int) -> dict[str, Any]:
             pause.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             await be.resume(sid)
+            t1 = time.perf_counter()
             await exec_ok(p.agent_socket)
             restore.append(time.perf_counter() - t0)
+            first_exec.append(time.perf_counter() - t1)
+            loads.append(loadavg())
             await be.destroy(sid, p)
             live.clear()
         out["cold_boot_to_first_exec"] = summary(cold)
         out["pause_snapshot"] = summary(pause)
         out["restore_to_first_exec"] = summary(restore)
         out["cold_over_restore"] = round(statistics.median(cold) / statistics.median(restore), 1)
+        out["restore_phases_p50_ms"] = {
+            **{k: statistics.median(p[k] for p in phases.seen) for k in phases.seen[0]},
+            "first_exec_ms": round(statistics.median(first_exec) * 1000, 1),
+        }
 
         for count in (1, 10):
             samples: list[float] = []
@@ -143,10 +176,14 @@ async def run(runs: int, memory_mb: int) -> dict[str, Any]:
                     await be.destroy(s, sp)
                 live.clear()
             out[f"fork_{count}_all_ready"] = summary(samples)
+            loads.append(loadavg())
         one = out["fork_1_all_ready"]["p50_ms"]
         ten = out["fork_10_all_ready"]["p50_ms"]
         out["fork_10_over_fork_1"] = round(ten / one, 2)
+        out["loadavg_1min"] = {"min": min(loads), "median": statistics.median(loads),
+                               "max": max(loads)}  # fmt: skip
     finally:
+        vm_log.removeHandler(phases)
         for s, sp in reversed(live):
             await be.destroy(s, sp)
         cgroups.remove(cgroups.detect(), "/" + node.cgroup_parent)
