@@ -119,6 +119,7 @@ def _qemu_pids_under(path: Path) -> list[int]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(400)  # six TCG restores; minutes when other jobs load the 2 cores
 async def test_lifecycle_pause_resume_fork_destroy(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
