@@ -556,6 +556,7 @@ class MicrovmBackend:
         private: bool,
         identity: dict[str, Any] | None = None,
         verified: bool = False,
+        timeout_s: float = RESTORE_TIMEOUT_S,
     ) -> dict[str, float]:
         """Start the VMM on the snapshot while its digests are checked; refuse a bad one.
 
@@ -576,13 +577,13 @@ class MicrovmBackend:
                 config,
                 snap,
                 private=private,
-                timeout_s=RESTORE_TIMEOUT_S,
+                timeout_s=timeout_s,
                 check=None if verified else check,
             )
             phases["vmm_ms"] = _ms(t0)
             t1 = time.perf_counter()
             link = vm.vmm.link(config)
-            await self._attach(sandbox_id, vm, paths, link, RESTORE_TIMEOUT_S, identity)
+            await self._attach(sandbox_id, vm, paths, link, timeout_s, identity)
             phases["agent_ms"] = _ms(t1)
             return phases
         except BaseException:
@@ -608,12 +609,15 @@ class MicrovmBackend:
         async with vm.lock:
             tid = f"{sandbox_id}-{secrets.token_hex(4)}"
             paths, meta, tsnap = await self._make_template(sandbox_id, vm, tid)
-            # The parent and every child start from the template at the same time.
+            # The parent and every child start from the template at the same time; they
+            # share the host's cores, so each may take that many times a lone restore.
+            wait = RESTORE_TIMEOUT_S * max(1.0, (len(children) + 1) / (os.cpu_count() or 1))
             results = await asyncio.gather(
-                self._fork_parent(sandbox_id, vm, paths, meta, tsnap),
-                *(self._fork_child(sandbox_id, meta, tsnap, cid, cp) for cid, cp in children),
+                self._fork_parent(sandbox_id, vm, paths, meta, tsnap, wait),
+                *(self._fork_child(sandbox_id, meta, tsnap, cid, cp, timeout_s=wait)
+                  for cid, cp in children),
                 return_exceptions=True,
-            )
+            )  # fmt: skip
         if isinstance(results[0], BaseException):
             for (cid, cp), r in zip(children, results[1:], strict=True):
                 if not isinstance(r, BaseException):
@@ -675,11 +679,18 @@ class MicrovmBackend:
         return paths, meta, tsnap
 
     async def _fork_parent(
-        self, sandbox_id: str, vm: _Vm, paths: SandboxPaths, meta: dict[str, Any], tsnap: Snapshot
+        self,
+        sandbox_id: str,
+        vm: _Vm,
+        paths: SandboxPaths,
+        meta: dict[str, Any],
+        tsnap: Snapshot,
+        timeout_s: float,
     ) -> None:
         try:
             config = self._config(sandbox_id, paths, meta)
-            await self._restore(sandbox_id, vm, paths, config, tsnap, private=True, verified=True)
+            await self._restore(sandbox_id, vm, paths, config, tsnap, private=True, verified=True,
+                                timeout_s=timeout_s)  # fmt: skip
         except BaseException:
             await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
             raise
@@ -693,6 +704,7 @@ class MicrovmBackend:
         cp: SandboxPaths,
         *,
         verified: bool = True,
+        timeout_s: float = RESTORE_TIMEOUT_S,
     ) -> Started:
         vm = _Vm(vmm=choice.new_vmm(_vmm_of(pmeta)))
         self._vms[cid] = vm
@@ -709,8 +721,9 @@ class MicrovmBackend:
                 "seed": secrets.token_hex(32),
             }
             await self._restore(
-                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=verified
-            )
+                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=verified,
+                timeout_s=timeout_s,
+            )  # fmt: skip
         except BaseException:
             await asyncio.shield(self._rollback(cid, cp))
             raise
