@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -200,3 +201,34 @@ def test_sparse_digest_treats_zero_pages_as_holes(tmp_path: Path) -> None:
         f.seek(65536)
         f.write(bytes(4096))
     assert snapshots.sparse_digest(p) == before
+
+
+def test_overlays_on_a_template_disk_run_qemu_img_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if qemu.available():
+        pytest.skip(f"needs qemu-img: {qemu.available()}")
+    from dsec.edge.backends.microvm import backend
+
+    base = tmp_path / "scratch.qcow2"
+    raw = tmp_path / "base.raw"
+    with open(raw, "wb") as f:
+        f.truncate(1 << 20)
+    disks.make_overlay(raw, base)  # a template's frozen disk
+    made: list[Path] = []
+    real = disks.make_overlay
+
+    def counting(b: Path, dest: Path, fmt: str = "raw") -> Path:
+        made.append(dest)
+        return real(b, dest, fmt)
+
+    monkeypatch.setattr(disks, "make_overlay", counting)
+    kids = [tmp_path / f"k{i}.qcow2" for i in range(3)]
+    for k in kids:
+        backend._writable_disk(base, k, "qcow2", "qemu")
+    assert len(made) == 1
+    assert kids[0].read_bytes() == kids[2].read_bytes()
+    info = subprocess.run(
+        ["qemu-img", "info", "--output=json", str(kids[1])], capture_output=True, text=True
+    )
+    assert json.loads(info.stdout)["backing-filename"] == str(base.resolve())
