@@ -92,23 +92,24 @@ class Node:
         )
 
 
-async def exec_ok(sock: Path, cmd: str = "true") -> None:
-    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=120)
+async def exec_ok(sock: Path, cmd: str = "true", timeout: float = 120) -> None:
+    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=timeout)
     assert res.result.get("exit_code") == 0, (cmd, res.final, res.stderr)
 
 
-async def run(runs: int, memory_mb: int) -> dict[str, Any]:
+async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
+    """Fills ``out`` as it goes (what was measured stays there if a later step fails)."""
     root = Path(tempfile.mkdtemp(prefix="dsec-vmbench-"))
     run_dir = Path(tempfile.mkdtemp(prefix="dvb", dir="/tmp"))
     mem = Path(tempfile.mkdtemp(prefix="dsec-vmbench-", dir="/dev/shm"))
     node = Node(root, run_dir, mem)
     be = node.backend
     spec = SandboxSpec(backend="microvm", memory_mb=memory_mb, cpu=1.0)
-    out: dict[str, Any] = {
+    out.update({
         "accel": (be.availability().reason),
         "memory_mb": memory_mb,
         "note": "TCG (no usable KVM here): these are not KVM figures",
-    }
+    })  # fmt: skip
     live: list[tuple[str, SandboxPaths]] = []
     phases = Phases()
     vm_log = logging.getLogger("dsec.edge.backends.microvm.backend")
@@ -200,7 +201,7 @@ async def measure_pss(
     child = [pss_mib(be._vms[k].vmm.pid) for k, _ in kids]
     await asyncio.gather(
         *(
-            exec_ok(kp.agent_socket, "head -c 32M /dev/zero | tr '\\0' x > /dev/shm/w")
+            exec_ok(kp.agent_socket, "head -c 32M /dev/zero | tr '\\0' x > /dev/shm/w", 900)
             for _, kp in kids
         )
     )
@@ -218,12 +219,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--memory-mb", type=int, default=512)
     a = ap.parse_args()
-    res = asyncio.run(run(a.runs, a.memory_mb))
-    text = json.dumps(res, indent=2)
-    print(text)
-    out = Path(__file__).parent / "results" / "microvm.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(text + "\n")
+    res: dict[str, Any] = {}
+    try:
+        asyncio.run(run(a.runs, a.memory_mb, res))
+    except BaseException as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"  # the figures before it still count
+        raise
+    finally:
+        text = json.dumps(res, indent=2)
+        print(text)
+        out = Path(__file__).parent / "results" / "microvm.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":
