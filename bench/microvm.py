@@ -3,7 +3,9 @@
 Drives :class:`MicrovmBackend` directly in a temp node (no apiserver hop) and measures:
 
 * cold boot -> first ``exec("true")`` returns (create + one runtime call);
-* restore -> first exec: ``resume()`` of a paused (snapshotted, VMM quit) sandbox + one exec;
+* restore -> first exec: ``resume()`` of a paused (snapshotted, VMM quit) sandbox + one exec,
+  split into its phases (the manifest check, VMM start + state load + ``cont``, the agent
+  channel's handshake, from the backend's "microvm resumed" log line; then the first exec);
 * fork of 1 and of 10 children -> every child answered an exec;
 * host memory (PSS from ``/proc/<qemu>/smaps_rollup``) of the parent and of each child right
   after the fork, and the children's growth after each writes 32 MiB in its guest.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -39,6 +42,23 @@ from dsec.edge.backends.microvm.backend import MicrovmBackend
 from dsec.paths import Paths
 
 MiB = 1 << 20
+
+
+class Phases(logging.Handler):
+    """Collects the phase fields of the backend's "microvm resumed" log lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[dict[str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() == "microvm resumed":
+            fields = getattr(record, "fields", {})
+            self.seen.append({k: v for k, v in fields.items() if k.endswith("_ms")})
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 def pss_mib(pid: int) -> float:
@@ -72,24 +92,30 @@ class Node:
         )
 
 
-async def exec_ok(sock: Path, cmd: str = "true") -> None:
-    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=120)
+async def exec_ok(sock: Path, cmd: str = "true", timeout: float = 120) -> None:
+    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=timeout)
     assert res.result.get("exit_code") == 0, (cmd, res.final, res.stderr)
 
 
-async def run(runs: int, memory_mb: int) -> dict[str, Any]:
+async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
+    """Fills ``out`` as it goes (what was measured stays there if a later step fails)."""
     root = Path(tempfile.mkdtemp(prefix="dsec-vmbench-"))
     run_dir = Path(tempfile.mkdtemp(prefix="dvb", dir="/tmp"))
     mem = Path(tempfile.mkdtemp(prefix="dsec-vmbench-", dir="/dev/shm"))
     node = Node(root, run_dir, mem)
     be = node.backend
     spec = SandboxSpec(backend="microvm", memory_mb=memory_mb, cpu=1.0)
-    out: dict[str, Any] = {
+    out.update({
         "accel": (be.availability().reason),
         "memory_mb": memory_mb,
         "note": "TCG (no usable KVM here): these are not KVM figures",
-    }
+    })  # fmt: skip
     live: list[tuple[str, SandboxPaths]] = []
+    phases = Phases()
+    vm_log = logging.getLogger("dsec.edge.backends.microvm.backend")
+    vm_log.setLevel(logging.INFO)
+    vm_log.addHandler(phases)
+    loads = [loadavg()]
     try:
         # Warm the shared images (erofs of the layers, bundle image, initramfs).
         sid, p = node.sandbox()
@@ -102,6 +128,7 @@ async def run(runs: int, memory_mb: int) -> dict[str, Any]:
         cold: list[float] = []
         restore: list[float] = []
         pause: list[float] = []
+        first_exec: list[float] = []
         for _ in range(runs):
             sid, p = node.sandbox()
             live.append((sid, p))
@@ -115,14 +142,21 @@ async def run(runs: int, memory_mb: int) -> dict[str, Any]:
             pause.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             await be.resume(sid)
+            t1 = time.perf_counter()
             await exec_ok(p.agent_socket)
             restore.append(time.perf_counter() - t0)
+            first_exec.append(time.perf_counter() - t1)
+            loads.append(loadavg())
             await be.destroy(sid, p)
             live.clear()
         out["cold_boot_to_first_exec"] = summary(cold)
         out["pause_snapshot"] = summary(pause)
         out["restore_to_first_exec"] = summary(restore)
         out["cold_over_restore"] = round(statistics.median(cold) / statistics.median(restore), 1)
+        out["restore_phases_p50_ms"] = {
+            **{k: statistics.median(p[k] for p in phases.seen) for k in phases.seen[0]},
+            "first_exec_ms": round(statistics.median(first_exec) * 1000, 1),
+        }
 
         for count in (1, 10):
             samples: list[float] = []
@@ -143,10 +177,14 @@ async def run(runs: int, memory_mb: int) -> dict[str, Any]:
                     await be.destroy(s, sp)
                 live.clear()
             out[f"fork_{count}_all_ready"] = summary(samples)
+            loads.append(loadavg())
         one = out["fork_1_all_ready"]["p50_ms"]
         ten = out["fork_10_all_ready"]["p50_ms"]
         out["fork_10_over_fork_1"] = round(ten / one, 2)
+        out["loadavg_1min"] = {"min": min(loads), "median": statistics.median(loads),
+                               "max": max(loads)}  # fmt: skip
     finally:
+        vm_log.removeHandler(phases)
         for s, sp in reversed(live):
             await be.destroy(s, sp)
         cgroups.remove(cgroups.detect(), "/" + node.cgroup_parent)
@@ -163,7 +201,7 @@ async def measure_pss(
     child = [pss_mib(be._vms[k].vmm.pid) for k, _ in kids]
     await asyncio.gather(
         *(
-            exec_ok(kp.agent_socket, "head -c 32M /dev/zero | tr '\\0' x > /dev/shm/w")
+            exec_ok(kp.agent_socket, "head -c 32M /dev/zero | tr '\\0' x > /dev/shm/w", 900)
             for _, kp in kids
         )
     )
@@ -181,12 +219,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--memory-mb", type=int, default=512)
     a = ap.parse_args()
-    res = asyncio.run(run(a.runs, a.memory_mb))
-    text = json.dumps(res, indent=2)
-    print(text)
-    out = Path(__file__).parent / "results" / "microvm.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(text + "\n")
+    res: dict[str, Any] = {}
+    try:
+        asyncio.run(run(a.runs, a.memory_mb, res))
+    except BaseException as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"  # the figures before it still count
+        raise
+    finally:
+        text = json.dumps(res, indent=2)
+        print(text)
+        out = Path(__file__).parent / "results" / "microvm.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

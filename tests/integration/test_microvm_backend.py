@@ -49,8 +49,19 @@ async def _shell(sock: Path, cmd: str, session: str = "s1") -> dict[str, Any]:
 
 
 @pytest.mark.asyncio
-async def test_lifecycle_pause_resume_fork_destroy(env: Env) -> None:
+@pytest.mark.timeout(400)  # six TCG restores; minutes when other jobs load the 2 cores
+async def test_lifecycle_pause_resume_fork_destroy(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
     be = env.backend
+    moves: list[str] = []
+    move = be._move_memory_cgroup
+
+    def recording(pid: int, cgroup_path: str) -> bool:
+        moves.append(cgroup_path)
+        return move(pid, cgroup_path)
+
+    monkeypatch.setattr(be, "_move_memory_cgroup", recording)
     sid, paths = env.sandbox()
     spec = SandboxSpec(backend="microvm", memory_mb=256)
     started = await be.create(sid, spec, paths)
@@ -95,6 +106,20 @@ async def test_lifecycle_pause_resume_fork_destroy(env: Env) -> None:
         assert (await _sh(sock, "cat /root/f")) == "hello\n"  # the parent is untouched
         assert (await _sh(children[1][1].agent_socket, "cat /root/f")) == "child1\n"
         assert (await _shell(children[0][1].agent_socket, "echo $KEEP"))["stdout"].strip() == "kept"
+
+        # A fork of a child (its RAM is copy-on-write from the template): while it writes
+        # its snapshot, its VMM is charged to the edge's template cgroup, not to the child.
+        assert moves == []  # the first fork's parent owned its RAM file
+        grand = env.sandbox()
+        children.append(grand)
+        await be.fork(children[0][0], [grand])
+        assert (await _sh(grand[1].agent_socket, "cat /root/f")) == "child0\n"
+        assert (await _sh(children[0][1].agent_socket, "cat /root/f")) == "child0\n"
+        tpl = f"/{env.cgroup_parent}/vm-templates"
+        mem_cg = cgroups.detect().controller_dir("memory", tpl)
+        if mem_cg is not None:  # a host with a memory controller (this one has)
+            assert moves[0] == tpl
+            assert not mem_cg.exists()  # removed once the snapshot was written
     finally:
         for cid, cp in children:
             await be.destroy(cid, cp)

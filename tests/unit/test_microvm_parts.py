@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -40,6 +43,7 @@ def test_snapshot_manifest_accepts_an_intact_snapshot(tmp_path: Path) -> None:
 def test_snapshot_manifest_refuses_damage(tmp_path: Path, damage: str) -> None:
     snap = _snap(tmp_path)
     snapshots.write_manifest(snap)
+    _tick()
     if damage == "truncate_state":
         snap.state.write_bytes(snap.state.read_bytes()[:100])
     elif damage == "flip_state":
@@ -54,6 +58,72 @@ def test_snapshot_manifest_refuses_damage(tmp_path: Path, damage: str) -> None:
         (snap.dir / "manifest.json").unlink()
     with pytest.raises(snapshots.SnapshotCorrupt):
         snapshots.verify(snap)
+
+
+def _count_digests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    seen: list[str] = []
+    real = snapshots._digest
+
+    def counting(path: Path, sparse: bool) -> str:
+        seen.append(path.name)
+        return real(path, sparse)
+
+    monkeypatch.setattr(snapshots, "_digest", counting)
+    return seen
+
+
+def _tick() -> None:
+    """Let the kernel's file-time clock (coarse, a few ms) move on before a write, so the
+    write changes the stamp as any later tampering would."""
+    time.sleep(0.05)
+
+
+def test_unchanged_stamps_skip_hashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    snap = _snap(tmp_path)
+    snapshots.write_manifest(snap)
+    seen = _count_digests(monkeypatch)
+    snapshots.verify(snap)
+    assert seen == []
+    snapshots.verify(snap, trust_stamps=False)  # a snapshot from another edge: every file
+    assert sorted(seen) == ["qemu.json", "ram", "state"]
+
+
+def test_touched_file_is_hashed_and_accepted_when_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snap = _snap(tmp_path)
+    snapshots.write_manifest(snap)
+    _tick()
+    snap.state.write_bytes(snap.state.read_bytes())  # same bytes, new stamp
+    seen = _count_digests(monkeypatch)
+    snapshots.verify(snap)
+    assert seen == ["state"]
+    snapshots.restamp(snap)
+    seen.clear()
+    snapshots.verify(snap)
+    assert seen == []
+    snapshots.restamp(snap, keep=False)  # a VMM may write into the RAM: hash all next time
+    snapshots.verify(snap)
+    assert sorted(seen) == ["qemu.json", "ram", "state"]
+
+
+def test_manifest_without_digests_refuses_any_change(tmp_path: Path) -> None:
+    snap = _snap(tmp_path)
+    snapshots.write_manifest(snap, digests=False)
+    snapshots.verify(snap)
+    _tick()
+    with open(snap.mem_file, "r+b") as f:
+        f.write(b"a")  # the same byte: still refused, nothing to compare it with
+    with pytest.raises(snapshots.SnapshotCorrupt, match="changed since"):
+        snapshots.verify(snap)
+
+
+def test_ram_in_the_state_stream_is_not_listed(tmp_path: Path) -> None:
+    snap = replace(_snap(tmp_path), ram_in_file=False)
+    snapshots.write_manifest(snap)
+    assert json.loads((snap.dir / "manifest.json").read_text())["ram"] is None
+    snap.mem_file.unlink()  # another VM's template file: not part of this snapshot
+    snapshots.verify(snap)
 
 
 def test_sparse_digest_sees_offsets(tmp_path: Path) -> None:
@@ -131,3 +201,34 @@ def test_sparse_digest_treats_zero_pages_as_holes(tmp_path: Path) -> None:
         f.seek(65536)
         f.write(bytes(4096))
     assert snapshots.sparse_digest(p) == before
+
+
+def test_overlays_on_a_template_disk_run_qemu_img_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if qemu.available():
+        pytest.skip(f"needs qemu-img: {qemu.available()}")
+    from dsec.edge.backends.microvm import backend
+
+    base = tmp_path / "scratch.qcow2"
+    raw = tmp_path / "base.raw"
+    with open(raw, "wb") as f:
+        f.truncate(1 << 20)
+    disks.make_overlay(raw, base)  # a template's frozen disk
+    made: list[Path] = []
+    real = disks.make_overlay
+
+    def counting(b: Path, dest: Path, fmt: str = "raw") -> Path:
+        made.append(dest)
+        return real(b, dest, fmt)
+
+    monkeypatch.setattr(disks, "make_overlay", counting)
+    kids = [tmp_path / f"k{i}.qcow2" for i in range(3)]
+    for k in kids:
+        backend._writable_disk(base, k, "qcow2", "qemu")
+    assert len(made) == 1
+    assert kids[0].read_bytes() == kids[2].read_bytes()
+    info = subprocess.run(
+        ["qemu-img", "info", "--output=json", str(kids[1])], capture_output=True, text=True
+    )
+    assert json.loads(info.stdout)["backing-filename"] == str(base.resolve())

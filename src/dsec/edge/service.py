@@ -255,13 +255,20 @@ class EdgeService(pb_grpc.EdgeServicer):
         )
         return pb.SandboxList(sandboxes=[info_to_pb(r, self._m.edge_id) for r in recs])
 
+    async def _snapshot_info(
+        self, rec: SnapshotRecord | Awaitable[SnapshotRecord]
+    ) -> pb.SnapshotInfo:
+        """The reply of every single-snapshot call: the record (awaited if need be)."""
+        if not isinstance(rec, SnapshotRecord):
+            rec = await rec
+        return snapshot_to_pb(rec, self._m.edge_id)
+
     async def CreateSnapshot(
         self, request: pb.CreateSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SnapshotInfo:
-        rec = await self._snapshots.create(
+        return await self._snapshot_info(self._snapshots.create(
             request.sandbox_id, request.snapshot_id, request.name, request.mode, caller_of(context)
-        )
-        return snapshot_to_pb(rec, self._m.edge_id)
+        ))  # fmt: skip
 
     async def ListSnapshots(
         self, request: pb.ListSnapshotsRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -277,14 +284,16 @@ class EdgeService(pb_grpc.EdgeServicer):
     async def GetSnapshot(
         self, request: pb.SnapshotRef, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SnapshotInfo:
-        rec = self._snapshots.get(request.snapshot_id, caller_of(context))
-        return snapshot_to_pb(rec, self._m.edge_id)
+        return await self._snapshot_info(
+            self._snapshots.get(request.snapshot_id, caller_of(context))
+        )
 
     async def DeleteSnapshot(
         self, request: pb.SnapshotRef, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SnapshotInfo:
-        rec = await self._snapshots.delete(request.snapshot_id, caller_of(context))
-        return snapshot_to_pb(rec, self._m.edge_id)
+        return await self._snapshot_info(
+            self._snapshots.delete(request.snapshot_id, caller_of(context))
+        )
 
     async def ResumeSandbox(
         self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]

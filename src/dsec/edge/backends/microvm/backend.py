@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -368,6 +368,46 @@ class MicrovmBackend:
             else:
                 (cpu / "cpu.cfs_quota_us").write_text(str(quota))
 
+    @contextlib.asynccontextmanager
+    async def _charged_to_templates(self, sandbox_id: str, vmm: Vmm) -> AsyncIterator[None]:
+        """While a VMM whose RAM is mapped copy-on-write from a template writes a snapshot,
+        it runs in the edge's template memory cgroup: reading all guest RAM fills the
+        holes of that template's tmpfs file, and the state stream's page cache is written,
+        and neither is the VM's memory (charged to the VM, they counted the template's RAM
+        against its limit). A VMM that owns its RAM file stays where it is."""
+        if vmm.shared_ram or vmm.pid <= 0:
+            yield
+            return
+        pid = vmm.pid
+        tpl = f"/{self.cgroup_parent}/vm-templates"
+        try:
+            moved = await asyncio.to_thread(self._move_memory_cgroup, pid, tpl)
+        except OSError as exc:  # accounting only: the snapshot goes on where QEMU is
+            log(_log, "template cgroup refused the VMM", logging.WARNING, sandbox_id=sandbox_id,
+                error=str(exc))  # fmt: skip
+            moved = False
+        try:
+            yield
+        finally:
+            if moved:
+                if vmm.alive():
+                    with contextlib.suppress(OSError):
+                        await asyncio.to_thread(
+                            self._move_memory_cgroup, pid, self.cgroup_path(sandbox_id)
+                        )
+                with contextlib.suppress(OSError, DsecError):
+                    await asyncio.to_thread(cgroups.remove_if_empty, self.layout(), tpl)
+
+    def _move_memory_cgroup(self, pid: int, cgroup_path: str) -> bool:
+        """Put ``pid`` (all its threads) in ``cgroup_path``'s memory cgroup (made if need
+        be); False when this host has no memory controller."""
+        d = self.layout().controller_dir("memory", cgroup_path)
+        if d is None:
+            return False
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cgroup.procs").write_text(str(pid))
+        return True
+
     async def _attach(
         self,
         sandbox_id: str,
@@ -498,12 +538,12 @@ class MicrovmBackend:
             paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
             config = self._config(sandbox_id, paths, meta)
             snap = vm.vmm.saved_snapshot(dest, config.mem_file)
-            await self._restore(sandbox_id, vm, paths, config, snap, private=False)
+            phases = await self._restore(sandbox_id, vm, paths, config, snap, private=False)
             meta["paused"] = False
             meta["shared_ram"] = vm.vmm.shared_ram
             await asyncio.to_thread(_save_meta, sd, meta)
             await asyncio.to_thread(disks.remove, dest)
-            log(_log, "microvm resumed", sandbox_id=sandbox_id)
+            log(_log, "microvm resumed", logging.INFO, sandbox_id=sandbox_id, **phases)
 
     async def _restore(
         self,
@@ -516,18 +556,36 @@ class MicrovmBackend:
         private: bool,
         identity: dict[str, Any] | None = None,
         verified: bool = False,
-    ) -> None:
+        timeout_s: float = RESTORE_TIMEOUT_S,
+    ) -> dict[str, float]:
         """Start the VMM on the snapshot while its digests are checked; refuse a bad one.
 
-        ``verified``: the caller made (and hashed) this snapshot itself just now.
-        """
-        check = None if verified else functools.partial(snapshots.verify, snap)
+        ``verified``: the caller made this snapshot itself just now. Returns how long each
+        phase took (ms): ``check_ms`` (the manifest check, beside the VMM's start),
+        ``vmm_ms`` (VMM started, state loaded, guest running), ``agent_ms`` (until the
+        guest's multiplexer answered)."""
+        phases = {"check_ms": 0.0}
+
+        def check() -> None:
+            t = time.perf_counter()
+            _check_snapshot(snap, private)
+            phases["check_ms"] = _ms(t)
+
+        t0 = time.perf_counter()
         try:
             await vm.vmm.restore(
-                config, snap, private=private, timeout_s=RESTORE_TIMEOUT_S, check=check
+                config,
+                snap,
+                private=private,
+                timeout_s=timeout_s,
+                check=None if verified else check,
             )
+            phases["vmm_ms"] = _ms(t0)
+            t1 = time.perf_counter()
             link = vm.vmm.link(config)
-            await self._attach(sandbox_id, vm, paths, link, RESTORE_TIMEOUT_S, identity)
+            await self._attach(sandbox_id, vm, paths, link, timeout_s, identity)
+            phases["agent_ms"] = _ms(t1)
+            return phases
         except BaseException:
             await self._detach(vm)
             await vm.vmm.kill()
@@ -551,12 +609,15 @@ class MicrovmBackend:
         async with vm.lock:
             tid = f"{sandbox_id}-{secrets.token_hex(4)}"
             paths, meta, tsnap = await self._make_template(sandbox_id, vm, tid)
-            # The parent and every child start from the template at the same time.
+            # The parent and every child start from the template at the same time; they
+            # share the host's cores, so each may take that many times a lone restore.
+            wait = RESTORE_TIMEOUT_S * max(1.0, (len(children) + 1) / (os.cpu_count() or 1))
             results = await asyncio.gather(
-                self._fork_parent(sandbox_id, vm, paths, meta, tsnap),
-                *(self._fork_child(sandbox_id, meta, tsnap, cid, cp) for cid, cp in children),
+                self._fork_parent(sandbox_id, vm, paths, meta, tsnap, wait),
+                *(self._fork_child(sandbox_id, meta, tsnap, cid, cp, timeout_s=wait)
+                  for cid, cp in children),
                 return_exceptions=True,
-            )
+            )  # fmt: skip
         if isinstance(results[0], BaseException):
             for (cid, cp), r in zip(children, results[1:], strict=True):
                 if not isinstance(r, BaseException):
@@ -589,17 +650,20 @@ class MicrovmBackend:
         paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
         try:
             await self._detach(vm)
-            snap = await vm.vmm.snapshot(tdir)
+            async with self._charged_to_templates(sandbox_id, vm.vmm):
+                snap = await vm.vmm.snapshot(tdir)
             await vm.vmm.kill()
             await asyncio.to_thread(_settle, snap.state)
             frozen_mem = self.mem_dir / f"tpl-{tid}.mem"
             # RAM mapped privately from an older template went into the state stream: that
             # template's file stays its own, this one gets an empty RAM file.
-            ram = snap.mem_file if _ram_in_file(vm.vmm) else None
+            ram = snap.mem_file if snap.ram_in_file else None
             scratch = _scratch(_vmm_of(meta))
             await asyncio.to_thread(_freeze, ram, frozen_mem, sd, tdir, scratch)
-            tsnap = Snapshot(dir=tdir, mem_file=frozen_mem, state=snap.state)
-            await asyncio.to_thread(snapshots.write_manifest, tsnap)
+            tsnap = replace(snap, dir=tdir, mem_file=frozen_mem)
+            # Used at once by the parent and children restored from it (not re-checked):
+            # sizes and stamps, no digests to compute while they wait.
+            await asyncio.to_thread(snapshots.write_manifest, tsnap, digests=False)
             # The parent goes on from the template too (its own disk overlay on top).
             await asyncio.to_thread(
                 _writable_disk, tdir / scratch, sd / scratch, "qcow2", _vmm_of(meta)
@@ -615,11 +679,18 @@ class MicrovmBackend:
         return paths, meta, tsnap
 
     async def _fork_parent(
-        self, sandbox_id: str, vm: _Vm, paths: SandboxPaths, meta: dict[str, Any], tsnap: Snapshot
+        self,
+        sandbox_id: str,
+        vm: _Vm,
+        paths: SandboxPaths,
+        meta: dict[str, Any],
+        tsnap: Snapshot,
+        timeout_s: float,
     ) -> None:
         try:
             config = self._config(sandbox_id, paths, meta)
-            await self._restore(sandbox_id, vm, paths, config, tsnap, private=True)
+            await self._restore(sandbox_id, vm, paths, config, tsnap, private=True, verified=True,
+                                timeout_s=timeout_s)  # fmt: skip
         except BaseException:
             await asyncio.to_thread(_kill_pid, vm.keeper)  # the edge sees the parent die
             raise
@@ -633,16 +704,16 @@ class MicrovmBackend:
         cp: SandboxPaths,
         *,
         verified: bool = True,
+        timeout_s: float = RESTORE_TIMEOUT_S,
     ) -> Started:
         vm = _Vm(vmm=choice.new_vmm(_vmm_of(pmeta)))
         self._vms[cid] = vm
         try:
             meta = {**pmeta, "agent_socket": str(cp.agent_socket), "mem_gen": "",
                     "parent": parent}  # fmt: skip
-            await asyncio.to_thread(self._prepare_child, cp.state_dir, tsnap, meta)
-            spec = SandboxSpec(cpu=float(meta["vcpus"]), memory_mb=meta["memory_mib"])
-            await asyncio.to_thread(self._make_cgroup, cid, spec)
-            vm.keeper = await asyncio.to_thread(_start_keeper, cp.state_dir)
+            # one thread hop for the child's files, cgroup and keeper: many children start
+            # at once and the default executor has few threads
+            vm.keeper = await asyncio.to_thread(self._prepare_child, cid, cp.state_dir, tsnap, meta)
             config = self._config(cid, cp, meta)
             ident = {
                 "hostname": cid,
@@ -650,8 +721,9 @@ class MicrovmBackend:
                 "seed": secrets.token_hex(32),
             }
             await self._restore(
-                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=verified
-            )
+                cid, vm, cp, config, tsnap, private=True, identity=ident, verified=verified,
+                timeout_s=timeout_s,
+            )  # fmt: skip
         except BaseException:
             await asyncio.shield(self._rollback(cid, cp))
             raise
@@ -674,19 +746,19 @@ class MicrovmBackend:
             _refuse_networked(meta, "snapshot")
             tdir = self.templates_dir / snapshot_id
             tmem = self.mem_dir / f"tpl-{snapshot_id}.mem"
-            tsnap = Snapshot(dir=tdir, mem_file=tmem, state=tdir / "state")
             # Sandboxes made from it keep it and the templates its disk stands on.
             tmeta = {**meta, "templates": [*meta.get("templates", []), snapshot_id]}
             try:
                 try:
-                    snap = await vm.vmm.snapshot(tdir)  # stops the guest
+                    async with self._charged_to_templates(sandbox_id, vm.vmm):
+                        snap = await vm.vmm.snapshot(tdir)  # stops the guest
                     await asyncio.to_thread(
-                        _copy_template, snap, _ram_in_file(vm.vmm), tmem, sd, tdir,
-                        _scratch(_vmm_of(meta)),
-                    )  # fmt: skip
+                        _copy_template, snap, tmem, sd, tdir, _scratch(_vmm_of(meta))
+                    )
                 finally:
                     if vm.vmm.alive():
                         await vm.vmm.resume()
+                tsnap = replace(snap, mem_file=tmem)
                 await asyncio.to_thread(snapshots.write_manifest, tsnap)
                 await asyncio.to_thread(_save_meta, tdir, tmeta)
                 await asyncio.to_thread((tdir / PINNED).write_text, sandbox_id)
@@ -728,13 +800,15 @@ class MicrovmBackend:
         return Snapshot(dir=tdir, mem_file=self.mem_dir / f"tpl-{snapshot_id}.mem",
                         state=tdir / "state")  # fmt: skip
 
-    @staticmethod
-    def _prepare_child(sd: Path, tsnap: Snapshot, meta: dict[str, Any]) -> None:
+    def _prepare_child(self, cid: str, sd: Path, tsnap: Snapshot, meta: dict[str, Any]) -> int:
+        """A child's disk overlay, config disk, settings and cgroup; returns its keeper."""
         sd.mkdir(parents=True, exist_ok=True)
         scratch = _scratch(_vmm_of(meta))
         _writable_disk(tsnap.dir / scratch, sd / scratch, "qcow2", _vmm_of(meta))
         shutil.copyfile(tsnap.dir / "config.img", sd / "config.img")
         _save_meta(sd, meta)
+        self._make_cgroup(cid, SandboxSpec(cpu=float(meta["vcpus"]), memory_mb=meta["memory_mib"]))
+        return _start_keeper(sd)
 
     # --- destroy / usage ---------------------------------------------------------------
 
@@ -840,6 +914,16 @@ def _writable_disk(base: Path, dest: Path, base_format: str, vmm: str) -> None:
     """``dest``, a writable disk whose content starts as ``base``'s: a qcow2 overlay for
     QEMU; for Firecracker (raw files only) a copy, reflinked where the filesystem can,
     sparse (holes stay holes) elsewhere."""
+    if vmm == "qemu" and base_format == "qcow2":
+        # A template's disk: every overlay on it is the same small file (the base's path is
+        # all it holds), so qemu-img runs once per template, not once per fork child.
+        proto = base.with_name(base.name + ".child")
+        if not proto.exists():
+            tmp = base.with_name(f".{base.name}.{secrets.token_hex(4)}")
+            disks.make_overlay(base, tmp, base_format)
+            os.replace(tmp, proto)
+        shutil.copyfile(proto, dest)
+        return
     if vmm == "qemu":
         disks.make_overlay(base, dest, base_format)
         return
@@ -919,25 +1003,29 @@ def _freeze(mem: Path | None, frozen_mem: Path, sd: Path, tdir: Path, scratch: s
     shutil.copyfile(sd / "config.img", tdir / "config.img")
 
 
-def _copy_template(
-    snap: Snapshot, ram_in_file: bool, tmem: Path, sd: Path, tdir: Path, scratch: str
-) -> None:
+def _copy_template(snap: Snapshot, tmem: Path, sd: Path, tdir: Path, scratch: str) -> None:
     """Copy a stopped guest's RAM file and disks into template ``tdir`` (data extents
     only: holes stay holes). When the RAM is in the state stream: an empty RAM file."""
     _settle(snap.state)
     with open(tmem, "wb") as dst:
-        if ram_in_file:
+        if snap.ram_in_file:
             _copy_extents(snap.mem_file, dst.fileno())
     with open(tdir / scratch, "wb") as dst:
         _copy_extents(sd / scratch, dst.fileno())
     shutil.copyfile(sd / "config.img", tdir / "config.img")
 
 
-def _ram_in_file(vmm: Vmm) -> bool:
-    """Whether a snapshot's guest RAM is in its ``mem_file``: QEMU's shared RAM file, or
-    the file Firecracker writes beside its state. QEMU running copy-on-write from an older
-    template writes its RAM into the state stream instead."""
-    return vmm.shared_ram or vmm.name == "firecracker"
+def _ms(since: float) -> float:
+    return round((time.perf_counter() - since) * 1000, 1)
+
+
+def _check_snapshot(snap: Snapshot, private: bool) -> None:
+    """Refuse ``snap`` unless it matches its manifest (unchanged stamps are trusted). A VMM
+    restored with its RAM shared (``private=False``) writes into the RAM file: the stamps
+    are dropped first, so should this snapshot be restored again, every file is hashed."""
+    snapshots.verify(snap)
+    if not private:
+        snapshots.restamp(snap, keep=False)
 
 
 def _refuse_networked(meta: dict[str, Any], what: str) -> None:

@@ -20,7 +20,6 @@ import functools
 import importlib
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -37,6 +36,7 @@ QEMU = "qemu-system-x86_64"
 NSENTER = "nsenter"  # util-linux
 PANIC_MARKERS = ("Kernel panic", "end Kernel panic")
 AGENT_PORT = "dsec.agent"
+MIGRATION_FD = "dsec-state"  # the name QEMU knows the snapshot state file's fd by
 T = TypeVar("T")
 
 
@@ -289,7 +289,14 @@ class QemuVmm:
             "migrate-set-capabilities",
             {"capabilities": [{"capability": "x-ignore-shared", "state": self.shared_ram}]},
         )
-        await qmp.cmd("migrate", {"uri": f"exec:cat > {shlex.quote(str(state))}"})
+        # The state file is handed to QEMU as an fd: no shell and no `cat` process per
+        # snapshot, and no pipe the whole stream is copied through.
+        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await qmp.cmd("getfd", {"fdname": MIGRATION_FD}, fd=fd)
+        finally:
+            os.close(fd)
+        await qmp.cmd("migrate", {"uri": f"fd:{MIGRATION_FD}"})
         while True:
             info = await qmp.cmd("query-migrate")
             st = info.get("status")
@@ -299,10 +306,14 @@ class QemuVmm:
                 raise SandboxFailed(f"snapshot failed: {info.get('error-desc', st)}")
             await asyncio.sleep(0.002)
         (dest / "qemu.json").write_text(json.dumps({"ignore_shared": self.shared_ram}))
-        return Snapshot(dir=dest, mem_file=self.mem_file, state=state)
+        return Snapshot(dir=dest, mem_file=self.mem_file, state=state, ram_in_file=self.shared_ram)
 
     def saved_snapshot(self, dest: Path, mem_file: Path) -> Snapshot:
-        return Snapshot(dir=dest, mem_file=mem_file, state=dest / "state")
+        try:
+            in_file = bool(json.loads((dest / "qemu.json").read_text()).get("ignore_shared"))
+        except (OSError, ValueError):
+            in_file = True
+        return Snapshot(dir=dest, mem_file=mem_file, state=dest / "state", ram_in_file=in_file)
 
     async def restore(
         self,
@@ -349,7 +360,12 @@ class QemuVmm:
                 {"capabilities": [{"capability": "x-ignore-shared",
                                    "state": bool(meta.get("ignore_shared"))}]},
             )  # fmt: skip
-            await qmp.cmd("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(snap.state))}"})
+            fd = os.open(snap.state, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                await qmp.cmd("getfd", {"fdname": MIGRATION_FD}, fd=fd)
+            finally:
+                os.close(fd)
+            await qmp.cmd("migrate-incoming", {"uri": f"fd:{MIGRATION_FD}"})
 
             async def loaded() -> None:
                 while (await self.status()) == "inmigrate":  # noqa: ASYNC110 (QMP polling)

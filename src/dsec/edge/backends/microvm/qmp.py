@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -53,14 +55,24 @@ class Qmp:
         return msg
 
     async def cmd(
-        self, name: str, args: dict[str, Any] | None = None, timeout_s: float = 30
+        self,
+        name: str,
+        args: dict[str, Any] | None = None,
+        timeout_s: float = 30,
+        *,
+        fd: int | None = None,
     ) -> Any:
+        """Run command ``name``; ``fd`` goes along with it (SCM_RIGHTS), as ``getfd`` needs."""
         async with self._lock:
             msg: dict[str, Any] = {"execute": name}
             if args:
                 msg["arguments"] = args
-            self.writer.write(json.dumps(msg).encode() + b"\n")
-            await self.writer.drain()
+            data = json.dumps(msg).encode() + b"\n"
+            if fd is None:
+                self.writer.write(data)
+                await self.writer.drain()
+            else:  # nothing is buffered (drained under the lock): send on the socket itself
+                _send_with_fd(self.writer, data, fd)
             async with asyncio.timeout(timeout_s):
                 while True:
                     reply = await self._read()
@@ -74,3 +86,14 @@ class Qmp:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _send_with_fd(writer: asyncio.StreamWriter, data: bytes, fd: int) -> None:
+    raw = writer.get_extra_info("socket")
+    sock = socket.socket(fileno=os.dup(raw.fileno()))  # asyncio's wrapper has no sendmsg
+    try:
+        sock.setblocking(True)
+        if socket.send_fds(sock, [data], [fd]) != len(data):
+            raise QmpError("short write of a QMP command")
+    finally:
+        sock.close()

@@ -1,9 +1,16 @@
-"""Snapshot manifests: sha256 of every file of a snapshot, checked before any restore.
+"""Snapshot manifests: sha256 of every file of a snapshot, and a stamp of each file.
 
 ``manifest.json`` in the snapshot directory lists the device state, the driver's notes and
-the RAM file with their sizes and digests. The RAM file is sparse (guest pages never
-touched are holes), so its digest covers its non-zero pages and their offsets only. A
-truncated or altered file is refused before QEMU loads anything from it.
+the RAM file (when the RAM is in a file, see ``Snapshot.ram_in_file``) with their sizes,
+digests and stamps (device, inode, size, mtime, ctime). The RAM file is sparse (guest pages
+never touched are holes), so its digest covers its non-zero pages and their offsets only.
+
+Digests are computed once, when the edge writes the snapshot (or takes one in from another
+edge: :func:`verify` with ``trust_stamps=False``, then :func:`restamp`). A restore on the same
+edge trusts a file whose stamp is unchanged, so it does not re-read gigabytes of RAM; any
+write, truncation or replacement changes the stamp, and then the file is hashed again
+and refused unless its digest matches. A snapshot written without digests (a fork template,
+used at once by the edge that made it) is refused once a stamp differs.
 """
 
 from __future__ import annotations
@@ -76,18 +83,42 @@ def _hash_nonzero_pages(h: hashlib._Hash, off: int, data: bytes) -> None:
             h.update(page)
 
 
-def _entry(path: Path, sparse: bool = False) -> dict[str, object]:
-    digest = sparse_digest(path) if sparse else hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"path": str(path), "size": path.stat().st_size, "sha256": digest}
+def stamp(path: Path) -> list[int]:
+    """What changes whenever a file is written, truncated or replaced."""
+    st = path.stat()
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _digest(path: Path, sparse: bool) -> str:
+    if sparse:
+        return sparse_digest(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _entry(path: Path, sparse: bool, digest: bool) -> dict[str, object]:
+    out: dict[str, object] = {"path": str(path), "size": path.stat().st_size}
+    if digest:
+        out["sha256"] = _digest(path, sparse)
+    out["stamp"] = stamp(path)
+    return out
 
 
 def _entries(snap: Snapshot) -> dict[str, Path]:
     return {"state": snap.state, "qemu.json": snap.dir / "qemu.json"}
 
 
-def write_manifest(snap: Snapshot) -> Path:
-    files = {name: _entry(p) for name, p in _entries(snap).items() if p.exists()}
-    manifest = {"format": 1, "files": files, "ram": _entry(snap.mem_file, sparse=True)}
+def write_manifest(snap: Snapshot, *, digests: bool = True) -> Path:
+    """Write ``manifest.json`` for ``snap``: sizes and stamps, and (``digests``) sha256."""
+    files = {name: _entry(p, False, digests) for name, p in _entries(snap).items() if p.exists()}
+    ram = _entry(snap.mem_file, True, digests) if snap.ram_in_file else None
+    return _save(snap, {"format": 2, "files": files, "ram": ram})
+
+
+def _save(snap: Snapshot, manifest: dict[str, object]) -> Path:
     out = snap.dir / MANIFEST
     tmp = snap.dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
@@ -95,26 +126,57 @@ def write_manifest(snap: Snapshot) -> Path:
     return out
 
 
-def verify(snap: Snapshot) -> None:
-    """Raise :class:`SnapshotCorrupt` unless every file matches the manifest."""
+def _load(snap: Snapshot) -> dict[str, dict[str, object]]:
+    """name -> entry of every file the manifest lists."""
     try:
         manifest = json.loads((snap.dir / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise SnapshotCorrupt(f"snapshot {snap.dir.name} has no readable manifest: {exc}") from exc
-    want: dict[str, dict[str, object]] = {**manifest.get("files", {}), "ram": manifest.get("ram")}
+    want: dict[str, dict[str, object]] = dict(manifest.get("files", {}))
+    if manifest.get("ram") is not None:
+        want["ram"] = manifest["ram"]
+    return want
+
+
+def verify(snap: Snapshot, *, trust_stamps: bool = True) -> None:
+    """Raise :class:`SnapshotCorrupt` unless every file matches the manifest: its stamp is
+    the one written (``trust_stamps``), or else its digest is."""
     paths = {**_entries(snap), "ram": snap.mem_file}
-    for name, entry in want.items():
+    for name, entry in _load(snap).items():
         p = paths.get(name)
         if p is None or not isinstance(entry, dict):
             raise SnapshotCorrupt(f"snapshot {snap.dir.name}: bad manifest entry {name!r}")
         try:
-            size = p.stat().st_size
+            now = stamp(p)
         except OSError as exc:
             raise SnapshotCorrupt(f"snapshot {snap.dir.name}: {name} is missing") from exc
-        if size != entry.get("size"):
+        if now[2] != entry.get("size"):
             raise SnapshotCorrupt(
-                f"snapshot {snap.dir.name}: {name} is {size} bytes, expected {entry.get('size')}"
+                f"snapshot {snap.dir.name}: {name} is {now[2]} bytes, expected {entry.get('size')}"
             )
-        digest = sparse_digest(p) if name == "ram" else hashlib.sha256(p.read_bytes()).hexdigest()
-        if digest != entry.get("sha256"):
+        if trust_stamps and entry.get("stamp") == now:
+            continue
+        if "sha256" not in entry:
+            raise SnapshotCorrupt(
+                f"snapshot {snap.dir.name}: {name} changed since it was written (no digest)"
+            )
+        if _digest(p, name == "ram") != entry["sha256"]:
             raise SnapshotCorrupt(f"snapshot {snap.dir.name}: {name} digest mismatch")
+
+
+def restamp(snap: Snapshot, *, keep: bool = True) -> None:
+    """Record the files' stamps as they are now (after a full :func:`verify`), or
+    (``keep=False``) drop them, so the next :func:`verify` hashes every file: for a
+    snapshot whose RAM file a restored VMM may write into."""
+    paths = {**_entries(snap), "ram": snap.mem_file}
+    manifest = json.loads((snap.dir / MANIFEST).read_text())
+    for name, entry in _load(snap).items():
+        if keep:
+            entry["stamp"] = stamp(paths[name])
+        else:
+            entry.pop("stamp", None)
+        if name == "ram":
+            manifest["ram"] = entry
+        else:
+            manifest["files"][name] = entry
+    _save(snap, manifest)

@@ -57,11 +57,17 @@ class VmConfig:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A memory snapshot on disk: guest RAM (``mem_file``) plus device ``state``."""
+    """A memory snapshot on disk: guest RAM (``mem_file``) plus device ``state``.
+
+    ``ram_in_file``: the guest RAM is in ``mem_file`` (QEMU's shared RAM file, or the file
+    Firecracker writes beside its state); False when it went into the ``state`` stream
+    (QEMU running copy-on-write from a template: ``mem_file`` is that template's, not this
+    snapshot's)."""
 
     dir: Path
     mem_file: Path
     state: Path
+    ram_in_file: bool = True
 
 
 class Vmm(Protocol):
