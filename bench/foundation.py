@@ -179,9 +179,10 @@ def _pss_kib(pid: int) -> int:
 
 
 def _cgroup_pids(sandbox_id: str) -> list[int]:
+    """The sandbox's processes, under whatever cgroup parent its edge uses (a test platform
+    has its own)."""
     for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        p = Path(base) / "dsec" / sandbox_id / "cgroup.procs"
-        if p.exists():
+        for p in Path(base).glob(f"*/{sandbox_id}/cgroup.procs"):
             return [int(x) for x in p.read_text().split()]
     return []
 
