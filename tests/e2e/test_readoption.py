@@ -24,8 +24,8 @@ def own_platform() -> Iterator[RunningPlatform]:
 
 def _sandbox_pids(sandbox_id: str) -> list[int]:
     for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        procs = Path(base) / "dsec" / sandbox_id / "cgroup.procs"
-        if procs.exists():
+        # under the platform's own cgroup parent (running_platform gives each one its own)
+        for procs in Path(base).glob(f"*/{sandbox_id}/cgroup.procs"):
             return sorted(int(x) for x in procs.read_text().split())
     return []
 
