@@ -375,6 +375,14 @@ def test_raw_tcp_to_a_sandbox_port_over_the_runtime_websocket(
     )
     sbx.files.write("/root/echo.py", server)
     sbx.processes.start(["python3", "/root/echo.py"])
+    # wait for the listener (the server takes one connection only): a stream sent to a port
+    # nobody listens on yet can race the agent's "unavailable" answer (the edge's failed
+    # write of the input then hides it: a known bug), which is not what this test is about
+    listening = "grep -q ':1B5F 00000000:0000 0A' /proc/net/tcp"
+    deadline = time.monotonic() + 10
+    while sbx.exec(listening).exit_code != 0:
+        assert time.monotonic() < deadline, "the echo server never listened"
+        time.sleep(0.1)
     ws_url = platform.api_url.replace("http://", "ws://") + f"/v1/sandboxes/{sbx.id}/runtime"
     headers = {"Authorization": f"Bearer {platform.admin_key}"}
     payload = b"hello over tcp \x00\xff" * 1000
