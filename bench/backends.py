@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.foundation import _cgroup_pids, _pss_kib, settle, summary
+from bench.foundation import _pss_kib, settle, summary
 from dsec.core.errors import DsecError
 from dsec.sdk import Client, Sandbox
 from dsec.testing.platform import RunningPlatform, running_platform
@@ -117,7 +117,7 @@ def idle_memory(plat: RunningPlatform, backend: str, n: int) -> dict[str, Any]:
             else:
                 per, counts = [], []
                 for s in sbxs:
-                    ps = _cgroup_pids(s.id)
+                    ps = plat.sandbox_pids(s.id)
                     counts.append(len(ps))
                     per.append(sum(_pss_kib(p) for p in ps) / 1024)
                 procs = statistics.median(counts)

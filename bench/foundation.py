@@ -178,16 +178,7 @@ def _pss_kib(pid: int) -> int:
     return 0
 
 
-def _cgroup_pids(sandbox_id: str) -> list[int]:
-    """The sandbox's processes, under whatever cgroup parent its edge uses (a test platform
-    has its own)."""
-    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        for p in Path(base).glob(f"*/{sandbox_id}/cgroup.procs"):
-            return [int(x) for x in p.read_text().split()]
-    return []
-
-
-def idle_memory(n: int, with_shell: bool) -> dict[str, Any]:
+def idle_memory(plat: RunningPlatform, n: int, with_shell: bool) -> dict[str, Any]:
     client = Client()
     sbxs = [Sandbox.create(memory_mb=64, cpu=0.25, timeout=600, client=client) for _ in range(n)]
     try:
@@ -199,7 +190,7 @@ def idle_memory(n: int, with_shell: bool) -> dict[str, Any]:
         per = []
         procs = []
         for s in sbxs:
-            pids = _cgroup_pids(s.id)
+            pids = plat.sandbox_pids(s.id)
             procs.append(len(pids))
             per.append(sum(_pss_kib(p) for p in pids) / 1024)
         return {
@@ -241,9 +232,9 @@ def main() -> None:
         settle()
         res["burst_creates"] = asyncio.run(burst(20 if args.quick else 200))
         settle()
-        res["idle_memory"] = idle_memory(5 if args.quick else 50, with_shell=False)
+        res["idle_memory"] = idle_memory(plat, 5 if args.quick else 50, with_shell=False)
         settle()
-        res["idle_memory_with_shell"] = idle_memory(5 if args.quick else 20, with_shell=True)
+        res["idle_memory_with_shell"] = idle_memory(plat, 5 if args.quick else 20, with_shell=True)
     ratio = res["create_to_first_exec"]["p50_ms"] / res["crun_floor"]["p50_ms"]
     res["create_vs_floor_ratio"] = round(ratio, 2)
     Path(__file__).with_name("results").mkdir(exist_ok=True)

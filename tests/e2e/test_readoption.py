@@ -22,14 +22,6 @@ def own_platform() -> Iterator[RunningPlatform]:
         yield p
 
 
-def _sandbox_pids(sandbox_id: str) -> list[int]:
-    for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        # under the platform's own cgroup parent (running_platform gives each one its own)
-        for procs in Path(base).glob(f"*/{sandbox_id}/cgroup.procs"):
-            return sorted(int(x) for x in procs.read_text().split())
-    return []
-
-
 def _mounts_naming(text: str) -> list[str]:
     return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if text in line]
 
@@ -46,7 +38,7 @@ def test_edge_kill_9_readopts_every_sandbox_with_processes_and_shells(
     for s in sbxs:
         s.shell("keep").run("cd /tmp; export KEEP=kept; sleep 1000 &")
         bg[s.id] = s.processes.start(["sleep", "1000"], tag="bg").pid
-        before[s.id] = _sandbox_pids(s.id)
+        before[s.id] = p.sandbox_pids(s.id)
         assert len(before[s.id]) >= 5  # init, aether, chronus, bash, sleeps
 
     edge_pid = p.pid("edge")
@@ -58,7 +50,7 @@ def test_edge_kill_9_readopts_every_sandbox_with_processes_and_shells(
     for s in sbxs:
         assert listed[s.id] == "running"
         assert pids_alive(before[s.id]) == before[s.id], "a sandbox process died"
-        assert _sandbox_pids(s.id) == before[s.id]
+        assert p.sandbox_pids(s.id) == before[s.id]
         r = s.shell("keep").run("echo $KEEP $PWD; jobs | wc -l")
         assert r.stdout.split() == ["kept", "/tmp", "1"]
         assert any(x.pid == bg[s.id] and x.running for x in s.processes.list())
@@ -81,7 +73,7 @@ def test_edge_kill_9_readopts_every_sandbox_with_processes_and_shells(
 
     # Killing them leaves nothing: no process, mount, cgroup, socket or state.
     for s in sbxs:
-        all_pids = _sandbox_pids(s.id)
+        all_pids = p.sandbox_pids(s.id)
         s.kill()
         assert pids_alive(all_pids) == []
         assert leaks(p, s.id) == []
@@ -93,7 +85,7 @@ def test_platform_shutdown_leaves_no_mounts_or_namespaces() -> None:
     with running_platform() as p:
         client = Client(api_url=p.api_url, api_key=p.admin_key)
         s = Sandbox.create(memory_mb=64, timeout=600, client=client)
-        pids = _sandbox_pids(s.id)
+        pids = p.sandbox_pids(s.id)
         run_dir = str(p.paths.run)
         home = str(p.paths.home)
         client.close()

@@ -70,6 +70,14 @@ class RunningPlatform:
     # behind, which were then removed (the name is this platform's own).
     cgroups_left: list[str] = field(default_factory=list)
 
+    def sandbox_pids(self, sandbox_id: str) -> list[int]:
+        """The processes in a sandbox's cgroup (under this platform's own cgroup parent)."""
+        for base in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
+            procs = base / self.cgroup_parent / sandbox_id / "cgroup.procs"
+            if procs.exists():
+                return sorted(int(x) for x in procs.read_text().split())
+        return []
+
     def env(self) -> dict[str, str]:
         return {
             **os.environ,
