@@ -3,8 +3,9 @@ sandbox from one (``POST /v1/sandboxes`` with ``{"snapshot": id}``).
 
 A snapshot lives on the edge of its source sandbox; its id names that edge, so every call
 goes straight there. A sandbox made from a snapshot starts on that same edge, admitted by
-iam (project quota) like any create; snapshots are not copied between edges, so when that
-edge is down or full the error names it.
+iam (project quota) like any create. A full (microVM) snapshot can start a sandbox on
+another edge too (``"edge": id`` asks for one; otherwise when the snapshot's edge is full):
+the snapshot is copied there first (``snapshot_copy``: streamed, verified by digest).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from dsec.apiserver import audit
+from dsec.apiserver import audit, snapshot_copy
 from dsec.apiserver.admission import admit_and_create
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
 from dsec.apiserver.upstream import EdgeEntry, rpc
@@ -36,7 +37,7 @@ from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.convert import spec_json
 
-FROM_SNAPSHOT_FIELDS = {"snapshot", "project", "timeout_s", "metadata"}
+FROM_SNAPSHOT_FIELDS = {"snapshot", "project", "timeout_s", "metadata", "edge"}
 
 
 def snapshot_json(info: pb.SnapshotInfo) -> dict[str, Any]:
@@ -177,13 +178,61 @@ async def create_sandbox(request: web.Request, body: dict[str, Any]) -> pb.Sandb
     d["timeout_s"] = body.get("timeout_s", d["timeout_s"])
     d["metadata"] = body.get("metadata") or {}
     spec = SandboxSpec.from_dict(d)
+    target = body.get("edge") or ""
+    if not isinstance(target, str):
+        raise InvalidArgument("'edge' must be an edge id")
+    if target and target != entry.edge_id:
+        return await _elsewhere(request, snap, entry, await _target(request, target), project, spec)
     try:
         return await admit_and_create(request, project, spec, [entry], from_snapshot=snap_id)
     except NodeFull as exc:
+        if snap.mode != "full":
+            raise NodeFull(
+                f"edge {entry.edge_id}, which holds snapshot {snap_id}, is full "
+                f"({snap.mode} snapshots are not copied between edges): {exc.message}"
+            ) from exc
+        full = exc
+    edges = [e for e in await c.upstream.edges() if e.edge_id != entry.edge_id]
+    try:
+        order = c.upstream.placement.order(edges, spec.backend, spec.memory_mb, limit=1)
+    except Unavailable as exc:  # no other edge with room
         raise NodeFull(
-            f"edge {entry.edge_id}, which holds snapshot {snap_id}, is full "
-            f"(snapshots are not copied between edges): {exc.message}"
+            f"edge {entry.edge_id}, which holds snapshot {snap_id}, is full ({full.message}) "
+            f"and no other edge can take it: {exc.message}"
         ) from exc
+    return await _elsewhere(request, snap, entry, order[0], project, spec)
+
+
+async def _target(request: web.Request, edge_id: str) -> EdgeEntry:
+    for e in await ctx(request).upstream.edges(fresh=True):
+        if e.edge_id == edge_id:
+            if not e.healthy:
+                raise Unavailable(f"edge {edge_id} is down")
+            return e
+    raise InvalidArgument(f"no edge {edge_id!r}")
+
+
+async def _elsewhere(
+    request: web.Request,
+    snap: pb.SnapshotInfo,
+    source: EdgeEntry,
+    target: EdgeEntry,
+    project: str,
+    spec: SandboxSpec,
+) -> pb.SandboxInfo:
+    """Copy ``snap`` to ``target`` and create the sandbox there from the copy."""
+    if snap.mode != "full":
+        raise InvalidArgument(
+            f"snapshot {snap.id} is a {snap.mode} snapshot: only full ones start on another "
+            "edge (a filesystem snapshot is an image: push it and pull it there)"
+        )
+    if spec.backend not in target.view.status.backends:
+        raise InvalidArgument(f"edge {target.edge_id} does not run {spec.backend} sandboxes")
+
+    async def create_there(copy_id: str) -> pb.SandboxInfo:
+        return await admit_and_create(request, project, spec, [target], from_snapshot=copy_id)
+
+    return await snapshot_copy.on_edge(request, snap.id, source, target, create_there)
 
 
 ROUTES: list[tuple[str, str, Any]] = [

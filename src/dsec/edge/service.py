@@ -31,6 +31,7 @@ from dsec.edge.images.service import EdgeImages, image_to_pb
 from dsec.edge.manager import Caller, SandboxManager
 from dsec.edge.named_snapshots import NamedSnapshots, SnapshotRecord
 from dsec.edge.records import SandboxRecord
+from dsec.edge.snapshot_transfer import SnapshotTransfer
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.convert import policy_from_pb, spec_from_pb, spec_to_pb
@@ -109,6 +110,7 @@ class EdgeService(pb_grpc.EdgeServicer):
         self._images = images
         self._list_backends = list_backends
         self._snapshots = NamedSnapshots(manager, images, manager.snapshots_dir)
+        self._transfer = SnapshotTransfer(self._snapshots)
 
     async def ListBackends(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[Any, Any]
@@ -294,6 +296,21 @@ class EdgeService(pb_grpc.EdgeServicer):
         return await self._snapshot_info(
             self._snapshots.delete(request.snapshot_id, caller_of(context))
         )
+
+    async def ExportSnapshot(
+        self, request: pb.ExportSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.SnapshotChunk]:
+        files = list(request.files)
+        async for chunk in self._transfer.export(request.snapshot_id, files, caller_of(context)):
+            yield chunk
+
+    async def ImportSnapshot(
+        self,
+        request_iterator: AsyncIterator[pb.SnapshotChunk],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ImportSnapshotEvent]:
+        async for event in self._transfer.import_(request_iterator, caller_of(context)):
+            yield event
 
     async def ResumeSandbox(
         self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]

@@ -989,6 +989,98 @@ class EdgeStatus(_message.Message):
 Global___EdgeStatus: _TypeAlias = EdgeStatus  # noqa: Y015
 
 @_typing.final
+class ExportSnapshotRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    snapshot_id: _builtins.str
+    @_builtins.property
+    def files(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """empty: only the transfer manifest"""
+
+    def __init__(
+        self,
+        *,
+        snapshot_id: _builtins.str = ...,
+        files: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportSnapshotRequest: _TypeAlias = ExportSnapshotRequest  # noqa: Y015
+
+@_typing.final
+class SnapshotChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    manifest: _builtins.bytes
+    """the first message: the transfer manifest (JSON)"""
+    snapshot_id: _builtins.str
+    """import, first message: the copy's id (it encodes the target edge)"""
+    file: _builtins.str
+    """a file of the manifest ..."""
+    offset: _builtins.int
+    """... and where this data goes in it"""
+    data: _builtins.bytes
+    end: _builtins.bool
+    """every file asked for was sent"""
+    def __init__(
+        self,
+        *,
+        manifest: _builtins.bytes = ...,
+        snapshot_id: _builtins.str = ...,
+        file: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        end: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "end", b"end", "file", b"file", "manifest", b"manifest", "offset", b"offset", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SnapshotChunk: _TypeAlias = SnapshotChunk  # noqa: Y015
+
+@_typing.final
+class ImportSnapshotEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WANT_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def want(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """after the manifest: the files the target lacks"""
+
+    @_builtins.property
+    def snapshot(self) -> Global___SnapshotInfo:
+        """last: the copy, verified and in place"""
+
+    def __init__(
+        self,
+        *,
+        want: _abc.Iterable[_builtins.str] | None = ...,
+        snapshot: Global___SnapshotInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["snapshot", b"snapshot", "want", b"want"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImportSnapshotEvent: _TypeAlias = ImportSnapshotEvent  # noqa: Y015
+
+@_typing.final
 class CreateSnapshotRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -164,6 +164,16 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.FromString,
                 _registered_method=True)
+        self.ExportSnapshot = channel.unary_stream(
+                '/dsec.v1.Edge/ExportSnapshot',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ExportSnapshotRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
+        self.ImportSnapshot = channel.stream_stream(
+                '/dsec.v1.Edge/ImportSnapshot',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotChunk.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImportSnapshotEvent.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -333,6 +343,22 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportSnapshot(self, request, context):
+        """Copy a named snapshot to another edge (apiserver-mediated): the source sends its
+        transfer manifest (no files asked) or the files asked for, in chunks; the target takes
+        the manifest, answers which files it lacks, takes them, verifies every digest and
+        answers with the copy. An unfinished or corrupt transfer leaves nothing on the target.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSnapshot(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -465,6 +491,16 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.DeleteSnapshot,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'ExportSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSnapshot,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ExportSnapshotRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotChunk.SerializeToString,
+            ),
+            'ImportSnapshot': grpc.stream_stream_rpc_method_handler(
+                    servicer.ImportSnapshot,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotChunk.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImportSnapshotEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1169,6 +1205,60 @@ class Edge:
             '/dsec.v1.Edge/DeleteSnapshot',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dsec.v1.Edge/ExportSnapshot',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ExportSnapshotRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.v1.Edge/ImportSnapshot',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotChunk.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImportSnapshotEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,13 @@ class EdgeStub:
     ListSnapshots: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ListSnapshotsRequest, _dsec_pb2.SnapshotList]
     GetSnapshot: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.SnapshotInfo]
     DeleteSnapshot: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.SnapshotInfo]
+    ExportSnapshot: _grpc.UnaryStreamMultiCallable[_dsec_pb2.ExportSnapshotRequest, _dsec_pb2.SnapshotChunk]
+    """Copy a named snapshot to another edge (apiserver-mediated): the source sends its
+    transfer manifest (no files asked) or the files asked for, in chunks; the target takes
+    the manifest, answers which files it lacks, takes them, verifies every digest and
+    answers with the copy. An unfinished or corrupt transfer leaves nothing on the target.
+    """
+    ImportSnapshot: _grpc.StreamStreamMultiCallable[_dsec_pb2.SnapshotChunk, _dsec_pb2.ImportSnapshotEvent]
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -107,6 +114,13 @@ class EdgeAsyncStub(EdgeStub):
     ListSnapshots: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ListSnapshotsRequest, _dsec_pb2.SnapshotList]  # type: ignore[assignment]
     GetSnapshot: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.SnapshotInfo]  # type: ignore[assignment]
     DeleteSnapshot: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.SnapshotInfo]  # type: ignore[assignment]
+    ExportSnapshot: _aio.UnaryStreamMultiCallable[_dsec_pb2.ExportSnapshotRequest, _dsec_pb2.SnapshotChunk]  # type: ignore[assignment]
+    """Copy a named snapshot to another edge (apiserver-mediated): the source sends its
+    transfer manifest (no files asked) or the files asked for, in chunks; the target takes
+    the manifest, answers which files it lacks, takes them, verifies every digest and
+    answers with the copy. An unfinished or corrupt transfer leaves nothing on the target.
+    """
+    ImportSnapshot: _aio.StreamStreamMultiCallable[_dsec_pb2.SnapshotChunk, _dsec_pb2.ImportSnapshotEvent]  # type: ignore[assignment]
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -298,6 +312,25 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.SnapshotRef,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.SnapshotInfo, _abc.Awaitable[_dsec_pb2.SnapshotInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def ExportSnapshot(
+        self,
+        request: _dsec_pb2.ExportSnapshotRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_dsec_pb2.SnapshotChunk], _abc.AsyncIterator[_dsec_pb2.SnapshotChunk]]:
+        """Copy a named snapshot to another edge (apiserver-mediated): the source sends its
+        transfer manifest (no files asked) or the files asked for, in chunks; the target takes
+        the manifest, answers which files it lacks, takes them, verifies every digest and
+        answers with the copy. An unfinished or corrupt transfer leaves nothing on the target.
+        """
+
+    @_abc_1.abstractmethod
+    def ImportSnapshot(
+        self,
+        request_iterator: _MaybeAsyncIterator[_dsec_pb2.SnapshotChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_dsec_pb2.ImportSnapshotEvent], _abc.AsyncIterator[_dsec_pb2.ImportSnapshotEvent]]: ...
 
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

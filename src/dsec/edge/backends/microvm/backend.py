@@ -57,7 +57,7 @@ from dsec.edge.backends.api import (
     Started,
 )
 from dsec.edge.backends.container import cgroups
-from dsec.edge.backends.microvm import choice, disks, kernel, qemu, snapshots
+from dsec.edge.backends.microvm import choice, disks, kernel, qemu, snapshot_copy, snapshots
 from dsec.edge.backends.microvm.mux import GuestLink, HostMux
 from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig, Vmm, watched
 from dsec.edge.images.store import Image, ImageStore
@@ -792,6 +792,62 @@ class MicrovmBackend:
             chain = []
         (tsnap.dir / PINNED).unlink(missing_ok=True)
         await asyncio.to_thread(self._drop_unused_templates, [*chain, snapshot_id])
+
+    # --- copying a named snapshot to another edge (see snapshot_copy) -------------------
+
+    def export_snapshot(self, snapshot_id: str) -> snapshot_copy.Export:
+        """The transfer manifest of ``snapshot_id`` and its files' paths (blocking)."""
+        tsnap = self._named(snapshot_id)
+        try:
+            meta = _load_meta(tsnap.dir)
+        except (OSError, ValueError) as exc:
+            raise snapshots.SnapshotCorrupt(f"snapshot {snapshot_id} has no settings") from exc
+        return snapshot_copy.export_manifest(tsnap.dir, tsnap.mem_file, self.templates_dir, meta)
+
+    def snapshot_importer(
+        self, copy_id: str, manifest: dict[str, Any], image: str
+    ) -> snapshot_copy.Importer:
+        """An importer of ``manifest`` as snapshot ``copy_id``, its wanted files decided
+        (blocking: hashes candidate files)."""
+        _check_id(copy_id)
+        if (self.templates_dir / copy_id).exists():
+            raise InvalidArgument(f"snapshot {copy_id} already exists on this edge")
+        imp = snapshot_copy.Importer(
+            copy_id=copy_id,
+            manifest=manifest,
+            templates_dir=self.templates_dir,
+            mem_dir=self.mem_dir,
+            bases_dir=self.sandboxes_dir.parent / "vm-bases",
+            local_bases=self._local_bases(image),
+        )
+        imp.plan()
+        return imp
+
+    def _local_bases(self, image: str) -> dict[str, Path]:
+        """This edge's own kernel, bundle, initramfs, scratch base and (when the image is
+        here) layer images: what a copied snapshot's files may match by digest."""
+        out: dict[str, Path] = {}
+        kern = self.kernel()
+        if kern is not None:
+            out["kernel"] = kern
+        with contextlib.suppress(DsecError, OSError):
+            layers = self._image(SandboxSpec(image=image)).layer_dirs if image else ()
+            out.update({k: Path(v) for k, v in self._shared_images(layers).items()})
+        return out
+
+    def import_commit(self, imp: snapshot_copy.Importer, source_sandbox: str) -> int:
+        """Verify and move in what ``imp`` received; returns the copy's size in bytes. On
+        failure nothing of it stays."""
+        try:
+            tdir, tmem = imp.commit(source_sandbox, source_sandbox)
+            snapshots.restamp(Snapshot(dir=tdir, mem_file=tmem, state=tdir / "state"))
+            return _tree_bytes(tdir, tmem)
+        except BaseException:
+            self.import_abort(imp)
+            raise
+
+    def import_abort(self, imp: snapshot_copy.Importer) -> None:
+        imp.abort(self._drop_unused_templates)
 
     def _named(self, snapshot_id: str) -> Snapshot:
         tdir = self.templates_dir / snapshot_id

@@ -1,0 +1,143 @@
+"""Copying a full (microVM) snapshot from its edge to another, through this apiserver.
+
+The source edge's ``ExportSnapshot`` gives the transfer manifest; the target's
+``ImportSnapshot`` takes it and answers which files it lacks (shared bases and fork
+templates it holds by digest are not sent); the source streams those files and this
+apiserver passes each chunk on as it comes (nothing is buffered beyond one chunk). The
+target verifies every digest before it moves anything in; when the source dies or refuses
+mid-way, the import is cancelled and the target removes what it received.
+
+The copy is a snapshot of the target edge (its id names that edge, same name, project and
+owner); :func:`on_edge` uses one for a single create and deletes it after, so no snapshot
+appears twice (the sandboxes made from it keep its files until they end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import grpc
+from aiohttp import web
+
+from dsec.apiserver.context import ctx, principal
+from dsec.apiserver.upstream import EdgeEntry, rpc
+from dsec.core.errors import DsecError, Unavailable
+from dsec.core.ids import RANDOM_BYTES, new_snapshot_id
+from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc.errors import error_from_rpc
+
+TRANSFER_TIMEOUT_S = 900.0
+T = TypeVar("T")
+
+
+async def copy(
+    request: web.Request, snapshot_id: str, source: EdgeEntry, target: EdgeEntry
+) -> pb.SnapshotInfo:
+    """Copy ``snapshot_id`` from ``source`` to ``target``; returns the copy.
+
+    Raises:
+        Unavailable: the source edge failed or went away during the transfer.
+        SandboxFailed: a file did not match its digest (the target refused the copy).
+        DsecError: the source or the target refused (not found, not copyable, ...).
+    """
+    c, p = ctx(request), principal(request)
+    md = p.metadata()
+    src = c.upstream.edge_stub(source)
+    dst = c.upstream.edge_stub(target)
+    started = time.perf_counter()
+    head = src.ExportSnapshot(pb.ExportSnapshotRequest(snapshot_id=snapshot_id), metadata=md,
+                              timeout=120)  # fmt: skip
+    manifest = b""
+    async with _from(f"edge {source.edge_id}"):
+        async for msg in head:
+            manifest = msg.manifest
+    copy_id = new_snapshot_id(target.edge_id, os.urandom(RANDOM_BYTES))
+    call = dst.ImportSnapshot(metadata=md, timeout=TRANSFER_TIMEOUT_S)
+    sent = 0
+    try:
+        async with _from(f"edge {target.edge_id}"):
+            await call.write(pb.SnapshotChunk(manifest=manifest, snapshot_id=copy_id))
+            want = await _event(call)
+        if want.want:
+            files = src.ExportSnapshot(
+                pb.ExportSnapshotRequest(snapshot_id=snapshot_id, files=list(want.want)),
+                metadata=md,
+                timeout=TRANSFER_TIMEOUT_S,
+            )
+            try:
+                async for chunk in files:
+                    sent += len(chunk.data)
+                    async with _from(f"edge {target.edge_id}"):
+                        await call.write(chunk)
+            except grpc.aio.AioRpcError as exc:
+                err = error_from_rpc(exc, f"edge {source.edge_id}")
+                raise Unavailable(
+                    f"edge {source.edge_id} failed while sending snapshot {snapshot_id} "
+                    f"to edge {target.edge_id} (nothing was kept there): {err.message}"
+                ) from None
+        else:
+            await call.write(pb.SnapshotChunk(end=True))
+        async with _from(f"edge {target.edge_id}"):
+            await call.done_writing()
+            done = await _event(call)
+    except BaseException:
+        call.cancel()
+        raise
+    c.metrics.inc("snapshots_copied")
+    c.metrics.inc("snapshot_copy_bytes", sent)
+    c.metrics.observe("snapshot_copy_seconds", time.perf_counter() - started)
+    return done.snapshot
+
+
+async def _event(call: grpc.aio.StreamStreamCall[pb.SnapshotChunk, pb.ImportSnapshotEvent]) -> (
+    pb.ImportSnapshotEvent
+):  # fmt: skip
+    ev = await call.read()
+    if ev is grpc.aio.EOF:
+        code, details = await call.code(), await call.details()
+        raise Unavailable(f"the target edge ended the snapshot import without an answer "
+                          f"({code.name.lower()}: {details})")  # fmt: skip
+    assert isinstance(ev, pb.ImportSnapshotEvent)
+    return ev
+
+
+@asynccontextmanager
+async def _from(component: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        raise error_from_rpc(exc, component) from None
+
+
+async def on_edge(
+    request: web.Request,
+    snapshot_id: str,
+    source: EdgeEntry,
+    target: EdgeEntry,
+    use: Callable[[str], Awaitable[T]],
+) -> T:
+    """Copy the snapshot to ``target``, run ``use(copy_id)`` (a create from it) and delete
+    the copy whatever happens (sandboxes started from it keep its files)."""
+    snap = await copy(request, snapshot_id, source, target)
+    try:
+        return await use(snap.id)
+    finally:
+        await asyncio.shield(_delete(request, target, snap.id))
+
+
+async def _delete(request: web.Request, target: EdgeEntry, copy_id: str) -> None:
+    c, p = ctx(request), principal(request)
+    stub = c.upstream.edge_stub(target)
+    with contextlib.suppress(DsecError):  # the target's copy goes with its edge otherwise
+        await rpc(
+            f"edge {target.edge_id}",
+            stub.DeleteSnapshot(
+                pb.SnapshotRef(snapshot_id=copy_id), metadata=p.metadata(), timeout=60
+            ),
+        )
