@@ -428,14 +428,17 @@ class Sandbox:
         metadata: Mapping[str, str] | None = None,
         *,
         project: str | None = None,
+        edge: str | None = None,
         api_key: str | None = None,
         api_url: str | None = None,
         client: Client | None = None,
     ) -> Sandbox:
         """A new sandbox from named snapshot ``snapshot_id`` (see :meth:`snapshot`), on the
         snapshot's edge: a ``full`` snapshot resumes its processes and memory, a
-        ``filesystem`` one boots with its files. ``timeout`` is the new sandbox's lifetime."""
-        call = wire.create_from_snapshot(snapshot_id, timeout, metadata, project)
+        ``filesystem`` one boots with its files. ``timeout`` is the new sandbox's lifetime.
+        ``edge``: start it on that edge instead (a full snapshot is copied there first,
+        streamed and checked by digest)."""
+        call = wire.create_from_snapshot(snapshot_id, timeout, metadata, project, edge)
         return cls._start(call, client, api_url, api_key)
 
     @classmethod

@@ -333,14 +333,17 @@ def create_from_snapshot(
     timeout_s: int | None = None,
     metadata: Mapping[str, str] | None = None,
     project: str | None = None,
+    edge: str | None = None,
 ) -> Call[SandboxInfo]:
-    """``POST /v1/sandboxes`` with ``snapshot``: a new sandbox from a named snapshot."""
+    """``POST /v1/sandboxes`` with ``snapshot``: a new sandbox from a named snapshot
+    (``edge``: on that edge; a full snapshot is copied there first)."""
     snapshot_path(snapshot_id)
     body = compact(
         snapshot=snapshot_id,
         timeout_s=timeout_s,
         metadata=dict(metadata) if metadata is not None else None,
         project=project,
+        edge=edge,
     )
     req = json_request("POST", "/v1/sandboxes", body, timeout=CREATE_TIMEOUT_S)
     return Call(req, SandboxInfo.from_wire)

@@ -73,8 +73,11 @@ class LocalCluster:
     def api_url(self, n: int = 0) -> str:
         return f"http://{self.apiservers[n].address}"
 
-    def add_edge(self, token: str, *, backend: str = "fake", edge_id: str = "") -> Proc:
-        """Join a new node with ``token`` and start its edge; returns it once it listens."""
+    def add_edge(
+        self, token: str, *, backend: str = "fake", edge_id: str = "", extra: Sequence[str] = ()
+    ) -> Proc:
+        """Join a new node with ``token`` and start its edge (``extra``: more edge
+        arguments); returns it once it listens."""
         home = self.root / f"edge{len(self.edges)}"
         home.mkdir()
         env = _env(home, self.root)
@@ -90,7 +93,7 @@ class LocalCluster:
         argv = [sys.executable, "-m", "dsec.edge", "--home", str(home),
                 "--listen", f"127.0.0.1:{port}", "--iam", self.iam.address,
                 "--watcher", self.watcher.address, "--backend", backend,
-                "--stop-sandboxes-on-exit"]  # fmt: skip
+                "--stop-sandboxes-on-exit", *extra]  # fmt: skip
         p = _spawn("edge", home, f"127.0.0.1:{port}", argv, env)
         self.edges.append(p)
         _wait_port(port, p.proc, p.log)
