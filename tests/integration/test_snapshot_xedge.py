@@ -150,8 +150,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         assert isinstance(failure[0], errors.Unavailable), failure[0]
         assert a.id in str(failure[0])
         _until(lambda: b.leftovers() == [], "the partial copy removed")
-        assert api.list_sandboxes() == []
-        assert api.usage()["sandboxes"] == 0, api.usage()
+        assert api.usage()["sandboxes"] == 0, api.usage()  # no admission kept
     finally:
         for s in (*made, src):
             try:

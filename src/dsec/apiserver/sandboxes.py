@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
-from dsec.apiserver import audit
+from dsec.apiserver import audit, snapshot_copy
 from dsec.apiserver.admission import admit_and_create, release
 from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
@@ -20,6 +20,8 @@ from dsec.core import projects
 from dsec.core.errors import (
     DsecError,
     InvalidArgument,
+    NodeFull,
+    Unavailable,
 )
 from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
@@ -216,8 +218,10 @@ async def _live_ids(request: web.Request, project: str) -> list[str]:
 
 
 async def fork(request: web.Request) -> web.Response:
-    """``POST /v1/sandboxes/{id}/fork`` with ``{"count": N, "timeout_s"?: S}``: N children
-    from a memory snapshot, each admitted by iam (project quota) first like a create."""
+    """``POST /v1/sandboxes/{id}/fork`` with ``{"count": N, "timeout_s"?: S, "edge"?: E}``:
+    N children from a memory snapshot, each admitted by iam (project quota) first like a
+    create. ``edge`` (or the parent's edge being full) puts them on another edge: a full
+    snapshot of the parent is copied there (``snapshot_copy.fork_to``)."""
     c, p, sid = ctx(request), principal(request), sandbox_id(request)
     p.require("member")
     body = await json_body(request)
@@ -227,11 +231,19 @@ async def fork(request: web.Request) -> web.Response:
     timeout_s = body.get("timeout_s")
     if timeout_s is not None:
         SandboxSpec(timeout_s=timeout_s if isinstance(timeout_s, int) else -1)
+    target = body.get("edge") or ""
+    if not isinstance(target, str):
+        raise InvalidArgument("'edge' must be an edge id")
     stub = await c.upstream.edge_for(sid)
     parent = await rpc(
         "edge", stub.GetSandbox(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=10)
     )
     edge = edge_of(sid)
+    if target and target != edge:
+        entry = await snapshot_copy.edge_entry(request, target)
+        made = await snapshot_copy.fork_to(request, parent, count, entry, timeout_s)
+        c.metrics.inc("sandboxes_forked_elsewhere", count)
+        return ok({"sandboxes": [info_json(i) for i in made]})
     ids = [new_sandbox_id(edge, os.urandom(RANDOM_BYTES)) for _ in range(count)]
     admitted: list[str] = []
     try:
@@ -242,9 +254,20 @@ async def fork(request: web.Request) -> web.Response:
             admitted.append(cid)
         req = pb.ForkSandboxRequest(sandbox_id=sid, count=count, child_ids=ids)
         reply = await rpc("edge", stub.ForkSandbox(req, metadata=p.metadata(), timeout=300))
-    except BaseException:
+    except BaseException as exc:
         await asyncio.shield(release(request, admitted))
-        raise
+        if not isinstance(exc, NodeFull) or parent.spec.backend != "microvm":
+            raise
+        # the parent's edge is full: fork onto the best other edge, through a snapshot copy
+        others = [e for e in await c.upstream.edges() if e.edge_id != edge]
+        spec = parent.spec
+        try:
+            there = c.upstream.placement.order(others, spec.backend, spec.memory_mb, limit=1)
+        except Unavailable:
+            raise exc from None
+        made = await snapshot_copy.fork_to(request, parent, count, there[0], timeout_s)
+        c.metrics.inc("sandboxes_forked_elsewhere", count)
+        return ok({"sandboxes": [info_json(i) for i in made]})
     children = list(reply.sandboxes)
     if timeout_s is not None:
         children = [

@@ -27,9 +27,11 @@ from aiohttp import web
 
 from dsec.apiserver.context import ctx, principal
 from dsec.apiserver.upstream import EdgeEntry, rpc
-from dsec.core.errors import DsecError, Unavailable
+from dsec.core.errors import DsecError, InvalidArgument, Unavailable
 from dsec.core.ids import RANDOM_BYTES, new_snapshot_id
+from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc.convert import spec_json
 from dsec.rpc.errors import error_from_rpc
 
 TRANSFER_TIMEOUT_S = 900.0
@@ -141,3 +143,64 @@ async def _delete(request: web.Request, target: EdgeEntry, copy_id: str) -> None
                 pb.SnapshotRef(snapshot_id=copy_id), metadata=p.metadata(), timeout=60
             ),
         )
+
+
+async def edge_entry(request: web.Request, edge_id: str) -> EdgeEntry:
+    """The healthy edge ``edge_id`` (InvalidArgument if unknown, Unavailable if down)."""
+    for e in await ctx(request).upstream.edges(fresh=True):
+        if e.edge_id == edge_id:
+            if not e.healthy:
+                raise Unavailable(f"edge {edge_id} is down")
+            return e
+    raise InvalidArgument(f"no edge {edge_id!r}")
+
+
+async def fork_to(
+    request: web.Request,
+    parent: pb.SandboxInfo,
+    count: int,
+    target: EdgeEntry,
+    timeout_s: int | None,
+) -> list[pb.SandboxInfo]:
+    """Fork ``count`` children of the running microVM ``parent`` onto ``target``: a full
+    snapshot of the parent on its edge (it keeps running), copied to ``target``, each child
+    admitted by iam and started from the copy; the snapshot and the copy are deleted after.
+    A failure leaves no child and no snapshot."""
+    from dsec.apiserver.admission import admit_and_create
+
+    c, p = ctx(request), principal(request)
+    source = await edge_entry(request, parent.edge_id)
+    stub = c.upstream.edge_stub(source)
+    snap_id = new_snapshot_id(source.edge_id, os.urandom(RANDOM_BYTES))
+    take = pb.CreateSnapshotRequest(sandbox_id=parent.id, snapshot_id=snap_id, name="fork",
+                                    mode="full")  # fmt: skip
+    await rpc(f"edge {source.edge_id}", stub.CreateSnapshot(take, metadata=p.metadata(),
+                                                            timeout=300))  # fmt: skip
+    d = spec_json(parent.spec)
+    if timeout_s is not None:
+        d["timeout_s"] = timeout_s
+    spec = SandboxSpec.from_dict(d)
+
+    async def children(copy_id: str) -> list[pb.SandboxInfo]:
+        out: list[pb.SandboxInfo] = []
+        try:
+            for _ in range(count):
+                info = await admit_and_create(
+                    request, parent.project, spec, [target], from_snapshot=copy_id
+                )
+                out.append(info)
+        except BaseException:
+            dst = c.upstream.edge_stub(target)
+            for ch in out:
+                kill = dst.KillSandbox(
+                    pb.SandboxRef(sandbox_id=ch.id), metadata=p.metadata(), timeout=60
+                )
+                with contextlib.suppress(DsecError):
+                    await rpc("edge", kill)
+            raise
+        return out
+
+    try:
+        return await on_edge(request, snap_id, source, target, children)
+    finally:
+        await asyncio.shield(_delete(request, source, snap_id))

@@ -182,7 +182,9 @@ async def create_sandbox(request: web.Request, body: dict[str, Any]) -> pb.Sandb
     if not isinstance(target, str):
         raise InvalidArgument("'edge' must be an edge id")
     if target and target != entry.edge_id:
-        return await _elsewhere(request, snap, entry, await _target(request, target), project, spec)
+        return await _elsewhere(
+            request, snap, entry, await snapshot_copy.edge_entry(request, target), project, spec
+        )
     try:
         return await admit_and_create(request, project, spec, [entry], from_snapshot=snap_id)
     except NodeFull as exc:
@@ -201,15 +203,6 @@ async def create_sandbox(request: web.Request, body: dict[str, Any]) -> pb.Sandb
             f"and no other edge can take it: {exc.message}"
         ) from exc
     return await _elsewhere(request, snap, entry, order[0], project, spec)
-
-
-async def _target(request: web.Request, edge_id: str) -> EdgeEntry:
-    for e in await ctx(request).upstream.edges(fresh=True):
-        if e.edge_id == edge_id:
-            if not e.healthy:
-                raise Unavailable(f"edge {edge_id} is down")
-            return e
-    raise InvalidArgument(f"no edge {edge_id!r}")
 
 
 async def _elsewhere(
