@@ -114,6 +114,16 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         assert child.exec("stat -c %s /dev/shm/fill").stdout.strip() == str(48 << 20)
         assert [s.id for s in api.list_snapshots()] == [snap.id]  # the copy was dropped
         print(f"create from a snapshot on another edge: {took:.1f} s")
+        # a fork onto the other edge: a snapshot of the parent, copied, children from it
+        started = time.monotonic()
+        forked = src.fork(count=1, edge=b.id)
+        made += forked
+        print(f"fork onto another edge: {time.monotonic() - started:.1f} s")
+        assert forked[0].info().edge_id == b.id
+        assert forked[0].shell("work").run("echo $X").stdout.strip() == "42"
+        assert sh.run("echo $X").stdout.strip() == "42"  # the parent goes on
+        assert [s.id for s in api.list_snapshots()] == [snap.id]  # none left by the fork
+        forked[0].kill()
         child.kill()
         src.kill()
         _until(lambda: b.leftovers() == [], "the copy's files go with its last sandbox")

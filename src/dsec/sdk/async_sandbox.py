@@ -535,10 +535,11 @@ class AsyncSandbox:
         :meth:`from_snapshot`."""
         return await self._t.call(wire.create_snapshot(self._id, name, mode))
 
-    async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
+    async def fork(self, count: int = 1, *, edge: str | None = None) -> builtins.list[AsyncSandbox]:
         """Start ``count`` copies of this running sandbox from one memory snapshot (microvm):
-        processes, shells and files carry on in each child, which has its own id."""
-        infos = await self._t.call(wire.fork_sandbox(self._id, count))
+        processes, shells and files carry on in each child, which has its own id.
+        ``edge``: start the children on that edge (a full snapshot is copied there)."""
+        infos = await self._t.call(wire.fork_sandbox(self._id, count, edge=edge))
         return [AsyncSandbox(i.id, self._client) for i in infos]
 
     async def pack(

@@ -528,10 +528,11 @@ class Sandbox:
         :meth:`from_snapshot`."""
         return self._t.call(wire.create_snapshot(self._id, name, mode))
 
-    def fork(self, count: int = 1) -> builtins.list[Sandbox]:
+    def fork(self, count: int = 1, *, edge: str | None = None) -> builtins.list[Sandbox]:
         """Start ``count`` copies of this running sandbox from one memory snapshot (microvm):
-        processes, shells and files carry on in each child, which has its own id."""
-        infos = self._t.call(wire.fork_sandbox(self._id, count))
+        processes, shells and files carry on in each child, which has its own id.
+        ``edge``: start the children on that edge (a full snapshot is copied there)."""
+        infos = self._t.call(wire.fork_sandbox(self._id, count, edge=edge))
         return [Sandbox(i.id, self._client) for i in infos]
 
     def pack(

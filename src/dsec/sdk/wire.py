@@ -279,14 +279,14 @@ def batch_sandboxes(
 
 
 def fork_sandbox(
-    sandbox_id: str, count: int, timeout_s: int | None = None
+    sandbox_id: str, count: int, timeout_s: int | None = None, edge: str | None = None
 ) -> Call[list[SandboxInfo]]:
     """``POST /v1/sandboxes/{id}/fork``: ``timeout_s`` is the children's lifetime (default:
-    the parent's)."""
+    the parent's); ``edge``: start them on that edge (through a copied full snapshot)."""
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
         raise InvalidArgument(f"count must be an integer between 1 and 64, got {count!r}")
     path = sandbox_path(sandbox_id) + "/fork"
-    body = compact(count=count, timeout_s=timeout_s)
+    body = compact(count=count, timeout_s=timeout_s, edge=edge)
     return Call(json_request("POST", path, body, timeout=CREATE_TIMEOUT_S), _sandbox_list)
 
 
