@@ -3,6 +3,7 @@ digest checks, backing-chain rebase (real qemu-img) and that a refused copy leav
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -231,3 +232,113 @@ def test_the_importer_refuses_bad_input(
     with pytest.raises(snapshots.SnapshotCorrupt, match="abandoned"):
         imp.write("ram", 0, b"x")
     assert _leftovers(tmp_path / "b") == []
+
+
+# --- the edge's stream handlers (SnapshotTransfer) over in-memory streams ---------------
+
+
+class _Backend:
+    """The microVM backend's copy calls on plain directories (the integration test runs the
+    real backend: tests/integration/test_snapshot_xedge.py)."""
+
+    def __init__(self, root: Path, export: sc.Export | None = None) -> None:
+        self.root, self.export = root, export
+
+    def export_snapshot(self, snapshot_id: str) -> sc.Export:
+        assert self.export is not None
+        return self.export
+
+    def snapshot_importer(self, copy_id: str, manifest: dict[str, Any], image: str) -> sc.Importer:
+        return _importer(self.root, manifest, copy_id)
+
+    def import_commit(self, imp: sc.Importer, source_sandbox: str) -> int:
+        try:
+            imp.commit(source_sandbox, source_sandbox)
+        except BaseException:
+            imp.abort()
+            raise
+        return 1
+
+    def import_abort(self, imp: sc.Importer) -> None:
+        imp.abort()
+
+
+class _Manager:
+    def __init__(self, edge_id: str, backend: _Backend) -> None:
+        self.edge_id, self._b = edge_id, backend
+
+    def backend(self, name: str) -> _Backend:
+        return self._b
+
+
+def _edges(source: tuple[Path, Path, Path, Any], tmp_path: Path) -> tuple[Any, Any, Any, str]:
+    from dsec.core.ids import new_snapshot_id
+    from dsec.core.spec import SandboxSpec
+    from dsec.edge.manager import Caller
+    from dsec.edge.named_snapshots import NamedSnapshots, SnapshotRecord
+    from dsec.edge.snapshot_transfer import SnapshotTransfer
+
+    tdir, mem, templates, meta = source
+    snap_id = new_snapshot_id("aaaa", bytes(13))
+    rec = SnapshotRecord(
+        id=snap_id, name="n", project="p", owner="o", source_sandbox="sbx-aaaa-src",
+        backend="microvm", mode="full", size_bytes=1, created_at=1.0,
+        spec=SandboxSpec(backend="microvm"),
+    )  # fmt: skip
+    exp = sc.export_manifest(tdir, mem, templates, meta)
+    ma, mb = _Manager("aaaa", _Backend(tmp_path, exp)), _Manager("bbbb", _Backend(tmp_path / "b"))
+    a = NamedSnapshots(ma, None, tmp_path / "recs-a")  # type: ignore[arg-type]
+    a._save(rec)
+    b = NamedSnapshots(mb, None, tmp_path / "recs-b")  # type: ignore[arg-type]
+    caller = Caller(project="p", subject="o", admin=True)
+    return SnapshotTransfer(a), SnapshotTransfer(b), caller, snap_id
+
+
+async def _collect(it: Any) -> list[Any]:
+    return [x async for x in it]
+
+
+@pytest.mark.asyncio
+async def test_stream_import_commits_only_after_end(
+    source: tuple[Path, Path, Path, Any], tmp_path: Path
+) -> None:
+    from dsec.core.ids import new_snapshot_id
+    from dsec.rpc._gen import dsec_pb2 as pb
+
+    src, dst, caller, snap_id = _edges(source, tmp_path)
+    head = await _collect(src.export(snap_id, [], caller))
+    for cut in ("early-end", "cancel", None):
+        copy_id = new_snapshot_id("bbbb", os.urandom(13))
+        queue: asyncio.Queue[pb.SnapshotChunk | None] = asyncio.Queue()
+
+        async def requests(q: asyncio.Queue[pb.SnapshotChunk | None]) -> Any:
+            while (item := await q.get()) is not None:
+                yield item
+
+        await queue.put(pb.SnapshotChunk(manifest=head[0].manifest, snapshot_id=copy_id))
+        events = dst.import_(requests(queue), caller)
+        want = (await anext(events)).want
+        assert "ram" in want
+        body = await _collect(src.export(snap_id, list(want), caller))
+        assert body[-1].end
+        for chunk in body[: len(body) // 2] if cut else body:
+            await queue.put(chunk)
+        if cut == "early-end":
+            await queue.put(None)  # the stream closes without `end`
+            with pytest.raises(InvalidArgument, match="ended before all its files"):
+                await anext(events)
+        elif cut == "cancel":
+            pending = asyncio.ensure_future(anext(events))
+            await asyncio.sleep(0.2)
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+            await events.aclose()
+        else:
+            info = (await anext(events)).snapshot
+            assert (info.id, info.edge_id, info.name) == (copy_id, "bbbb", "n")
+            assert (tmp_path / "b" / "vm-templates" / copy_id / "pinned").exists()
+            continue
+        left = [p.name for p in (tmp_path / "b").rglob("*") if p.is_file()]
+        assert left == [], cut
+        assert not (tmp_path / "recs-b" / f"{copy_id}.json").exists()
