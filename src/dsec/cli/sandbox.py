@@ -82,6 +82,12 @@ FROM_SNAPSHOT_DECIDES = ("image", "backend", "cpu", "memory", "pids", "env", "al
     help="Start from this named snapshot (dsec snapshot ls); it decides backend, image, CPU "
     "and memory.",
 )
+@click.option(
+    "--edge",
+    default=None,
+    metavar="EDGE_ID",
+    help="With --from-snapshot: start on this edge (a full snapshot is copied there first).",
+)
 @json_option
 def create(
     image: str,
@@ -99,10 +105,13 @@ def create(
     on_mismatch: str,
     checkpoint_every: int,
     snapshot_id: str | None,
+    edge: str | None,
     as_json: bool,
 ) -> None:
     """Create a sandbox and print its id (its network allows nothing unless --allow)."""
     env_map, meta_map = parse_pairs(env, "--env"), parse_pairs(meta, "--meta")
+    if edge is not None and snapshot_id is None:
+        raise click.UsageError("--edge goes with --from-snapshot")
     client = state().client()
     if snapshot_id is not None:
         ctx = click.get_current_context()
@@ -115,7 +124,7 @@ def create(
             raise click.UsageError(f"--from-snapshot decides these: drop {', '.join(given)}")
         with stderr().status(f"creating a sandbox from snapshot {snapshot_id}"):
             sbx = Sandbox.from_snapshot(
-                snapshot_id, timeout, meta_map, project=project, client=client
+                snapshot_id, timeout, meta_map, project=project, edge=edge, client=client
             )
     else:
         with stderr().status(f"creating a {backend} sandbox from {image!r}"):

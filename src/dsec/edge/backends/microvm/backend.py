@@ -72,6 +72,8 @@ RESTORE_TIMEOUT_S = 30.0
 VMM_OVERHEAD_MIB = qemu.TCG_TB_MIB + 128
 MAX_FORK = 64
 PINNED = "pinned"  # in a template directory: a named snapshot (holds the source sandbox id)
+# snapshots being taken in by this process (any backend instance: they share directories)
+_IMPORTS: set[snapshot_copy.Importer] = set()
 
 
 @dataclass
@@ -812,6 +814,7 @@ class MicrovmBackend:
         _check_id(copy_id)
         if (self.templates_dir / copy_id).exists():
             raise InvalidArgument(f"snapshot {copy_id} already exists on this edge")
+        self._sweep_imports()
         imp = snapshot_copy.Importer(
             copy_id=copy_id,
             manifest=manifest,
@@ -821,6 +824,7 @@ class MicrovmBackend:
             local_bases=self._local_bases(image),
         )
         imp.plan()
+        _IMPORTS.add(imp)
         return imp
 
     def _local_bases(self, image: str) -> dict[str, Path]:
@@ -835,18 +839,29 @@ class MicrovmBackend:
             out.update({k: Path(v) for k, v in self._shared_images(layers).items()})
         return out
 
+    def _sweep_imports(self) -> None:
+        """Remove staging files of imports no longer running here (an edge that died while
+        taking a snapshot in leaves them): only this process imports into these dirs."""
+        live = {i.copy_id for i in list(_IMPORTS)}  # list(): one step under the GIL
+        for d in (self.templates_dir, self.mem_dir):
+            for p in d.glob(".import-*") if d.exists() else ():
+                if p.name.removeprefix(".import-").removesuffix(".mem") not in live:
+                    snapshot_copy.remove(p)
+
     def import_commit(self, imp: snapshot_copy.Importer, source_sandbox: str) -> int:
         """Verify and move in what ``imp`` received; returns the copy's size in bytes. On
         failure nothing of it stays."""
         try:
             tdir, tmem = imp.commit(source_sandbox, source_sandbox)
             snapshots.restamp(Snapshot(dir=tdir, mem_file=tmem, state=tdir / "state"))
+            _IMPORTS.discard(imp)
             return _tree_bytes(tdir, tmem)
         except BaseException:
             self.import_abort(imp)
             raise
 
     def import_abort(self, imp: snapshot_copy.Importer) -> None:
+        _IMPORTS.discard(imp)
         imp.abort(self._drop_unused_templates)
 
     def _named(self, snapshot_id: str) -> Snapshot:

@@ -188,7 +188,7 @@ def export_manifest(
 # --- the receiving edge ----------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class Importer:
     """Takes in one snapshot as ``copy_id`` (see the module docstring).
 
