@@ -1,7 +1,8 @@
-"""A full microVM snapshot starts a sandbox on another edge: two edges in separate processes
-on this machine (QEMU TCG), the snapshot streamed from one to the other through the
-apiserver and checked by digest; a corrupt snapshot and the source edge dying mid-transfer
-are refused with a clear error and leave nothing on the target."""
+"""A full microVM snapshot starts a sandbox on another edge: two edges (one sandbox each) in
+separate processes on this machine (QEMU TCG), the snapshot streamed from one to the other
+through the apiserver and checked by digest, asked for (``edge=``) or because the
+snapshot's edge is full, and a fork onto the other edge; a corrupt snapshot and the source
+edge dying mid-transfer are refused with a clear error and leave nothing on the target."""
 
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def cluster() -> Iterator[tuple[LocalCluster, Client, list[Edge]]]:
         try:
             for n in range(2):
                 parent = f"dsecx-{tag}-{n}"
-                p = c.add_edge(admin.create_join_token(600)["token"], backend="real",
-                               extra=["--cgroup-parent", parent])  # fmt: skip
+                extra = ["--cgroup-parent", parent, "--max-sandboxes", "1"]
+                p = c.add_edge(admin.create_join_token(600)["token"], backend="real", extra=extra)
                 deadline = time.monotonic() + 60
                 while True:
                     ids = [e["edge_id"] for e in admin.list_edges()
@@ -114,6 +115,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         assert child.exec("stat -c %s /dev/shm/fill").stdout.strip() == str(48 << 20)
         assert [s.id for s in api.list_snapshots()] == [snap.id]  # the copy was dropped
         print(f"create from a snapshot on another edge: {took:.1f} s")
+        child.kill()
         # a fork onto the other edge: a snapshot of the parent, copied, children from it
         started = time.monotonic()
         forked = src.fork(count=1, edge=b.id)
@@ -124,7 +126,19 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         assert sh.run("echo $X").stdout.strip() == "42"  # the parent goes on
         assert [s.id for s in api.list_snapshots()] == [snap.id]  # none left by the fork
         forked[0].kill()
-        child.kill()
+        # the snapshot's edge is full (one sandbox each): the apiserver copies it over itself
+        moved = Sandbox.from_snapshot(snap.id, timeout=300, client=api)
+        made.append(moved)
+        assert moved.info().edge_id == b.id
+        assert moved.files.read("/root/hello.txt") == b"from the source edge"
+        moved.kill()
+        auto = src.fork(count=1)  # the same for a fork: the parent's edge is full
+        made += auto
+        assert auto[0].info().edge_id == b.id
+        assert auto[0].shell("work").run("echo $X").stdout.strip() == "42"
+        auto[0].kill()
+        with pytest.raises(errors.InvalidArgument, match="no edge"):
+            Sandbox.from_snapshot(snap.id, edge="nope", client=api)
         src.kill()
         _until(lambda: b.leftovers() == [], "the copy's files go with its last sandbox")
 
