@@ -67,7 +67,7 @@ async def _edge(request: web.Request, snapshot_id: str) -> EdgeEntry:
                 if not e.healthy:
                     raise Unavailable(
                         f"snapshot {snapshot_id} is on edge {edge_id}, which is down "
-                        "(snapshots are not copied between edges)"
+                        "(its files are only there: it cannot be used or copied until it is back)"
                     )
                 return e
     raise SnapshotNotFound(f"no snapshot {snapshot_id} (its edge {edge_id} is unknown)")
