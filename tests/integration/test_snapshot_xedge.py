@@ -1,4 +1,4 @@
-"""A full microVM snapshot starts a sandbox on another edge: two edges (one sandbox each) in
+"""A full microVM snapshot starts a sandbox on another edge: two edges (two sandboxes each) in
 separate processes on this machine (QEMU TCG), the snapshot streamed from one to the other
 through the apiserver and checked by digest, asked for (``edge=``) or because the
 snapshot's edge is full, and a fork onto the other edge; a corrupt snapshot and the source
@@ -63,7 +63,7 @@ def cluster() -> Iterator[tuple[LocalCluster, Client, list[Edge]]]:
         try:
             for n in range(2):
                 parent = f"dsecx-{tag}-{n}"
-                extra = ["--cgroup-parent", parent, "--max-sandboxes", "1"]
+                extra = ["--cgroup-parent", parent, "--max-sandboxes", "2"]
                 p = c.add_edge(admin.create_join_token(600)["token"], backend="real", extra=extra)
                 deadline = time.monotonic() + 60
                 while True:
@@ -102,6 +102,12 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         sh.run("export X=42")
         # data a transfer takes a moment for (random: zero pages are not sent)
         src.exec("head -c 48M /dev/urandom > /dev/shm/fill", timeout=240)
+        # a fork on its own edge first: the source's disk now stands on a fork template,
+        # which goes along (qcow2 backing chain) and is rebased on the other edge
+        kid = src.fork(count=1)[0]
+        made.append(kid)
+        assert kid.info().edge_id == a.id
+        src.files.write("/root/after.txt", b"written after the fork")
         snap = src.snapshot("xedge")
         assert snap.edge_id == a.id
 
@@ -111,6 +117,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         took = time.monotonic() - started
         assert child.info().edge_id == b.id
         assert child.files.read("/root/hello.txt") == b"from the source edge"
+        assert child.files.read("/root/after.txt") == b"written after the fork"
         assert child.shell("work").run("echo $X").stdout.strip() == "42"
         assert child.exec("stat -c %s /dev/shm/fill").stdout.strip() == str(48 << 20)
         assert [s.id for s in api.list_snapshots()] == [snap.id]  # the copy was dropped
@@ -126,7 +133,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         assert sh.run("echo $X").stdout.strip() == "42"  # the parent goes on
         assert [s.id for s in api.list_snapshots()] == [snap.id]  # none left by the fork
         forked[0].kill()
-        # the snapshot's edge is full (one sandbox each): the apiserver copies it over itself
+        # the snapshot's edge is full (two sandboxes each): the apiserver copies it over
         moved = Sandbox.from_snapshot(snap.id, timeout=300, client=api)
         made.append(moved)
         assert moved.info().edge_id == b.id
@@ -140,6 +147,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         with pytest.raises(errors.InvalidArgument, match="no edge"):
             Sandbox.from_snapshot(snap.id, edge="nope", client=api)
         src.kill()
+        kid.kill()  # nothing runs on the source edge when it is killed below
         _until(lambda: b.leftovers() == [], "the copy's files go with its last sandbox")
 
         # a snapshot whose RAM changed on the source since it was taken is refused

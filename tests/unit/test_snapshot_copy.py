@@ -228,6 +228,9 @@ def test_the_importer_refuses_bad_input(
     bad = {**exp.manifest, "files": {**exp.manifest["files"], "../x": {"size": 1}}}
     with pytest.raises(InvalidArgument, match="bad snapshot transfer manifest entry"):
         _importer(tmp_path / "c", bad)
+    files = {k: v for k, v in exp.manifest["files"].items() if k != "base/l0"}
+    with pytest.raises(InvalidArgument, match="lacks base/l0"):
+        _importer(tmp_path / "c", {**exp.manifest, "files": files})
     imp.abort()
     with pytest.raises(snapshots.SnapshotCorrupt, match="abandoned"):
         imp.write("ram", 0, b"x")

@@ -231,7 +231,11 @@ class Importer:
             backing = e.get("backing")
             if backing is not None and backing not in files:
                 raise InvalidArgument(f"{name} stands on {backing!r}, which is not sent")
-        missing = {"ram", *(f"snap/{n}" for n in SNAP_FILES), "base/kernel"} - set(files)
+        shared = m["meta"].get("shared", {})
+        if not isinstance(shared, dict):
+            raise InvalidArgument("snapshot transfer manifest with bad settings")
+        need = {"ram", *(f"snap/{n}" for n in SNAP_FILES), "base/kernel"}
+        missing = need.union(f"base/{role}" for role in shared) - set(files)
         if missing:
             raise InvalidArgument(f"snapshot transfer lacks {', '.join(sorted(missing))}")
         return files
