@@ -6,6 +6,7 @@ edge dying mid-transfer are refused with a clear error and leave nothing on the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -83,8 +84,13 @@ def cluster() -> Iterator[tuple[LocalCluster, Client, list[Edge]]]:
 
 
 def _staged(edge: Edge) -> int:
-    """Bytes of RAM staged by an import in progress on ``edge``."""
-    return sum(p.stat().st_blocks * 512 for p in edge.mem.glob(".import-*") if p.exists())
+    """Bytes staged by an import in progress on ``edge``."""
+    n = 0
+    for d in (edge.mem, edge.templates):
+        for p in d.glob(".import-*/**/*" if d == edge.templates else ".import-*"):
+            with contextlib.suppress(OSError):
+                n += p.stat().st_blocks * 512 if p.is_file() else 0
+    return n
 
 
 def test_full_snapshot_on_another_edge_corrupt_and_source_death(
@@ -150,17 +156,19 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         kid.kill()  # nothing runs on the source edge when it is killed below
         _until(lambda: b.leftovers() == [], "the copy's files go with its last sandbox")
 
-        # a snapshot whose RAM changed on the source since it was taken is refused
-        ram = a.mem / f"tpl-{snap.id}.mem"
-        with open(ram, "r+b") as f:
-            f.seek(0)
+        # a snapshot whose device state (here with the RAM: the source had forked) changed
+        # on the source since it was taken is refused
+        state = a.templates / snap.id / "state"
+        with open(state, "r+b") as f:
+            f.seek(4096)
             first = f.read(1)
-            f.seek(0)
+            f.seek(4096)
             f.write(bytes([first[0] ^ 0xFF]))
         with pytest.raises(errors.SandboxFailed, match="does not match its digest"):
             Sandbox.from_snapshot(snap.id, edge=b.id, timeout=300, client=api)
         assert b.leftovers() == []
-        with open(ram, "r+b") as f:
+        with open(state, "r+b") as f:
+            f.seek(4096)
             f.write(first)
 
         # the source edge dies mid-transfer: a clear error, nothing on the target
