@@ -127,6 +127,30 @@ def test_chunks_skip_holes_and_zero_runs_and_rebuild_the_same_digest(tmp_path: P
     assert sc.digest(g) == sc.digest(f)
 
 
+def test_base_digests_are_kept_across_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f, g, cache = tmp_path / "vmlinux", tmp_path / "other", tmp_path / "vm-digests.json"
+    f.write_bytes(os.urandom(10_000))
+    g.write_bytes(b"x")
+    want = sc.digest(f)
+    sc.save_digests(cache, [f])
+    monkeypatch.setattr(sc, "_digests", {})
+    monkeypatch.setattr(sc, "_loaded", set())
+    sc.load_digests(cache)
+
+    def rehash(path: Path, sparse: bool) -> str:
+        raise AssertionError(f"{path} hashed again")
+
+    monkeypatch.setattr(snapshots, "_digest", rehash)
+    assert sc.digest(f) == want
+    f.write_bytes(b"changed")  # a new stamp: hashed again
+    with pytest.raises(AssertionError, match="hashed again"):
+        sc.digest(f)
+    sc.save_digests(cache, [g])  # the stale entry goes
+    assert json.loads(cache.read_text()) == {}
+
+
 def test_export_names_the_chain_by_manifest_name(source: tuple[Path, Path, Path, Any]) -> None:
     tdir, mem, templates, meta = source
     exp = sc.export_manifest(tdir, mem, templates, meta)

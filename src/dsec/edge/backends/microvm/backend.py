@@ -804,7 +804,16 @@ class MicrovmBackend:
             meta = _load_meta(tsnap.dir)
         except (OSError, ValueError) as exc:
             raise snapshots.SnapshotCorrupt(f"snapshot {snapshot_id} has no settings") from exc
-        return snapshot_copy.export_manifest(tsnap.dir, tsnap.mem_file, self.templates_dir, meta)
+        snapshot_copy.load_digests(self._digest_cache)
+        exp = snapshot_copy.export_manifest(tsnap.dir, tsnap.mem_file, self.templates_dir, meta)
+        bases = [p for n, p in exp.paths.items() if n.startswith("base/")]
+        snapshot_copy.save_digests(self._digest_cache, bases)
+        return exp
+
+    @property
+    def _digest_cache(self) -> Path:
+        """Digests of the shared base files, kept across edge restarts."""
+        return self.sandboxes_dir.parent / "vm-digests.json"
 
     def snapshot_importer(
         self, copy_id: str, manifest: dict[str, Any], image: str
@@ -815,6 +824,7 @@ class MicrovmBackend:
         if (self.templates_dir / copy_id).exists():
             raise InvalidArgument(f"snapshot {copy_id} already exists on this edge")
         self._sweep_imports()
+        snapshot_copy.load_digests(self._digest_cache)
         imp = snapshot_copy.Importer(
             copy_id=copy_id,
             manifest=manifest,
@@ -825,6 +835,8 @@ class MicrovmBackend:
         )
         imp.plan()
         _IMPORTS.add(imp)
+        have = [p for n, p in imp.resolved.items() if n.startswith("base/")]
+        snapshot_copy.save_digests(self._digest_cache, have)
         return imp
 
     def _local_bases(self, image: str) -> dict[str, Path]:

@@ -52,18 +52,43 @@ _NAME_RE = re.compile(
 )
 _DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
-_digests: dict[tuple[str, tuple[int, ...], bool], str] = {}
+_digests: dict[str, str] = {}
+_loaded: set[Path] = set()
 
 
 def digest(path: Path, sparse: bool = True) -> str:
     """sha256 of ``path`` (``sparse``: of its non-zero pages and their offsets), cached while
-    the file's stamp is unchanged (base files are hashed once per process)."""
-    key = (str(path), tuple(snapshots.stamp(path)), sparse)
+    the file's stamp is unchanged (see :func:`load_digests`)."""
+    key = json.dumps([str(path), snapshots.stamp(path), sparse])
     hit = _digests.get(key)
     if hit is None:
         hit = snapshots._digest(path, sparse)
         _digests[key] = hit
     return hit
+
+
+def load_digests(cache: Path) -> None:
+    """Take in the digests an earlier process of this edge saved (:func:`save_digests`), so
+    the shared base files are hashed once per edge, not once per process. Entries are keyed
+    by path and stamp: a changed or replaced file is hashed again."""
+    if cache in _loaded:
+        return
+    _loaded.add(cache)
+    saved = _read_json(cache)
+    _digests.update({k: v for k, v in saved.items() if isinstance(v, str)})
+
+
+def save_digests(cache: Path, paths: list[Path]) -> None:
+    """Keep the digests of ``paths`` (files that stay: the bases) in ``cache``."""
+    keep = {str(p) for p in paths}
+    saved = _read_json(cache)
+    out = {k: v for k, v in saved.items() if _current(k)}
+    out.update({k: v for k, v in _digests.items() if json.loads(k)[0] in keep and _current(k)})
+    if out != saved:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(out))
+        tmp.rename(cache)
 
 
 def qcow2_backing(path: Path) -> str:
@@ -390,6 +415,15 @@ class Importer:
         self._moved.clear()
         if tids and drop_templates is not None:
             drop_templates(tids)
+
+
+def _current(key: str) -> bool:
+    """Whether a digest cache entry still describes its file."""
+    try:
+        path, stamp, _ = json.loads(key)
+        return bool(snapshots.stamp(Path(path)) == stamp)
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _read_json(p: Path) -> dict[str, Any]:
