@@ -58,6 +58,8 @@ def test_container_filesystem_snapshot_ls_create_from_rm(
         assert child.info().project == project
         with pytest.raises(errors.NotFound):
             Sandbox.from_snapshot(snap.id, client=outsider)
+        with pytest.raises(errors.InvalidArgument, match="only full ones start on another"):
+            Sandbox.from_snapshot(snap.id, edge="elsewhere", client=member)
 
         assert member.delete_snapshot(snap.id).id == snap.id
         assert member.list_snapshots() == []

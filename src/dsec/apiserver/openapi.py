@@ -46,7 +46,12 @@ SCHEMAS: dict[str, Any] = {
             "snapshot": {
                 "type": "string",
                 "description": "start from this named snapshot (then only timeout_s, "
-                "metadata and project may be given)",
+                "metadata, project and edge may be given)",
+            },
+            "edge": {
+                "type": "string",
+                "description": "with snapshot: start on this edge (a full snapshot is copied "
+                "there first, checked by digest)",
             },
         },
     },

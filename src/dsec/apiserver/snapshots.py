@@ -182,9 +182,9 @@ async def create_sandbox(request: web.Request, body: dict[str, Any]) -> pb.Sandb
     if not isinstance(target, str):
         raise InvalidArgument("'edge' must be an edge id")
     if target and target != entry.edge_id:
-        return await _elsewhere(
-            request, snap, entry, await snapshot_copy.edge_entry(request, target), project, spec
-        )
+        _copyable(snap)
+        there = await snapshot_copy.edge_entry(request, target)
+        return await _elsewhere(request, snap, entry, there, project, spec)
     try:
         return await admit_and_create(request, project, spec, [entry], from_snapshot=snap_id)
     except NodeFull as exc:
@@ -205,6 +205,14 @@ async def create_sandbox(request: web.Request, body: dict[str, Any]) -> pb.Sandb
     return await _elsewhere(request, snap, entry, order[0], project, spec)
 
 
+def _copyable(snap: pb.SnapshotInfo) -> None:
+    if snap.mode != "full":
+        raise InvalidArgument(
+            f"snapshot {snap.id} is a {snap.mode} snapshot: only full ones start on another "
+            "edge (a filesystem snapshot is an image: push it and pull it there)"
+        )
+
+
 async def _elsewhere(
     request: web.Request,
     snap: pb.SnapshotInfo,
@@ -214,11 +222,7 @@ async def _elsewhere(
     spec: SandboxSpec,
 ) -> pb.SandboxInfo:
     """Copy ``snap`` to ``target`` and create the sandbox there from the copy."""
-    if snap.mode != "full":
-        raise InvalidArgument(
-            f"snapshot {snap.id} is a {snap.mode} snapshot: only full ones start on another "
-            "edge (a filesystem snapshot is an image: push it and pull it there)"
-        )
+    _copyable(snap)
     if spec.backend not in target.view.status.backends:
         raise InvalidArgument(f"edge {target.edge_id} does not run {spec.backend} sandboxes")
 
