@@ -369,3 +369,30 @@ async def test_stream_import_commits_only_after_end(
         left = [p.name for p in (tmp_path / "b").rglob("*") if p.is_file()]
         assert left == [], cut
         assert not (tmp_path / "recs-b" / f"{copy_id}.json").exists()
+
+
+def test_bases_taken_in_go_once_nothing_names_them(tmp_path: Path) -> None:
+    from dsec.edge.backends.microvm.backend import MicrovmBackend
+    from dsec.paths import Paths
+
+    paths = Paths(home=tmp_path / "home", data=tmp_path / "data", run=tmp_path / "run")
+    sandboxes = tmp_path / "edge" / "sandboxes"
+    store: Any = None  # not used by what this test calls
+    be = MicrovmBackend(paths, "e0", image_store=store, sandboxes_dir=sandboxes, mem_dir=tmp_path)
+    bases = tmp_path / "edge" / "vm-bases"
+    bases.mkdir(parents=True)
+    kept, dropped = bases / ("a" * 64), bases / ("b" * 64)
+    kept.write_bytes(b"k")
+    dropped.write_bytes(b"d")
+    snap = be.templates_dir / "snp-e0-x"
+    snap.mkdir(parents=True)
+    (snap / "pinned").write_text("sbx-e0-src")
+    meta = {"kernel": str(kept), "shared": {}, "templates": ["snp-e0-x"]}
+    (snap / "vm.json").write_text(json.dumps(meta))
+    be._drop_unused_templates(["some-template"])
+    assert kept.exists()
+    assert not dropped.exists()
+    (snap / "pinned").unlink()  # the snapshot deleted, no sandbox made from it
+    be._drop_unused_templates(["snp-e0-x"])
+    assert not kept.exists()
+    assert not snap.exists()

@@ -950,6 +950,24 @@ class MicrovmBackend:
             if tid not in used and not (self.templates_dir / tid / PINNED).exists():
                 shutil.rmtree(self.templates_dir / tid, ignore_errors=True)
                 (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
+        self._drop_unused_bases()
+
+    def _drop_unused_bases(self) -> None:
+        """Remove base files taken in from other edges (``vm-bases``) that no sandbox or
+        snapshot of this edge names any more (not while a copy is being taken in)."""
+        bases = self.sandboxes_dir.parent / "vm-bases"
+        if _IMPORTS or not bases.exists():
+            return
+        named: set[str] = set()
+        dirs = [*(self.sandboxes_dir.iterdir() if self.sandboxes_dir.exists() else ()),
+                *(p.parent for p in self.templates_dir.glob(f"*/{PINNED}"))]  # fmt: skip
+        for d in dirs:
+            with contextlib.suppress(OSError, ValueError):
+                meta = _load_meta(d)
+                named.update([str(meta.get("kernel")), *map(str, meta.get("shared", {}).values())])
+        for f in bases.iterdir():
+            if str(f) not in named:
+                f.unlink(missing_ok=True)
 
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> None:
         """Replace a running VM's network policy (the firewall outside the guest).
