@@ -83,6 +83,8 @@ async def copy(
                     f"edge {source.edge_id} failed while sending snapshot {snapshot_id} "
                     f"to edge {target.edge_id} (nothing was kept there): {err.message}"
                 ) from None
+            finally:
+                files.cancel()  # the target failed: stop the source's stream too
         else:
             await call.write(pb.SnapshotChunk(end=True))
         async with _from(f"edge {target.edge_id}"):
