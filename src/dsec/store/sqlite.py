@@ -186,7 +186,8 @@ class SqliteStore(StoreHelpers):
         """Run ``body`` in one write transaction. The store revision is read once at its
         start (``self._rev``; :meth:`_apply` advances it) and written once at its end."""
         db = self._db
-        assert db is not None
+        if db is None:
+            raise StoreUnavailable("the store is closed")
         db.execute("BEGIN IMMEDIATE")
         try:
             self._rev = start = self._meta("rev")
@@ -435,9 +436,13 @@ class SqliteStore(StoreHelpers):
         self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()
     ) -> TxnResult:
         check_txn(compare, success, failure)
+        if self._closed:
+            raise StoreUnavailable("the store is closed")
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
-        await self._run(self._txn_group)
+        # (not awaited: the group settles every future of the queue, this one included; one
+        # hand-off back to the loop per commit instead of one per transaction)
+        self._pool.submit(self._txn_group)
         return await fut
 
     async def lease_grant(self, ttl_s: int) -> int:
