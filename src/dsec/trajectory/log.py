@@ -41,7 +41,6 @@ from typing import Any
 from dsec.core import projects
 from dsec.core.errors import (
     AlreadyExists,
-    DsecError,
     InvalidArgument,
     NotFound,
     QuotaExceeded,
@@ -186,7 +185,7 @@ class _Usage:
                 for ev in batch.events:
                     self._seen[ev.kv.key] = ev
                 self._watched = batch.revision
-        except DsecError as exc:  # (compacted past it, or the store closed: sum again)
+        except Exception as exc:  # (compacted past it, the store closed...: sum again)
             log(_log, "trajectory usage watch ended", level=logging.INFO, error=str(exc))
 
     async def aclose(self) -> None:
