@@ -227,6 +227,7 @@ def run(sync: str, args: argparse.Namespace) -> dict[str, Any]:
         settle(3)
         try:
             return {
+                "load_average_at_mode_start": os.getloadavg(),
                 "recording_overhead": overhead(client, args.calls),
                 "recording_overhead_parallel": overhead_parallel(
                     client, args.calls // args.parallel, args.parallel

@@ -8,6 +8,10 @@ side-by-side comparison of two versions under the same load; alternate them:
       PYTHONPATH=src .venv/bin/python -m bench.trajectory_ab branch
     done
 
+``log`` as the third argument measures the log alone instead (``bench.trajectory``'s
+``log_costs``, no platform: the append per step, ``FULL`` and ``NORMAL``, and the disk's
+flush floor; CALLS steps), which varies less under load than a round trip.
+
 Prints one JSON line per run.
 """
 
@@ -20,7 +24,7 @@ from typing import Any
 
 import dsec
 from bench.foundation import settle
-from bench.trajectory import overhead
+from bench.trajectory import log_costs, overhead
 from dsec.sdk import Client
 from dsec.testing.platform import running_platform
 
@@ -34,6 +38,12 @@ def main() -> None:
         "dsec": os.path.dirname(dsec.__file__),
         "load": os.getloadavg(),
     }
+    if sys.argv[3:4] == ["log"]:
+        for sync in ("FULL", "NORMAL"):
+            out[f"log_alone_{sync.lower()}"] = log_costs(sync, calls, 8)
+        out["load_at_end"] = os.getloadavg()
+        print(json.dumps(out))
+        return
     with running_platform() as p:
         client = Client(api_url=p.api_url, api_key=p.admin_key)
         settle(3)

@@ -47,3 +47,19 @@ async def test_concurrent_txns_share_commits_and_fail_alone(
             assert kv.value == b"v%d" % i
     finally:
         await store.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_lone_failing_txn_leaves_nothing_and_takes_no_revision(tmp_path: Path) -> None:
+    store = await SqliteStore.open(tmp_path / "s.db", synchronous="NORMAL")
+    try:
+        before = await store.put(b"a", b"1")
+        with pytest.raises(LeaseNotFound):
+            await store.txn([], [Put(b"b", b"2"), Put(b"c", b"3", lease=777)])
+        assert await store.get(b"b") is None
+        assert await store.put(b"a", b"2") == before + 1
+        kv = await store.get(b"a")
+        assert kv is not None
+        assert (kv.create_revision, kv.mod_revision, kv.version) == (before, before + 1, 2)
+    finally:
+        await store.aclose()

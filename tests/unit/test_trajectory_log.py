@@ -3,23 +3,25 @@ tests/integration/test_trajectory_etcd.py), and the canonical form of requests."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from dsec.core.errors import InvalidArgument
-from dsec.store.api import KeyValue
+from dsec.store.api import Event, EventType, KeyValue
 from dsec.store.etcd import EtcdStore
 from dsec.store.memory import MemoryStore
 from dsec.store.sqlite import SqliteStore
-from dsec.testing.trajectory_checks import CHECKS
+from dsec.testing.trajectory_checks import CHECKS, step
 from dsec.trajectory.blobs import FileBlobStore
 from dsec.trajectory.canon import canonical, field_at, first_difference
-from dsec.trajectory.log import TrajectoryLog, _bytes_by_project
+from dsec.trajectory.log import TrajectoryLog, _Usage
 from dsec.trajectory.setup import open_log, open_store
 
 
@@ -111,16 +113,70 @@ async def test_open_store_urls(tmp_path: Path) -> None:
             await open_store(bad)
 
 
-def test_usage_sums_decode_only_records_written_since_the_last_sum() -> None:
-    def rec(key: bytes, project: str, size: int, rev: int) -> KeyValue:
-        return KeyValue(key, json.dumps({"project": project, "bytes": size}).encode(), 1, rev, 1)
+def test_usage_takes_the_newest_news_and_decodes_only_what_others_wrote() -> None:
+    def ev(key: bytes, value: bytes, rev: int, kind: EventType = EventType.PUT) -> Event:
+        return Event(kind, KeyValue(key, value, 1, rev, 1))
 
-    first = (rec(b"t/a", "p", 10, 5), rec(b"t/b", "p/q", 7, 6))
-    sums, sized = _bytes_by_project(first, {})
-    assert sums == {"p": 10, "p/q": 7}
-    # b is unchanged (same mod_revision): its size comes from the last sum, not its value
-    idle_b = KeyValue(b"t/b", b"not json", 1, 6, 1)
-    sums, sized = _bytes_by_project((rec(b"t/a", "p", 25, 9), idle_b), sized)
-    assert sums == {"p": 25, "p/q": 7}
-    sums, _ = _bytes_by_project((rec(b"t/b", "p/q", 3, 11),), sized)  # a removed, b written
-    assert sums == {"p/q": 3}
+    def rec(project: str, size: int) -> bytes:
+        return json.dumps({"project": project, "bytes": size}).encode()
+
+    u = _Usage(MemoryStore())
+    u.note(b"t/a", 5, "p", 10)
+    u.note(b"t/a", 4, "p", 99)  # older than what is known: ignored
+    assert u.bytes == {"p": 10}
+    # its own write's event (same revision) is not decoded; another's is
+    u._seen = {b"t/a": ev(b"t/a", b"not json", 5), b"t/b": ev(b"t/b", rec("p/q", 7), 6)}
+    u.fold()
+    assert u.bytes == {"p": 10, "p/q": 7}
+    u.note(b"t/a", 9, "p", None)  # removed at 9 ...
+    u._seen = {b"t/a": ev(b"t/a", rec("p", 12), 8)}  # ... an older write seen late
+    u.fold()
+    assert u.bytes == {"p": 0, "p/q": 7}
+    u._seen = {b"t/b": ev(b"t/b", b"", 11, EventType.DELETE), b"t/a": ev(b"t/a", rec("p", 3), 12)}
+    u.fold()  # a recreated, b removed by another
+    assert u.bytes == {"p": 3, "p/q": 0}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+async def test_usage_is_summed_once_then_follows_every_writer(kind: str, tmp_path: Path) -> None:
+    store: MemoryStore | SqliteStore = (
+        MemoryStore() if kind == "memory" else await SqliteStore.open(tmp_path / "log.db")
+    )
+    ranges = 0
+    real_range = store.range
+
+    async def counting(prefix: bytes, **kw: Any) -> object:
+        nonlocal ranges
+        ranges += 1
+        return await real_range(prefix, **kw)
+
+    store.range = counting  # type: ignore[assignment,method-assign]
+    mine = TrajectoryLog(store, FileBlobStore(tmp_path / "blobs"))
+    other = TrajectoryLog(store, FileBlobStore(tmp_path / "blobs"))  # another apiserver
+    try:
+        a, _ = await mine.open("org/a", "a", spec={})
+        b, _ = await other.open("org/b", "b", spec={})
+        for i in range(20):
+            await mine.check_quota("org/a")
+            await mine.append(a.id, step(f"a{i}", "x" * i))
+            await other.append(b.id, step(f"b{i}", "y" * i))
+        for _ in range(100):  # the other's last appends arrive with the watch
+            if (
+                await mine.usage("org")
+                == (await mine.get(a.id)).bytes + (await mine.get(b.id)).bytes
+            ):
+                break
+            await asyncio.sleep(0.01)
+        assert await mine.usage("org/b") == (await other.get(b.id)).bytes > 0
+        assert ranges == 2, f"{ranges} ranges over every record (one per log object expected)"
+        await other.remove(b.id)
+        for _ in range(100):
+            if await mine.usage("org/b") == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await mine.usage("org/b") == 0
+        assert await mine.usage("org") == (await mine.get(a.id)).bytes
+    finally:
+        await mine.aclose()
+        await store.aclose()

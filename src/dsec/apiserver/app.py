@@ -240,6 +240,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await asyncio.gather(renewer, return_exceptions=True)
         await runner.cleanup()
         await upstream.aclose()
+        await tlog.aclose()
         await tlog.store.aclose()
 
 

@@ -78,6 +78,11 @@ INSERT OR IGNORE INTO meta VALUES ('rev', 1), ('compact_rev', 0);
 """
 
 _KV_COLS = "key, value, create_rev, mod_rev, version, lease"
+_UPSERT = (
+    f"INSERT INTO kv ({_KV_COLS}) VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT (key) DO UPDATE SET "
+    "value = excluded.value, mod_rev = excluded.mod_rev, version = version + 1, "
+    "lease = excluded.lease RETURNING create_rev, version"
+)
 
 
 def _kv(row: tuple[Any, ...]) -> KeyValue:
@@ -115,6 +120,7 @@ class SqliteStore(StoreHelpers):
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
         self._pending: list[WatchBatch] = []  # committed batches to publish (store thread)
+        self._rev = 0  # the store revision inside a write (store thread)
         self._queued: collections.deque[_Queued] = collections.deque()  # txns to commit
 
     @classmethod
@@ -177,11 +183,17 @@ class SqliteStore(StoreHelpers):
         return int(row[0])
 
     def _write(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``body`` in one write transaction. The store revision is read once at its
+        start (``self._rev``; :meth:`_apply` advances it) and written once at its end."""
         db = self._db
-        assert db is not None
+        if db is None:
+            raise StoreUnavailable("the store is closed")
         db.execute("BEGIN IMMEDIATE")
         try:
+            self._rev = start = self._meta("rev")
             out = body(db)
+            if self._rev != start:
+                db.execute("UPDATE meta SET value = ? WHERE name = 'rev'", (self._rev,))
             db.execute("COMMIT")
         except BaseException:
             self._pending.clear()
@@ -235,8 +247,9 @@ class SqliteStore(StoreHelpers):
         return [_kv(r) for r in db.execute(f"SELECT {_KV_COLS} FROM kv WHERE {where}", args)]
 
     def _apply(self, db: sqlite3.Connection, ops: Sequence[TxnOp]) -> tuple[int, list[int]]:
-        """Apply ``ops`` at the next revision; returns the store revision after and deletions."""
-        rev = self._meta("rev") + 1
+        """Apply ``ops`` at the next revision (inside :meth:`_write`); returns the store
+        revision after and deletions."""
+        rev = self._rev + 1
         changed: list[tuple[int, Event]] = []
         deleted: list[int] = []
         for op in ops:
@@ -246,19 +259,11 @@ class SqliteStore(StoreHelpers):
                     and not db.execute("SELECT 1 FROM leases WHERE id = ?", (op.lease,)).fetchone()
                 ):
                     raise LeaseNotFound(f"lease {op.lease:x} not found")
-                old = self._get(op.key)
-                kv = KeyValue(
-                    op.key,
-                    op.value,
-                    old.create_revision if old else rev,
-                    rev,
-                    (old.version if old else 0) + 1,
-                    op.lease,
-                )
-                db.execute(
-                    f"INSERT OR REPLACE INTO kv ({_KV_COLS}) VALUES (?, ?, ?, ?, ?, ?)",
-                    (kv.key, kv.value, kv.create_revision, rev, kv.version, kv.lease),
-                )
+                # One statement: insert, or update keeping create_rev and counting version.
+                create, version = db.execute(
+                    _UPSERT, (op.key, op.value, rev, rev, op.lease)
+                ).fetchone()
+                kv = KeyValue(op.key, op.value, create, rev, version, op.lease)
                 changed.append((rev, Event(EventType.PUT, kv)))
             else:
                 where, args = _where_range("key", op.key, op.prefix)
@@ -279,7 +284,7 @@ class SqliteStore(StoreHelpers):
                 for _, e in changed
             ],
         )  # fmt: skip
-        db.execute("UPDATE meta SET value = ? WHERE name = 'rev'", (rev,))
+        self._rev = rev
         self._pending.append(WatchBatch(rev, tuple(e for _, e in changed)))
         return rev, deleted
 
@@ -292,17 +297,25 @@ class SqliteStore(StoreHelpers):
             return  # an earlier call committed them
         out: list[TxnResult | BaseException] = []
 
+        def one(db: sqlite3.Connection, item: _Queued) -> TxnResult:
+            compare, success, failure, _ = item
+            ok = all(c.holds(self._covered(db, c)) for c in compare)
+            rev, deleted = self._apply(db, success if ok else failure)
+            return TxnResult(ok, rev, tuple(deleted))
+
         def body(db: sqlite3.Connection) -> None:
-            for compare, success, failure, _ in items:
-                published = len(self._pending)
+            if len(items) == 1:  # (alone: a failure rolls back the whole write)
+                out.append(one(db, items[0]))
+                return
+            for item in items:
+                published, rev = len(self._pending), self._rev
                 db.execute("SAVEPOINT txn")
                 try:
-                    ok = all(c.holds(self._covered(db, c)) for c in compare)
-                    rev, deleted = self._apply(db, success if ok else failure)
-                    out.append(TxnResult(ok, rev, tuple(deleted)))
+                    out.append(one(db, item))
                 except (DsecError, sqlite3.Error) as exc:
                     db.execute("ROLLBACK TO txn")
                     del self._pending[published:]
+                    self._rev = rev
                     out.append(exc)
                 db.execute("RELEASE txn")
 
@@ -423,9 +436,13 @@ class SqliteStore(StoreHelpers):
         self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()
     ) -> TxnResult:
         check_txn(compare, success, failure)
+        if self._closed:
+            raise StoreUnavailable("the store is closed")
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
-        await self._run(self._txn_group)
+        # (not awaited: the group settles every future of the queue, this one included; one
+        # hand-off back to the loop per commit instead of one per transaction)
+        self._pool.submit(self._txn_group)
         return await fut
 
     async def lease_grant(self, ttl_s: int) -> int:

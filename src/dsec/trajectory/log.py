@@ -16,10 +16,12 @@ A step is appended in one transaction with its record (step count, bytes), guard
 record's ``mod_revision``: two writers never number two steps alike, and steps of other
 trajectories never contend with it. A project's usage is not a counter every step
 rewrites (one hot key per project, every concurrent append of the project conflicting on
-it): it is the sum of the ``bytes`` of its subtree's records, summed by a range read at
-most every ``QUOTA_CACHE_S`` per log object (in the background), plus what this object
-appended since. So a quota holds within about that time across apiservers, exactly within
-one. The blob (if any) is written and fsynced first, so a step in the store always has its
+it): it is the sum of the ``bytes`` of its subtree's records, as stored. Each log object
+sums them once (a range read at revision R) and then follows the records with a watch from
+R + 1 (:class:`_Usage`): a record this object wrote is counted from what it wrote, one
+another apiserver wrote is decoded when the usage is next needed; nothing re-reads every
+record. So a quota holds within the watch's delay across apiservers, exactly within one.
+The blob (if any) is written and fsynced first, so a step in the store always has its
 payload. ``<id>`` is derived from (project, name), so the same name in two projects is two
 trajectories.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -38,12 +41,23 @@ from typing import Any
 from dsec.core import projects
 from dsec.core.errors import (
     AlreadyExists,
-    DsecError,
     InvalidArgument,
     NotFound,
     QuotaExceeded,
 )
-from dsec.store.api import Compare, Delete, KeyValue, Op, Put, StateStore, Target, TxnOp
+from dsec.obs import log
+from dsec.store.api import (
+    Compare,
+    Delete,
+    Event,
+    EventType,
+    KeyValue,
+    Op,
+    Put,
+    StateStore,
+    Target,
+    TxnOp,
+)
 
 from .blobs import INLINE_MAX, BlobStore
 from .records import (
@@ -67,8 +81,9 @@ __all__ = [
 ]
 
 PREFIX = b"/dsec/trajectory/"
-QUOTA_CACHE_S = 5.0
+QUOTA_CACHE_S = 5.0  # how long a quota read stays good (a changed quota applies within it)
 _DELETE_BATCH = 100
+_log = logging.getLogger("dsec.trajectory.log")
 
 
 def _meta_key(tid: str) -> bytes:
@@ -108,22 +123,86 @@ def _int(kv: KeyValue | None) -> int:
     return int(kv.value) if kv else 0
 
 
-_Sized = dict[bytes, tuple[int, str, int]]  # record key -> (mod_revision, project, bytes)
+class _Usage:
+    """Log bytes per project, from the records as stored: summed once, then kept by a
+    watch on the records (see the module docstring). ``note`` takes a record's size at a
+    revision (this object's own writes: no decoding), ``fold`` applies what the watch saw."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.bytes: dict[str, int] = {}  # project (exact) -> log bytes
+        self._sized: dict[bytes, tuple[int, str, int]] = {}  # record key -> (rev, project, bytes)
+        self._gone: dict[bytes, int] = {}  # removed record -> the revision that removed it
+        self._seen: dict[bytes, Event] = {}  # the latest event of each record, not folded yet
+        self._watched = 0  # the last revision the watch delivered
+        self.summed = False  # (bytes holds every record, not only this object's writes)
+        self._follow: asyncio.Task[None] | None = None
+
+    @property
+    def live(self) -> bool:
+        return self._follow is not None and not self._follow.done()
+
+    def note(self, key: bytes, rev: int, project: str, size: int | None) -> None:
+        """The record ``key`` holds ``size`` bytes of ``project`` as of ``rev`` (None: it
+        was removed at ``rev``); older news than what is known is ignored."""
+        cur = self._sized.get(key)
+        if (cur is not None and cur[0] >= rev) or self._gone.get(key, 0) >= rev:
+            return
+        if cur is not None:
+            self.bytes[cur[1]] = self.bytes.get(cur[1], 0) - cur[2]
+        if size is None:
+            self._sized.pop(key, None)
+            self._gone[key] = rev
+            return
+        self._sized[key] = (rev, project, size)
+        self.bytes[project] = self.bytes.get(project, 0) + size
+
+    def fold(self) -> None:
+        seen, self._seen = self._seen, {}
+        for key, ev in seen.items():
+            rev = ev.kv.mod_revision
+            if ev.type is EventType.DELETE:
+                self.note(key, rev, "", None)
+            elif (cur := self._sized.get(key)) is None or cur[0] < rev:
+                d = json.loads(ev.kv.value)
+                self.note(key, rev, str(d["project"]), int(d.get("bytes", 0)))
+        if self._gone:  # no event older than what the watch delivered can come any more
+            self._gone = {k: r for k, r in self._gone.items() if r > self._watched}
+
+    async def start(self) -> None:
+        """Sum every record (once), then follow them from the next revision."""
+        if self._follow is not None:
+            self._follow.cancel()
+        res = await self.store.range(PREFIX + b"t/")
+        self._sized, self.bytes = await asyncio.to_thread(_sized, res.kvs)
+        self._gone, self._seen, self._watched = {}, {}, res.revision
+        self.summed = True
+        self._follow = asyncio.ensure_future(self._watch(res.revision + 1))
+
+    async def _watch(self, start: int) -> None:
+        try:
+            async for batch in self.store.watch(PREFIX + b"t/", start_revision=start):
+                for ev in batch.events:
+                    self._seen[ev.kv.key] = ev
+                self._watched = batch.revision
+        except Exception as exc:  # (compacted past it, the store closed...: sum again)
+            log(_log, "trajectory usage watch ended", level=logging.INFO, error=str(exc))
+
+    async def aclose(self) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
 
 
-def _bytes_by_project(kvs: tuple[KeyValue, ...], known: _Sized) -> tuple[dict[str, int], _Sized]:
-    """Bytes per project, and each record's size; only records written since ``known``
-    (the last sum's sizes) are decoded: most are idle."""
+def _sized(kvs: tuple[KeyValue, ...]) -> tuple[dict[bytes, tuple[int, str, int]], dict[str, int]]:
+    sized: dict[bytes, tuple[int, str, int]] = {}
     sums: dict[str, int] = {}
-    sized: _Sized = {}
     for kv in kvs:
-        got = known.get(kv.key)
-        if got is None or got[0] != kv.mod_revision:
-            d = json.loads(kv.value)
-            got = (kv.mod_revision, str(d["project"]), int(d.get("bytes", 0)))
-        sized[kv.key] = got
-        sums[got[1]] = sums.get(got[1], 0) + got[2]
-    return sums, sized
+        d = json.loads(kv.value)
+        project, size = str(d["project"]), int(d.get("bytes", 0))
+        sized[kv.key] = (kv.mod_revision, project, size)
+        sums[project] = sums.get(project, 0) + size
+    return sized, sums
 
 
 class TrajectoryLog:
@@ -142,10 +221,12 @@ class TrajectoryLog:
         self.default_quota_bytes = default_quota_bytes
         self.clock = clock
         self._quotas: dict[str, tuple[float, int]] = {}  # project -> (read at, limit)
-        self._bytes: dict[str, int] = {}  # project (exact) -> log bytes, summed at _summed
-        self._sized: _Sized = {}  # each record's size at _summed
-        self._summed = -float("inf")
-        self._summing: asyncio.Task[None] | None = None
+        self._usage = _Usage(store)
+        self._starting: asyncio.Task[None] | None = None
+
+    async def aclose(self) -> None:
+        """Stop following the records (the store stays open)."""
+        await self._usage.aclose()
 
     # -- records --------------------------------------------------------------------------
 
@@ -188,6 +269,7 @@ class TrajectoryLog:
             new = replace(fn(t), updated_at=self.clock())
             res = await self.store.txn([_guard(kv.key, kv)], [_record_put(new), *extra])
             if res.succeeded:
+                self._usage.note(kv.key, res.revision, new.project, new.bytes)
                 return new
 
     async def open(
@@ -226,6 +308,7 @@ class TrajectoryLog:
             [Put(key, json.dumps(fresh.to_json()).encode())],
         )
         if res.succeeded:
+            self._usage.note(key, res.revision, project, 0)
             return fresh, True
 
         def reopen(t: Trajectory) -> Trajectory:
@@ -317,37 +400,27 @@ class TrajectoryLog:
         await self.store.put(_quota_key(project), str(limit_bytes).encode())
         self._quotas.pop(project, None)
 
-    async def _project_bytes(self, max_age_s: float) -> dict[str, int]:
-        """Log bytes per project (exact, not subtree). Older than ``max_age_s``: summed
-        again, in the background unless there is no sum yet or ``max_age_s`` is 0 (the
-        hot path never waits for a range over every record)."""
-        if not max_age_s or self._summed == -float("inf"):
-            await self._sum()
-        elif self.clock() - self._summed >= max_age_s and (
-            self._summing is None or self._summing.done()
-        ):
-            self._summing = asyncio.ensure_future(self._sum(quiet=True))
-        return self._bytes
-
-    async def _sum(self, *, quiet: bool = False) -> None:
-        summed = self.clock()
-        try:
-            res = await self.store.range(PREFIX + b"t/")
-        except DsecError:
-            if quiet:
-                return  # (the store is down or closing: the next call tries again)
-            raise
-        self._bytes, self._sized = await asyncio.to_thread(_bytes_by_project, res.kvs, self._sized)
-        self._summed = summed
-
-    def _count(self, project: str, delta: int) -> None:
-        self._bytes[project] = max(0, self._bytes.get(project, 0) + delta)
+    async def _project_bytes(self, *, wait: bool) -> dict[str, int]:
+        """Log bytes per project (exact, not subtree). Not following the records (first
+        use, or the watch ended): summed again, awaited when ``wait`` or there is no sum
+        yet, else in the background (the hot path never waits for a range over every
+        record while it has a sum)."""
+        u = self._usage
+        if not u.live:
+            if self._starting is None or self._starting.done():
+                self._starting = asyncio.ensure_future(u.start())
+                # (in the background its error is the next call's to see: mark it seen)
+                self._starting.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if wait or not u.summed:
+                await asyncio.shield(self._starting)
+        u.fold()
+        return u.bytes
 
     async def check_quota(self, project: str) -> None:
         """Refuse (QuotaExceeded) when the log of the project, or of one of its ancestors,
         is at or over its quota; the step that crosses it is still recorded, the calls after
         it are refused before they run."""
-        sums = await self._project_bytes(QUOTA_CACHE_S)
+        sums = await self._project_bytes(wait=False)
         for level in _levels(project):
             limit = await self.quota(level, max_age_s=QUOTA_CACHE_S)
             if not limit:
@@ -363,7 +436,7 @@ class TrajectoryLog:
 
     async def usage(self, project: str) -> int:
         """Bytes of log ``project`` and the projects beneath it hold."""
-        sums = await self._project_bytes(0)
+        sums = await self._project_bytes(wait=True)
         return sum(n for p, n in sums.items() if projects.contains(project, p))
 
     async def append(
@@ -416,7 +489,7 @@ class TrajectoryLog:
                 [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), put]
             )
             if res.succeeded:
-                self._count(t.project, size)
+                self._usage.note(meta.key, res.revision, new.project, new.bytes)
                 # (every key a transaction puts gets its revision: etcd's rule, kept by all)
                 version = meta.version + 1
                 kv = KeyValue(put.key, put.value, meta.create_revision, res.revision, version)
@@ -442,7 +515,7 @@ class TrajectoryLog:
             new = replace(fn(t), steps=min(t.steps, start), bytes=max(0, t.bytes - freed))
             res = await self.store.txn([_guard(meta.key, meta)], [_record_put(new)])
             if res.succeeded:
-                self._count(t.project, new.bytes - t.bytes)
+                self._usage.note(meta.key, res.revision, new.project, new.bytes)
                 break
         for i in range(0, len(keys), _DELETE_BATCH):
             await self.store.txn([], [Delete(k) for k in keys[i : i + _DELETE_BATCH]])
@@ -457,7 +530,7 @@ class TrajectoryLog:
                 ops.append(Delete(_bind_key(t.sandbox_id)))
             res = await self.store.txn([_guard(meta.key, meta)], ops)
             if res.succeeded:
-                self._count(t.project, -t.bytes)
+                self._usage.note(meta.key, res.revision, t.project, None)
                 return t
 
     async def referenced_blobs(self) -> set[str]:

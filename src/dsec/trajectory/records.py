@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dsec.core.errors import InvalidArgument
@@ -48,7 +48,9 @@ class Trajectory:
     spec: dict[str, Any] = field(default_factory=dict)  # the create body, to recreate it
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record's fields (a new dict; nested values are shared, not copied: encoding
+        every append's record must not deep-copy its spec)."""
+        return {name: getattr(self, name) for name in _TRAJECTORY_FIELDS}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Trajectory:
@@ -69,8 +71,12 @@ class Step:
     payload: bytes | None = None  # bytes the call carried (upload, stdin), for re-running
     raw_request: dict[str, Any] = field(default_factory=dict)  # the op as sent, for re-running
 
+    def _fields(self) -> dict[str, Any]:
+        """The step's fields, nested values shared (no deep copy on the call path)."""
+        return {name: getattr(self, name) for name in _STEP_FIELDS}
+
     def encode(self) -> bytes:
-        d = asdict(self)
+        d = self._fields()
         for k in ("data", "payload"):
             if d[k] is not None:
                 d[k] = base64.b64encode(d[k]).decode()
@@ -86,9 +92,13 @@ class Step:
 
     def export(self) -> dict[str, Any]:
         """One JSON Lines record for training pipelines."""
-        d = asdict(self)
+        d = self._fields()
         d.pop("raw_request")
         for k in ("data", "payload"):
             if d[k] is not None:
                 d[k] = {"base64": base64.b64encode(d[k]).decode(), "size": len(d[k])}
         return d
+
+
+_TRAJECTORY_FIELDS = tuple(f.name for f in fields(Trajectory))
+_STEP_FIELDS = tuple(f.name for f in fields(Step))
