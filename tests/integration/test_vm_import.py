@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,40 @@ def test_names_and_consumed_uploads(tmp_path: Path) -> None:
     assert imports.find(tmp_path / "data", "up") is not None
     _assert_clean(tmp_path, tmp_path / "data")
     assert os.geteuid() == 0
+
+
+@pytest.mark.asyncio
+async def test_edge_load_with_kind_vm_imports_lists_and_removes(tmp_path: Path) -> None:
+    """The edge's LoadImage with kind "vm": upload to a file, import, list, remove; a
+    refused upload leaves no file."""
+    from dsec.edge.images.service import EdgeImages
+    from dsec.edge.images.store import ImageStore
+    from dsec.paths import Paths
+    from dsec.rpc._gen import dsec_pb2 as pb
+
+    paths = Paths(home=tmp_path / "home", data=tmp_path / "data", run=tmp_path / "run")
+    shutil.copytree(_bundle_once(tmp_path), paths.agent_bundle)
+    edge = EdgeImages(ImageStore(tmp_path / "images"), "e0a1", None, vm_paths=paths)
+    fs = _ext4(_rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
+
+    async def requests(name: str, blob: bytes) -> AsyncIterator[pb.LoadImageRequest]:
+        yield pb.LoadImageRequest(name=name, kind="vm")
+        for i in range(0, len(blob), 1 << 20):
+            yield pb.LoadImageRequest(data=blob[i : i + (1 << 20)])
+
+    reqs = requests("deb", fs.read_bytes())
+    events = [ev async for ev in edge.load(reqs)]
+    steps = [ev.progress.status for ev in events if ev.HasField("progress")]
+    assert steps[0] == "received"
+    assert "installing the agent" in steps
+    image = events[-1].image
+    assert (image.name, image.backend, image.edge_id) == ("deb", "vm", "e0a1")
+    assert "Testian 1" in image.source
+    assert [i.name for i in edge.list().images if i.backend == "vm"] == ["deb"]
+    with pytest.raises(AlreadyExists):
+        _ = [ev async for ev in edge.load(requests("deb", b"x"))]
+    with pytest.raises(InvalidArgument, match="not a disk image"):
+        _ = [ev async for ev in edge.load(requests("junk", b"junk" * 1000))]
+    edge.remove("deb")
+    assert not [i for i in edge.list().images if i.backend == "vm"]
+    _assert_clean(tmp_path, paths.data)
