@@ -18,14 +18,7 @@ import pytest
 from dsec.core.errors import AlreadyExists, InvalidArgument
 from dsec.edge.backends.vm import imports
 from dsec.edge.backends.vm.image import UNITS
-
-VERSION = "6.1.0-99-amd64"
-MODULES = {
-    "kernel/drivers/virtio/virtio_pci_modern_dev.ko": [],
-    "kernel/drivers/virtio/virtio_pci.ko": ["kernel/drivers/virtio/virtio_pci_modern_dev.ko"],
-    "kernel/drivers/block/virtio_blk.ko.xz": [],
-    "kernel/drivers/char/virtio_console.ko": [],
-}
+from tests.integration.fakedisk import VERSION, bundle, ext4, mbr, rootfs
 
 
 def _skip_reason() -> str | None:
@@ -38,71 +31,6 @@ def _skip_reason() -> str | None:
 
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
-
-
-def _rootfs(d: Path, *, init: str = "/lib/systemd/systemd", kernel: bool = True) -> Path:
-    """A tiny tree that looks like a Debian root: os-release, /sbin/init (an absolute
-    symlink, as Debian's is), a kernel and its modules (ext4 built in, virtio_blk xz)."""
-    import lzma
-
-    (d / "etc").mkdir(parents=True)
-    (d / "etc" / "os-release").write_text('PRETTY_NAME="Testian 1"\nID=testian\n')
-    (d / "usr" / "lib" / "systemd").mkdir(parents=True)
-    (d / "usr" / "lib" / "systemd" / "systemd").write_text("#!/bin/false\n")
-    (d / "usr" / "sbin").mkdir(parents=True)
-    (d / "usr" / "bin").mkdir(parents=True)
-    (d / "usr" / "bin" / "other-init").write_text("#!/bin/false\n")
-    (d / "lib").symlink_to("usr/lib")
-    (d / "sbin").symlink_to("usr/sbin")
-    (d / "usr" / "sbin" / "init").symlink_to(init)
-    (d / "boot").mkdir()
-    if kernel:
-        (d / "boot" / f"vmlinuz-{VERSION}").write_bytes(b"kernel")
-        (d / "boot" / "vmlinuz-5.10.0-1-amd64").write_bytes(b"old kernel, no modules")
-        moddir = d / "usr" / "lib" / "modules" / VERSION
-        for rel in MODULES:
-            (moddir / rel).parent.mkdir(parents=True, exist_ok=True)
-            blob = b"module " + rel.encode()
-            (moddir / rel).write_bytes(lzma.compress(blob) if rel.endswith(".xz") else blob)
-        dep = "".join(f"{rel}: {' '.join(deps)}\n" for rel, deps in MODULES.items())
-        (moddir / "modules.dep").write_text(dep)
-        (moddir / "modules.builtin").write_text("kernel/fs/ext4/ext4.ko\n")
-    # A hostile link: writing through it must stay inside the image.
-    (d / "etc" / "systemd").mkdir()
-    (d / "etc" / "systemd" / "system").symlink_to("/../../../../tmp/../etc/systemd-in-guest")
-    return d
-
-
-def _ext4(tree: Path, out: Path, size_mib: int = 64) -> Path:
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-d", str(tree), str(out), f"{size_mib}M"],
-                   check=True, capture_output=True)  # fmt: skip
-    return out
-
-
-def _mbr(fs: Path, out: Path) -> Path:
-    """``fs`` as partition 2 of an MBR disk (partition 1: 1 MiB of zeros, no filesystem)."""
-    size = fs.stat().st_size
-    first, start = 2048, 4096
-    with out.open("wb") as f:
-        f.truncate((start * 512) + size + (1 << 20))
-        mbr = bytearray(512)
-        for i, (lba, count, kind) in enumerate([(first, 2048, 0x83), (start, size // 512, 0x83)]):
-            e = 446 + 16 * i
-            mbr[e + 4] = kind
-            mbr[e + 8 : e + 12] = lba.to_bytes(4, "little")
-            mbr[e + 12 : e + 16] = count.to_bytes(4, "little")
-        mbr[510:512] = b"\x55\xaa"
-        f.write(mbr)
-        f.seek(start * 512)
-        with fs.open("rb") as src:
-            shutil.copyfileobj(src, f)
-    return out
-
-
-def _bundle(d: Path) -> Path:
-    d.mkdir()
-    (d / "init").write_text("agent\n")
-    return d
 
 
 def _loops_of(d: Path) -> list[str]:
@@ -129,12 +57,12 @@ def _import(tmp: Path, disk: Path, name: str = "img") -> imports.VmImport:
 
 def _bundle_once(tmp: Path) -> Path:
     b = tmp / "bundle"
-    return b if b.exists() else _bundle(b)
+    return b if b.exists() else bundle(b)
 
 
 def test_imports_a_partitioned_qcow2(tmp_path: Path) -> None:
-    fs = _ext4(_rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
-    raw = _mbr(fs, tmp_path / "disk.raw")
+    fs = ext4(rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
+    raw = mbr(fs, tmp_path / "disk.raw")
     qcow = tmp_path / "disk.qcow2"
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(qcow)], check=True)
     seen: list[str] = []
@@ -197,7 +125,7 @@ def test_imports_a_partitioned_qcow2(tmp_path: Path) -> None:
 
 
 def test_whole_disk_filesystem_is_root_dev_vda(tmp_path: Path) -> None:
-    fs = _ext4(_rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
+    fs = ext4(rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
     img = _import(tmp_path, fs)
     assert img.root == "/dev/vda"
     assert fs.exists()
@@ -227,21 +155,21 @@ def test_refuses_a_disk_without_a_linux_root(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     (tree / "docs").mkdir(parents=True)
     (tree / "docs" / "a.txt").write_text("data\n")
-    fs = _ext4(tree, tmp_path / "data.ext4")
-    _refused(tmp_path, _mbr(fs, tmp_path / "disk.raw"), r"no Linux root filesystem found \(")
+    fs = ext4(tree, tmp_path / "data.ext4")
+    _refused(tmp_path, mbr(fs, tmp_path / "disk.raw"), r"no Linux root filesystem found \(")
 
 
 def test_refuses_a_root_without_systemd_or_kernel(tmp_path: Path) -> None:
-    fs = _ext4(_rootfs(tmp_path / "a", init="/usr/bin/other-init"), tmp_path / "a.ext4")
+    fs = ext4(rootfs(tmp_path / "a", init="/usr/bin/other-init"), tmp_path / "a.ext4")
     _refused(tmp_path, fs, "no systemd: /sbin/init is usr/bin/other-init")
-    fs = _ext4(_rootfs(tmp_path / "b", init="/nowhere"), tmp_path / "b.ext4")
+    fs = ext4(rootfs(tmp_path / "b", init="/nowhere"), tmp_path / "b.ext4")
     _refused(tmp_path, fs, "no systemd: /sbin/init is missing")
-    fs = _ext4(_rootfs(tmp_path / "c", kernel=False), tmp_path / "c.ext4")
+    fs = ext4(rootfs(tmp_path / "c", kernel=False), tmp_path / "c.ext4")
     _refused(tmp_path, fs, "no kernel")
 
 
 def test_refuses_a_truncated_qcow2_and_a_backing_file(tmp_path: Path) -> None:
-    fs = _ext4(_rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
+    fs = ext4(rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
     qcow = tmp_path / "disk.qcow2"
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(fs), str(qcow)], check=True)
     with qcow.open("r+b") as f:
@@ -254,7 +182,7 @@ def test_refuses_a_truncated_qcow2_and_a_backing_file(tmp_path: Path) -> None:
 
 
 def test_names_and_consumed_uploads(tmp_path: Path) -> None:
-    fs = _ext4(_rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
+    fs = ext4(rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
     with pytest.raises(InvalidArgument, match="VM image name"):
         _import(tmp_path, fs, "Bad/Name")
     with pytest.raises(AlreadyExists, match="built-in"):
@@ -286,7 +214,7 @@ async def test_edge_load_with_kind_vm_imports_lists_and_removes(tmp_path: Path) 
     paths = Paths(home=tmp_path / "home", data=tmp_path / "data", run=tmp_path / "run")
     shutil.copytree(_bundle_once(tmp_path), paths.agent_bundle)
     edge = EdgeImages(ImageStore(tmp_path / "images"), "e0a1", None, vm_paths=paths)
-    fs = _ext4(_rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
+    fs = ext4(rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
 
     async def requests(name: str, blob: bytes) -> AsyncIterator[pb.LoadImageRequest]:
         yield pb.LoadImageRequest(name=name, kind="vm")
