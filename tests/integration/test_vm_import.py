@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.core.errors import AlreadyExists, InvalidArgument
+from dsec.core.errors import AlreadyExists, InvalidArgument, InvalidState
 from dsec.edge.backends.vm import imports
 from dsec.edge.backends.vm.image import UNITS
 from tests.integration.fakedisk import VERSION, bundle, ext4, mbr, rootfs
@@ -118,7 +118,16 @@ def test_imports_a_partitioned_qcow2(tmp_path: Path) -> None:
 
     with pytest.raises(AlreadyExists, match="exists"):
         _import(tmp_path, qcow, "testian")
-    assert imports.remove(data, "testian")
+    # A sandbox (or named snapshot) whose disk stands on the image keeps it.
+    edge = tmp_path / "edge"
+    (edge / "sandboxes" / "sbx-1").mkdir(parents=True)
+    user = edge / "sandboxes" / "sbx-1" / "vm.json"
+    user.write_text(json.dumps({"shared": {"disk": str(img.disk(data))}}))
+    assert imports.users(data, "testian", edge) == ["sbx-1"]
+    with pytest.raises(InvalidState, match="used by sbx-1"):
+        imports.remove(data, "testian", edge_dir=edge)
+    user.unlink()
+    assert imports.remove(data, "testian", edge_dir=edge)
     assert not imports.remove(data, "testian")
     assert imports.list_imports(data) == []
     _assert_clean(tmp_path, data)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.core.errors import ImageNotFound
+from dsec.core.errors import ImageNotFound, InvalidState
 from dsec.core.spec import SandboxSpec
 from dsec.edge.backends.api import RuntimeState
 from dsec.edge.backends.microvm import qemu
@@ -143,10 +143,12 @@ async def test_imported_image_boots_and_serves_the_runtime_api(env: Env, tmp_pat
         ).stdout  # fmt: skip
         assert str(img.disk(data)) in info, info  # an overlay on the import, not a copy
         assert (await be.state(sid)) == (RuntimeState.RUNNING, started.pid)
+        with pytest.raises(InvalidState, match=sid):
+            imports.remove(data, "user-debian", edge_dir=be.sandboxes_dir.parent)
     finally:
         await be.destroy(sid, paths)
     assert (await be.state(sid))[0] is RuntimeState.MISSING
-    assert imports.remove(data, "user-debian")
+    assert imports.remove(data, "user-debian", edge_dir=be.sandboxes_dir.parent)
     assert imports.remove(data, "flat")
     assert not vmkit.qemu_pids_under(paths.state_dir)
     assert [p.name for p in imports.imports_root(data).iterdir()] == [".lock"]

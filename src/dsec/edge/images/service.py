@@ -400,7 +400,7 @@ class EdgeImages:
         if self.vm_paths is not None:
             from dsec.edge.backends.vm import imports
 
-            if imports.remove(self.vm_paths.data, name):
+            if imports.remove(self.vm_paths.data, name, edge_dir=self.vm_paths.home / "edge"):
                 return
         self.store.remove(name)
 

@@ -37,7 +37,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsec.core.errors import AlreadyExists, Internal, InvalidArgument, Unavailable
+from dsec.core.errors import (
+    AlreadyExists,
+    Internal,
+    InvalidArgument,
+    InvalidState,
+    Unavailable,
+)
 from dsec.edge.backends.vm import image as vm_image
 
 # status, done, total (bytes or steps; total 0 when unknown)
@@ -119,13 +125,40 @@ def list_imports(data: Path) -> list[VmImport]:
     return [i for i in found if i is not None]
 
 
-def remove(data: Path, name: str) -> bool:
-    """Delete the imported image ``name``; False when there is none. A running VM keeps
-    reading its base (QEMU holds it open) until it ends."""
+def users(data: Path, name: str, edge_dir: Path) -> list[str]:
+    """Sandboxes and named snapshots of the edge (``edge_dir``: its ``sandboxes`` and
+    ``vm-templates``) whose disks stand on the imported image ``name``."""
+    imp = find(data, name)
+    if imp is None:
+        return []
+    disk = json.dumps(str(imp.disk(data)))  # as it appears in their vm.json
+    found = []
+    for meta in sorted(edge_dir.glob("*/*/vm.json")):
+        if meta.parent.parent.name in ("sandboxes", "vm-templates"):
+            with contextlib.suppress(OSError):
+                if disk in meta.read_text():
+                    found.append(meta.parent.name)
+    return found
+
+
+def remove(data: Path, name: str, *, edge_dir: Path | None = None) -> bool:
+    """Delete the imported image ``name``; False when there is none.
+
+    Raises:
+        InvalidState: sandboxes or named snapshots under ``edge_dir`` still use it (a
+            paused VM or a snapshot needs its base to resume).
+    """
     d = imports_root(data) / name
     if find(data, name) is None:
         return False
     with _lock(data):
+        using = users(data, name, edge_dir) if edge_dir is not None else []
+        if using:
+            raise InvalidState(
+                f"VM image {name!r} is used by {', '.join(using[:5])}"
+                f"{f' and {len(using) - 5} more' if len(using) > 5 else ''}: "
+                "kill those sandboxes (delete those snapshots) first"
+            )
         trash = d.with_name(f".rm-{name}-{secrets.token_hex(4)}")
         d.rename(trash)
         shutil.rmtree(trash, ignore_errors=True)
