@@ -299,6 +299,8 @@ def _convert(src: Path, fmt: str, dest: Path, out: str, pct: Callable[[int], Non
     err = proc.stderr.read().decode(errors="replace")
     if proc.wait() != 0:
         dest.unlink(missing_ok=True)
+        if "No space left" in err:
+            raise Unavailable(f"no space left for the import under {dest.parent}: {_tail(err)}")
         raise InvalidArgument(f"reading the disk image failed (truncated?): {_tail(err)}")
 
 
