@@ -80,3 +80,53 @@ def bundle(d: Path) -> Path:
     d.mkdir()
     (d / "init").write_text("agent\n")
     return d
+
+
+LINUX_FS = "0fc63daf-8483-4772-8e79-3d69d8477de4"
+EFI_SYSTEM = "c12a7328-f81f-11d2-ba4b-00a0c93ec93b"
+
+
+def gpt(fs: Path, out: Path) -> Path:
+    """``fs`` as partition 1 of a GPT disk with an empty EFI system partition 15, the
+    layout of Debian's and Ubuntu's cloud images (primary and backup tables, CRCs)."""
+    import struct
+    import uuid
+    import zlib
+
+    size = fs.stat().st_size
+    esp_start, esp_count, root_start = 2048, 2048, 4096
+    total = root_start + size // 512 + 2048
+    last = total - 1
+    entries = bytearray(128 * 128)
+    for nr, kind, start, count, name in (
+        (1, LINUX_FS, root_start, size // 512, "root"),
+        (15, EFI_SYSTEM, esp_start, esp_count, "esp"),
+    ):
+        e = struct.pack("<16s16sQQQ72s", uuid.UUID(kind).bytes_le, uuid.uuid4().bytes_le,
+                        start, start + count - 1, 0, name.encode("utf-16-le"))  # fmt: skip
+        entries[(nr - 1) * 128 : nr * 128] = e
+    crc_entries = zlib.crc32(entries)
+    disk_guid = uuid.uuid4().bytes_le
+
+    def header(current: int, backup: int, table: int) -> bytes:
+        fields = [b"EFI PART", 0x00010000, 92, 0, 0, current, backup, 34, last - 33,
+                  disk_guid, table, 128, 128, crc_entries]  # fmt: skip
+        fmt = "<8sIIIIQQQQ16sQIII"
+        crc = zlib.crc32(struct.pack(fmt, *fields))
+        fields[3] = crc
+        return struct.pack(fmt, *fields).ljust(512, b"\0")
+
+    mbr = bytearray(512)
+    mbr[446 + 4] = 0xEE
+    mbr[446 + 8 : 446 + 12] = (1).to_bytes(4, "little")
+    mbr[446 + 12 : 446 + 16] = min(total - 1, 0xFFFFFFFF).to_bytes(4, "little")
+    mbr[510:512] = b"\x55\xaa"
+    with out.open("wb") as f:
+        f.truncate(total * 512)
+        f.write(mbr + header(1, last, 2) + entries)
+        f.seek((last - 32) * 512)
+        f.write(entries + header(last, 1, last - 32))
+        f.seek(root_start * 512)
+        with fs.open("rb") as src:
+            shutil.copyfileobj(src, f)
+    return out

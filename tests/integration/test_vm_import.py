@@ -18,7 +18,7 @@ import pytest
 from dsec.core.errors import AlreadyExists, InvalidArgument, InvalidState
 from dsec.edge.backends.vm import imports
 from dsec.edge.backends.vm.image import UNITS
-from tests.integration.fakedisk import VERSION, bundle, ext4, mbr, rootfs
+from tests.integration.fakedisk import VERSION, bundle, ext4, gpt, mbr, rootfs
 
 
 def _skip_reason() -> str | None:
@@ -138,6 +138,15 @@ def test_whole_disk_filesystem_is_root_dev_vda(tmp_path: Path) -> None:
     img = _import(tmp_path, fs)
     assert img.root == "/dev/vda"
     assert fs.exists()
+
+
+def test_gpt_like_a_cloud_image(tmp_path: Path) -> None:
+    """Root on partition 1 of a GPT disk, an empty ESP as partition 15 (listed first on
+    the disk)."""
+    fs = ext4(rootfs(tmp_path / "tree"), tmp_path / "root.ext4")
+    img = _import(tmp_path, gpt(fs, tmp_path / "disk.raw"))
+    assert img.root == "/dev/vda1"
+    _assert_clean(tmp_path, tmp_path / "data")
 
 
 def _refused(tmp_path: Path, disk: Path, match: str, name: str = "img") -> None:
