@@ -86,9 +86,13 @@ LINUX_FS = "0fc63daf-8483-4772-8e79-3d69d8477de4"
 EFI_SYSTEM = "c12a7328-f81f-11d2-ba4b-00a0c93ec93b"
 
 
-def gpt(fs: Path, out: Path) -> Path:
+GPT_ROOT_OFFSET = 4096 * 512
+
+
+def gpt(fs: Path, out: Path, *, fill: bool = True) -> Path:
     """``fs`` as partition 1 of a GPT disk with an empty EFI system partition 15, the
-    layout of Debian's and Ubuntu's cloud images (primary and backup tables, CRCs)."""
+    layout of Debian's and Ubuntu's cloud images (primary and backup tables, CRCs); without
+    ``fill`` only the tables are written (the caller copies ``fs`` to GPT_ROOT_OFFSET)."""
     import struct
     import uuid
     import zlib
@@ -126,7 +130,8 @@ def gpt(fs: Path, out: Path) -> Path:
         f.write(mbr + header(1, last, 2) + entries)
         f.seek((last - 32) * 512)
         f.write(entries + header(last, 1, last - 32))
-        f.seek(root_start * 512)
-        with fs.open("rb") as src:
-            shutil.copyfileobj(src, f)
+        if fill:
+            f.seek(root_start * 512)
+            with fs.open("rb") as src:
+                shutil.copyfileobj(src, f)
     return out

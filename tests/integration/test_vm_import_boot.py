@@ -2,8 +2,9 @@
 
 The image is made from the one ``dsec setup --vm-image`` built, turned into what a user
 would bring: our units and network script removed, the ext4 root moved into partition 1
-of an MBR disk, as qcow2 (plus the bare filesystem as raw, imported only). The import
-puts the agent back; the VM boots the image's own kernel and systemd from ``/dev/vda1``.
+of a GPT disk laid out like a cloud image's, as qcow2 (plus the bare filesystem as raw,
+imported only). The import puts the agent back; the VM boots the image's own kernel and
+systemd from ``/dev/vda1``.
 One boot on purpose: a systemd boot under TCG costs minutes on a busy host.
 """
 
@@ -27,6 +28,7 @@ from dsec.edge.backends.vm.backend import VmBackend
 from dsec.edge.images.store import ImageStore
 from dsec.paths import Paths
 from tests.integration import vmkit
+from tests.integration.fakedisk import GPT_ROOT_OFFSET, gpt
 
 Env = vmkit.Env[VmBackend]
 REMOVED = (
@@ -54,7 +56,7 @@ def _skip_reason() -> str | None:
 
 
 def _user_disks(d: Path) -> tuple[Path, Path]:
-    """The built image without our units: (bare ext4 as raw, MBR-partitioned qcow2)."""
+    """The built image without our units: (bare ext4 as raw, GPT-partitioned qcow2)."""
     built = vm_image.current_image(Paths.from_env().data)
     assert built is not None
     fs = d / "root.raw"
@@ -65,19 +67,10 @@ def _user_disks(d: Path) -> tuple[Path, Path]:
     ls = subprocess.run(["debugfs", "-R", "ls /etc/systemd/system", str(fs)],
                         capture_output=True, text=True).stdout  # fmt: skip
     assert "dsec-aether" not in ls, ls
-    size = fs.stat().st_size
-    disk = d / "disk.raw"
-    with disk.open("wb") as f:
-        f.truncate((1 << 20) + size)
-        mbr = bytearray(512)
-        mbr[446 + 4] = 0x83
-        mbr[446 + 8 : 446 + 12] = (2048).to_bytes(4, "little")
-        mbr[446 + 12 : 446 + 16] = (size // 512).to_bytes(4, "little")
-        mbr[510:512] = b"\x55\xaa"
-        f.write(mbr)
+    disk = gpt(fs, d / "disk.raw", fill=False)
     subprocess.run(
         ["qemu-img", "convert", "-n", "-f", "raw", str(fs), "--target-image-opts",
-         f"driver=raw,offset={1 << 20},file.filename={disk}"],
+         f"driver=raw,offset={GPT_ROOT_OFFSET},size={fs.stat().st_size},file.filename={disk}"],
         check=True,
     )  # fmt: skip
     qcow = d / "disk.qcow2"

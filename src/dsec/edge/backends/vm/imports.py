@@ -149,9 +149,9 @@ def remove(data: Path, name: str, *, edge_dir: Path | None = None) -> bool:
             paused VM or a snapshot needs its base to resume).
     """
     d = imports_root(data) / name
-    if find(data, name) is None:
-        return False
     with _lock(data):
+        if find(data, name) is None:
+            return False
         using = users(data, name, edge_dir) if edge_dir is not None else []
         if using:
             raise InvalidState(
@@ -229,6 +229,7 @@ def import_disk(
             if consume:
                 src.unlink()
         meta = _prepare(raw, work, bundle, name, source or src.name, vsize, say)
+        (work / "mnt").rmdir()
         say("writing the qcow2 base", 0, 100)
         _convert(raw, "raw", work / "disk.qcow2", "qcow2",
                  lambda pct: say("writing the qcow2 base", pct, 100))  # fmt: skip
