@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, cast
 
-from dsec.core.errors import AlreadyExists, InvalidArgument, Unavailable
+from dsec.core.errors import AlreadyExists, DsecError, InvalidArgument, Unavailable
 from dsec.edge.images.credentials import RegistryCredentials, default_docker_configs
 from dsec.edge.images.pull import DEFAULT_PLATFORM, LayerProgress, Puller, PullOptions
 from dsec.edge.images.store import GcResult, Image, ImageStore
@@ -328,12 +328,19 @@ class EdgeImages:
         if self.vm_paths is None:
             raise Unavailable("this edge does not import VM images")
         data, bundle, name = self.vm_paths.data, self.vm_paths.agent_bundle, first.name
-        imports.check_name(name)
-        if imports.find(data, name) is not None or self.store.has(name):
-            raise AlreadyExists(f"an image named {name!r} exists on this edge: pick another name")
-        why = imports.missing()
-        if why:
-            raise Unavailable(why)
+        try:
+            imports.check_name(name)
+            if imports.find(data, name) is not None or self.store.has(name):
+                raise AlreadyExists(f"an image named {name!r} exists on this edge: pick another")
+            why = imports.missing()
+            if why:
+                raise Unavailable(why)
+        except DsecError:
+            # Answer once the sender is done: a status while the apiserver still streams
+            # the disk reached it as "Internal error from Core" instead of this error.
+            async for _ in requests:
+                pass
+            raise
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[LayerProgress | None] = asyncio.Queue()
         tag = f"vm:{name}"
