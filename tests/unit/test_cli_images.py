@@ -27,10 +27,20 @@ IMAGE = {
 }
 
 
+VM_IMAGE = {
+    **IMAGE,
+    "name": "deb",
+    "layers": [],
+    "backend": "vm",
+    "source": "Debian 12, kernel 6.1",
+}
+
+
 class Api:
     def __init__(self) -> None:
         self.requests: list[httpx.Request] = []
         self.fail = False
+        self.uploaded = b""
 
     def handler(self, req: httpx.Request) -> httpx.Response:
         self.requests.append(req)
@@ -51,6 +61,16 @@ class Api:
             ]
             body = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
             return httpx.Response(200, content=body)
+        if req.url.path == "/v1/images/load":
+            self.uploaded = req.read()
+            lines = [
+                {"edge_id": "e0a1", "progress": {"digest": "vm:deb", "status": "converting to raw",
+                                                 "done": 50, "total": 100}},
+                {"images": [VM_IMAGE]},
+            ]  # fmt: skip
+            return httpx.Response(
+                200, content=b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+            )
         if req.url.path == "/v1/images" and req.method == "GET":
             return httpx.Response(200, json={"images": [IMAGE]})
         if req.url.path == "/v1/images" and req.method == "DELETE":
@@ -118,3 +138,19 @@ def test_ls_rm_gc(api: Api) -> None:
     assert res.stdout == "removed 127.0.0.1:5000/team/env:v1 from 1 edge(s)\n"
     assert api.requests[-1].url.params["name"] == "127.0.0.1:5000/team/env:v1"
     assert run(api, "image", "gc").stdout == "e0a1: 2 layers, 3 blobs, 3.0 MiB\n"
+
+
+def test_import_vm_streams_the_disk_with_its_name(api: Api, tmp_path: Path) -> None:
+    disk = tmp_path / "disk.qcow2"
+    disk.write_bytes(b"QFI\xfb" + bytes(3 << 20))
+    res = run(api, "image", "import-vm", "deb", str(disk), "--edge", "e0a1")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "imported deb on e0a1: Debian 12, kernel 6.1\n"
+    req = api.requests[-1]
+    assert dict(req.url.params) == {"name": "deb", "kind": "vm", "edge_id": "e0a1"}
+    assert req.headers["content-type"] == "application/octet-stream"
+    assert api.uploaded == disk.read_bytes()
+    assert json.loads(run(api, "image", "import-vm", "--json", "deb", str(disk)).stdout) == VM_IMAGE
+    res = run(api, "image", "import-vm", "deb", str(tmp_path / "missing.img"))
+    assert res.exit_code == 2
+    assert "does not exist" in res.output

@@ -37,6 +37,7 @@ def image_json(info: pb.ImageInfo) -> dict[str, Any]:
         "user": info.user,
         "created": info.created,
         "source": info.source,
+        "backend": info.backend,
     }
 
 
@@ -348,14 +349,20 @@ async def save(request: web.Request) -> web.StreamResponse:
 
 async def load(request: web.Request) -> web.StreamResponse:
     """Import the OCI layout tar in the body on one edge (?edge_id=, else the first);
-    ?name= names a single-image tarball. NDJSON answer, as for a streamed pull."""
+    ?name= names a single-image tarball. With ?kind=vm the body is a bootable disk (raw or
+    qcow2) imported as vm system image ?name=. NDJSON answer, as for a streamed pull."""
     c, p = ctx(request), principal(request)
     p.require("member")
     name = query(request, "name", required=False)
+    kind = query(request, "kind", required=False)
+    if kind not in ("", "vm"):
+        raise InvalidArgument(f"kind {kind!r}: '' (an OCI image-layout tar) or 'vm' (a disk)")
+    if kind == "vm" and not name:
+        raise InvalidArgument("a VM image import needs ?name=")
     entry = (await _edges(request, query(request, "edge_id", required=False)))[0]
 
     async def requests() -> AsyncIterator[pb.LoadImageRequest]:
-        yield pb.LoadImageRequest(name=name)
+        yield pb.LoadImageRequest(name=name, kind=kind)
         async for chunk in request.content.iter_chunked(BUILD_CHUNK):
             yield pb.LoadImageRequest(data=chunk)
 

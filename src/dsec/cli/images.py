@@ -1,4 +1,4 @@
-"""``dsec image pull|save|load|ls|rm|gc`` and ``dsec registry login|logout``.
+"""``dsec image pull|save|load|import-vm|ls|rm|gc`` and ``dsec registry login|logout``.
 
 Registry logins are kept in ``$DSEC_HOME/registries.json`` (mode 0600), the file the edge
 on this machine reads too; ``dsec image pull`` also sends the stored (or Docker
@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+)
 
 from dsec.cli.output import json_option, print_json, simple_table, state, stderr, stdout
 from dsec.cli.sandbox import sandbox_group
@@ -209,6 +216,44 @@ def load(file: str, name: str, edge_id: str, quiet: bool, as_json: bool) -> None
         click.echo(f"{img['edge_id']}: {img['name']} ({len(img['layers'])} layers)")
 
 
+@image_group.command("import-vm")
+@click.argument("name")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--edge", "edge_id", default="", help="Import onto this edge [the first].")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@json_option
+def import_vm(name: str, file: str, edge_id: str, quiet: bool, as_json: bool) -> None:
+    """Import the bootable disk FILE (raw or qcow2 with its own kernel and systemd, e.g. a
+    Debian or Ubuntu cloud image) as vm system image NAME: then
+    `dsec sandbox create --backend vm --image NAME`."""
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=stderr(),
+        disable=quiet or as_json or not sys.stderr.isatty(),
+    )
+    upload = progress.add_task("upload", total=None, status="")
+    steps = progress.add_task("import", total=None, status="waiting", visible=False)
+
+    def report(p: dict[str, Any]) -> None:
+        done, total = int(p.get("done", 0)), int(p.get("total", 0)) or None
+        if p.get("digest") == "upload":
+            status = f"{done / (1 << 20):.0f} MiB"
+            progress.update(upload, completed=done, total=total, status=status)
+        else:
+            progress.update(steps, completed=done, total=total, status=p.get("status", ""),
+                            visible=True)  # fmt: skip
+
+    with progress:
+        image = state().client().import_vm_image(file, name, edge_id=edge_id, progress=report)
+    if as_json:
+        print_json(image)
+        return
+    click.echo(f"imported {image['name']} on {image['edge_id']}: {image['source']}")
+
+
 @image_group.command("ls")
 @json_option
 def list_images(as_json: bool) -> None:
@@ -218,9 +263,10 @@ def list_images(as_json: bool) -> None:
         print_json(images)
         return
     rows = [
-        [i["name"], i["edge_id"], str(len(i["layers"])), i.get("workdir", ""), i["created"]]
+        [i["name"], i["edge_id"], "vm disk" if i.get("backend") == "vm" else str(len(i["layers"])),
+         i.get("workdir", ""), i["created"]]
         for i in images
-    ]
+    ]  # fmt: skip
     stdout().print(simple_table(["NAME", "EDGE", "LAYERS", "WORKDIR", "CREATED"], rows))
 
 
@@ -228,7 +274,8 @@ def list_images(as_json: bool) -> None:
 @click.argument("name")
 @json_option
 def remove(name: str, as_json: bool) -> None:
-    """Forget image NAME on every edge (its layers go at the next gc)."""
+    """Forget image NAME on every edge (its layers go at the next gc; an imported VM
+    image is deleted at once)."""
     res = state().client().remove_image(name)
     if as_json:
         print_json(res)

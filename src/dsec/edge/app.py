@@ -213,7 +213,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     from dsec.edge.images.service import EdgeImages
     from dsec.edge.images.store import ImageStore
 
-    images = EdgeImages(ImageStore(paths.images), edge_id, paths.home / "registries.json")
+    images = EdgeImages(
+        ImageStore(paths.images), edge_id, paths.home / "registries.json", vm_paths=paths
+    )
 
     async def list_backends() -> pb.BackendList:
         from dsec.edge import backend_report

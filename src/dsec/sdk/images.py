@@ -72,17 +72,33 @@ def save_request(name: str, *, edge_id: str = "") -> Request:
     return Request("GET", "/v1/images/save", params, None, (), PULL_TIMEOUT_S)
 
 
-def load_request(*, name: str = "", edge_id: str = "") -> Request:
-    """``POST /v1/images/load`` (the tar goes as streamed content); NDJSON answer."""
-    params = tuple((k, v) for k, v in (("name", name), ("edge_id", edge_id)) if v)
-    return Request(
-        "POST",
-        "/v1/images/load",
-        params,
-        None,
-        (("Content-Type", "application/x-tar"),),
-        PULL_TIMEOUT_S,
-    )
+def load_request(*, name: str = "", edge_id: str = "", kind: str = "") -> Request:
+    """``POST /v1/images/load`` (the tar, or with ``kind="vm"`` a disk image, goes as
+    streamed content); NDJSON answer."""
+    if kind == "vm" and not name:
+        raise InvalidArgument("a VM image import needs a name")
+    pairs = (("name", name), ("edge_id", edge_id), ("kind", kind))
+    params = tuple((k, v) for k, v in pairs if v)
+    ctype = "application/octet-stream" if kind else "application/x-tar"
+    return Request("POST", "/v1/images/load", params, None, (("Content-Type", ctype),),
+                   PULL_TIMEOUT_S)  # fmt: skip
+
+
+def upload_progress(progress: PullProgress | None, total: int) -> Callable[[int], None]:
+    """Reports of the bytes of a disk image sent so far (``status`` "uploading")."""
+
+    def sent(done: int) -> None:
+        if progress is not None:
+            progress({"edge_id": "", "digest": "upload", "status": "uploading",
+                      "done": done, "total": total})  # fmt: skip
+
+    return sent
+
+
+def one_image(images: list[JSON]) -> JSON:
+    if len(images) != 1:
+        raise InvalidArgument(f"the edge answered {len(images)} images for one import")
+    return images[0]
 
 
 def _images(obj: JSON) -> list[JSON]:

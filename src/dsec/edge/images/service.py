@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, cast
 
-from dsec.core.errors import InvalidArgument
+from dsec.core.errors import AlreadyExists, DsecError, InvalidArgument, Unavailable
 from dsec.edge.images.credentials import RegistryCredentials, default_docker_configs
 from dsec.edge.images.pull import DEFAULT_PLATFORM, LayerProgress, Puller, PullOptions
 from dsec.edge.images.store import GcResult, Image, ImageStore
@@ -24,7 +24,9 @@ from dsec.rpc._gen import dsec_pb2 as pb
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from dsec.edge.backends.vm.imports import VmImport
     from dsec.edge.manager import Caller, SandboxManager
+    from dsec.paths import Paths
 
 PROGRESS_INTERVAL_S = 0.25
 
@@ -45,12 +47,32 @@ def image_to_pb(image: Image, edge_id: str) -> pb.ImageInfo:
     )
 
 
+def vm_image_to_pb(image: VmImport, edge_id: str) -> pb.ImageInfo:
+    """An imported VM system image as an image entry (``backend`` "vm", no layers)."""
+    return pb.ImageInfo(
+        name=image.name,
+        created=image.created,
+        source=f"{image.os_name}, kernel {image.kernel_version}, root {image.root} "
+        f"({image.fstype}), {image.size >> 20} MiB",
+        edge_id=edge_id,
+        backend="vm",
+    )
+
+
 class EdgeImages:
     """One edge's image store, pulls and garbage collection."""
 
-    def __init__(self, store: ImageStore, edge_id: str, settings_file: Path | None) -> None:
+    def __init__(
+        self,
+        store: ImageStore,
+        edge_id: str,
+        settings_file: Path | None,
+        *,
+        vm_paths: Paths | None = None,
+    ) -> None:
         self.store = store
         self.edge_id = edge_id
+        self.vm_paths = vm_paths  # where imported VM images go (dsec image import-vm)
         self.puller = Puller(store, RegistryCredentials(settings_file, default_docker_configs()))
         self._cond = asyncio.Condition()
         self._users = 0  # pulls, packs and pushes in flight (they may run together)
@@ -249,6 +271,12 @@ class EdgeImages:
         src = ChunkReader()
         first = await anext(aiter(requests), None)
         name = first.name if first is not None else ""
+        if first is not None and first.kind == "vm":
+            async for event in self._import_vm(first, requests):
+                yield event
+            return
+        if first is not None and first.kind:
+            raise InvalidArgument(f"unknown kind of image to load: {first.kind!r}")
 
         def report(p: LayerProgress) -> None:
             loop.call_soon_threadsafe(events.put_nowait, p)
@@ -290,10 +318,97 @@ class EdgeImages:
         for image in images:
             yield pb.PullImageEvent(image=image_to_pb(image, self.edge_id))
 
+    async def _import_vm(
+        self, first: pb.LoadImageRequest, requests: AsyncIterator[pb.LoadImageRequest]
+    ) -> AsyncIterator[pb.PullImageEvent]:
+        """Receive a disk image into a file, then import it (:mod:`dsec.edge.backends.vm.imports`)
+        as vm system image ``first.name``; progress is one pseudo-layer ``vm:NAME``."""
+        from dsec.edge.backends.vm import imports
+
+        if self.vm_paths is None:
+            raise Unavailable("this edge does not import VM images")
+        data, bundle, name = self.vm_paths.data, self.vm_paths.agent_bundle, first.name
+        try:
+            imports.check_name(name)
+            if imports.find(data, name) is not None or self.store.has(name):
+                raise AlreadyExists(f"an image named {name!r} exists on this edge: pick another")
+            why = imports.missing()
+            if why:
+                raise Unavailable(why)
+        except DsecError:
+            # Answer once the sender is done: a status while the apiserver still streams
+            # the disk reached it as "Internal error from Core" instead of this error.
+            async for _ in requests:
+                pass
+            raise
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[LayerProgress | None] = asyncio.Queue()
+        tag = f"vm:{name}"
+        upload = imports.upload_path(data)
+        try:
+            received = len(first.data)
+            with upload.open("wb") as f:
+                await asyncio.to_thread(f.write, first.data)
+                async for req in requests:
+                    if req.data:
+                        await asyncio.to_thread(f.write, req.data)
+                        received += len(req.data)
+            yield pb.PullImageEvent(
+                progress=pb.PullProgress(
+                    digest=tag, status="received", done=received, total=received
+                )
+            )
+
+            def report(status: str, done: int, total: int) -> None:
+                item = LayerProgress(tag, status, done, total)
+                loop.call_soon_threadsafe(events.put_nowait, item)
+
+            def work() -> imports.VmImport:
+                try:
+                    return imports.import_disk(
+                        data,
+                        name,
+                        upload,
+                        bundle,
+                        source="dsec image import-vm",
+                        progress=report,
+                        consume=True,
+                    )
+                finally:
+                    loop.call_soon_threadsafe(events.put_nowait, None)
+
+            task = asyncio.ensure_future(asyncio.to_thread(work))
+            try:
+                while (item := await events.get()) is not None:
+                    yield pb.PullImageEvent(
+                        progress=pb.PullProgress(
+                            digest=item.digest, status=item.status, done=item.done, total=item.total
+                        )
+                    )
+                imported = await task
+            finally:
+                if not task.done():
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(task)
+        finally:
+            upload.unlink(missing_ok=True)
+        yield pb.PullImageEvent(image=vm_image_to_pb(imported, self.edge_id))
+
     def list(self) -> pb.ImageList:
-        return pb.ImageList(images=[image_to_pb(i, self.edge_id) for i in self.store.list()])
+        images = [image_to_pb(i, self.edge_id) for i in self.store.list()]
+        if self.vm_paths is not None:
+            from dsec.edge.backends.vm import imports
+
+            vms = imports.list_imports(self.vm_paths.data)
+            images += [vm_image_to_pb(i, self.edge_id) for i in vms]
+        return pb.ImageList(images=images)
 
     def remove(self, name: str) -> None:
+        if self.vm_paths is not None:
+            from dsec.edge.backends.vm import imports
+
+            if imports.remove(self.vm_paths.data, name, edge_dir=self.vm_paths.home / "edge"):
+                return
         self.store.remove(name)
 
     async def gc(self) -> GcResult:

@@ -551,12 +551,15 @@ class ImageInfo(_message.Message):
     CREATED_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     EDGE_ID_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     workdir: _builtins.str
     user: _builtins.str
     created: _builtins.str
     source: _builtins.str
     edge_id: _builtins.str
+    backend: _builtins.str
+    """"vm": a system image imported for the vm backend; "" an OCI image"""
     @_builtins.property
     def layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """diff_ids, bottom..top"""
@@ -580,10 +583,11 @@ class ImageInfo(_message.Message):
         created: _builtins.str = ...,
         source: _builtins.str = ...,
         edge_id: _builtins.str = ...,
+        backend: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cmd", b"cmd", "created", b"created", "edge_id", b"edge_id", "entrypoint", b"entrypoint", "env", b"env", "layers", b"layers", "name", b"name", "source", b"source", "user", b"user", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cmd", b"cmd", "created", b"created", "edge_id", b"edge_id", "entrypoint", b"entrypoint", "env", b"env", "layers", b"layers", "name", b"name", "source", b"source", "user", b"user", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -897,17 +901,23 @@ class LoadImageRequest(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     data: _builtins.bytes
+    kind: _builtins.str
+    """"vm": the data is a bootable disk (raw or qcow2) to import as vm system image `name`
+    (`dsec image import-vm`); "" an OCI image-layout tar.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         data: _builtins.bytes = ...,
+        kind: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "kind", b"kind", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -15,8 +15,10 @@ restore), fork and destroy. What differs:
   ``virtio-net-pci``, the same ``ip=``), but the image's ``dsec-net.service`` applies
   ``ip=`` (Debian's kernel has no ``IP_PNP``) once udev has loaded ``virtio_net``.
 
-``spec.image`` names the system image; only the built-in ``base`` (Debian bookworm,
-built by ``dsec setup --vm-image``) exists today.
+``spec.image`` names the system image: ``base`` (Debian bookworm, built by ``dsec setup
+--vm-image``) or one a user imported (``dsec image import-vm``, :mod:`.imports`): that one
+boots its own kernel and systemd from its root partition (``root=/dev/vdaN``) with our
+initramfs built from its modules, and the same agent units, added at import.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dsec.edge.backends.microvm import disks, qemu
 from dsec.edge.backends.microvm.backend import MicrovmBackend, _save_meta, _with_net
 from dsec.edge.backends.microvm.vmm import Drive, VmConfig
 from dsec.edge.backends.vm import image as vm_image
+from dsec.edge.backends.vm import imports as vm_imports
 from dsec.edge.images.store import Image, ImageConfig
 from dsec.obs import log
 
@@ -70,18 +73,22 @@ class VmBackend(MicrovmBackend):
         if why:
             return Availability(False, why)
         img = self.system_image()
-        if img is None:
+        imported = vm_imports.list_imports(self.paths.data)
+        if img is None and not imported:
             return Availability(False, "no VM system image: run `dsec setup --vm-image`")
-        return Availability(
-            True, f"QEMU q35, accel {qemu.accelerator()}, Debian kernel {img.kernel_version}"
-        )
+        kernel = f"Debian kernel {img.kernel_version}" if img else "imported images only"
+        more = f", {len(imported)} imported image(s)" if imported else ""
+        return Availability(True, f"QEMU q35, accel {qemu.accelerator()}, {kernel}{more}")
 
     def capabilities(self) -> Capabilities:
         """A full OS (systemd, its own kernel and modules); otherwise as the microVM."""
         caps = super().capabilities()
         return replace(
             caps,
-            notes=f"QEMU q35 + Debian with systemd, accel {qemu.accelerator()}; image base only",
+            notes=(
+                f"QEMU q35 + Debian with systemd, accel {qemu.accelerator()}; images: base "
+                "and imported ones (dsec image import-vm)"
+            ),
         )
 
     async def create(self, sandbox_id: str, spec: SandboxSpec, paths: SandboxPaths) -> Started:
@@ -114,22 +121,47 @@ class VmBackend(MicrovmBackend):
         return vm_image.current_image(self.paths.data)
 
     def kernel(self) -> Path | None:
+        """The built image's kernel (an imported image brings its own: ``_boot_files``)."""
         img = self.system_image()
-        return img.kernel if img is not None else None
+        if img is not None:
+            return img.kernel
+        imported = vm_imports.list_imports(self.paths.data)
+        return imported[0].kernel(self.paths.data) if imported else None
 
     def _image(self, spec: SandboxSpec) -> Image:
-        if spec.image not in IMAGES:
+        if spec.image not in IMAGES and vm_imports.find(self.paths.data, spec.image) is None:
+            names = [*IMAGES, *(i.name for i in vm_imports.list_imports(self.paths.data))]
             raise ImageNotFound(
-                f"the vm backend boots a system image ({', '.join(IMAGES)}), "
-                f"not {spec.image!r}: container images need backend container or microvm"
+                f"the vm backend boots a system image ({', '.join(names)}), not "
+                f"{spec.image!r}: import one with `dsec image import-vm`; container images "
+                "need backend container or microvm"
             )
         return Image(name=spec.image, diff_ids=(), layer_dirs=(), config=ImageConfig(), created="")
 
     def _shared_images(self, layer_dirs: tuple[Path, ...]) -> dict[str, str]:
-        img = self.system_image()
-        if img is None:
-            raise BackendUnavailable("no VM system image on this node: run `dsec setup --vm-image`")
-        return {"disk": str(img.disk), "initrd": str(img.initrd), "kernel": str(img.kernel)}
+        return {}  # per image: _boot_files
+
+    def _boot_files(self, image: str) -> dict[str, str]:
+        """Disk, kernel, initramfs, root device and filesystem of the system image."""
+        if image in IMAGES:
+            img = self.system_image()
+            if img is None:
+                raise BackendUnavailable(
+                    "no VM system image on this node: run `dsec setup --vm-image`"
+                )
+            return {"disk": str(img.disk), "initrd": str(img.initrd), "kernel": str(img.kernel),
+                    "root": "/dev/vda", "fstype": ""}  # fmt: skip
+        imp = vm_imports.find(self.paths.data, image)
+        if imp is None:
+            raise ImageNotFound(f"VM image {image!r} was removed")
+        data = self.paths.data
+        return {
+            "disk": str(imp.disk(data)),
+            "initrd": str(imp.initrd(data)),
+            "kernel": str(imp.kernel(data)),
+            "root": imp.root,
+            "fstype": imp.fstype,
+        }
 
     def _prepare_state(
         self,
@@ -142,7 +174,8 @@ class VmBackend(MicrovmBackend):
         layers: int,
         net: dict[str, str],
     ) -> None:
-        cmdline = guest_cmdline(sandbox_id, env)
+        shared = self._boot_files(spec.image)
+        cmdline = guest_cmdline(sandbox_id, env, root=shared["root"], fstype=shared["fstype"])
         if net:  # the NIC is eth0, which dsec-net.service waits for; ip= comes in _config
             cmdline += " net.ifnames=0"
         sd = paths.state_dir
@@ -185,7 +218,9 @@ class VmBackend(MicrovmBackend):
         return _with_net(config, meta.get("net") or {})
 
 
-def guest_cmdline(sandbox_id: str, env: dict[str, str]) -> str:
+def guest_cmdline(
+    sandbox_id: str, env: dict[str, str], *, root: str = "/dev/vda", fstype: str = ""
+) -> str:
     """The kernel command line: root disk, quiet systemd, hostname and environment.
 
     Raises:
@@ -193,7 +228,8 @@ def guest_cmdline(sandbox_id: str, env: dict[str, str]) -> str:
             newlines, backslashes) or an environment too large for it.
     """
     parts = [
-        "root=/dev/vda",
+        f"root={root}",
+        *([f"rootfstype={fstype}"] if fstype else []),
         "rw",
         "quiet",
         "loglevel=3",

@@ -342,14 +342,26 @@ def _build_disk(rootfs: Path, bundle: Path, dest: Path, say: Progress) -> VmImag
     return img
 
 
-def module_order(modules_dep: str, wanted: Sequence[str]) -> list[str]:
-    """Module paths (relative to the modules dir) to load for ``wanted``, deps first."""
+_COMPRESSED = (".xz", ".gz", ".zst")
+
+
+def module_name(path: str) -> str:
+    """``kernel/fs/ext4/ext4.ko.xz`` -> ``ext4`` (the name modprobe knows, ``_`` for ``-``)."""
+    name = Path(path).name
+    for suffix in _COMPRESSED:
+        name = name.removesuffix(suffix)
+    return name.removesuffix(".ko").replace("-", "_")
+
+
+def module_order(modules_dep: str, wanted: Sequence[str], builtin: Sequence[str] = ()) -> list[str]:
+    """Module paths (relative to the modules dir) to load for ``wanted``, deps first;
+    modules in ``builtin`` (the kernel's own) are skipped."""
     deps: dict[str, list[str]] = {}
     by_name: dict[str, str] = {}
     for line in modules_dep.splitlines():
         path, _, rest = line.partition(":")
         deps[path] = rest.split()
-        by_name[Path(path).name.removesuffix(".ko").replace("-", "_")] = path
+        by_name[module_name(path)] = path
     order: list[str] = []
 
     def visit(path: str) -> None:
@@ -359,24 +371,50 @@ def module_order(modules_dep: str, wanted: Sequence[str]) -> list[str]:
             order.append(path)
 
     for name in wanted:
+        if name in builtin:
+            continue
         if name not in by_name:
             raise Internal(f"kernel module {name} not found in modules.dep")
         visit(by_name[name])
     return order
 
 
-def _build_initramfs(rootfs: Path, version: str, dest: Path) -> None:
-    from dsec.edge.backends.microvm.disks import newc_archive
+def _module_bytes(path: Path) -> bytes:
+    """A module file, decompressed (``finit_module`` of a compressed one needs a flag)."""
+    data = path.read_bytes()
+    if path.suffix == ".xz":
+        import lzma
 
+        return lzma.decompress(data)
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.decompress(data)
+    if path.suffix == ".zst":
+        r = subprocess.run(["zstd", "-dc"], input=data, capture_output=True)
+        if r.returncode != 0:
+            raise Internal(f"zstd -d {path.name}: {r.stderr.decode(errors='replace').strip()}")
+        return r.stdout
+    return data
+
+
+def _build_initramfs(rootfs: Path, version: str, dest: Path) -> None:
     moddir = rootfs / "usr" / "lib" / "modules" / version
     order = module_order((moddir / "modules.dep").read_text(), BOOT_MODULES)
+    write_initramfs(moddir, order, dest)
+
+
+def write_initramfs(moddir: Path, order: Sequence[str], dest: Path) -> None:
+    """Our initramfs (``guest/vmboot.c``) loading the modules ``order`` of ``moddir``."""
+    from dsec.edge.backends.microvm.disks import newc_archive
+
     binary = dest.with_name("vmboot")
     _run(["gcc", "-static", "-O2", "-s", "-o", str(binary), str(VMBOOT_C)])
     entries = [("m", 0o040755, b"")]
     names = []
     for i, rel in enumerate(order):
-        name = f"m/{i:02d}-{Path(rel).name}"
-        entries.append((name, 0o100644, (moddir / rel).read_bytes()))
+        name = f"m/{i:02d}-{module_name(rel)}.ko"
+        entries.append((name, 0o100644, _module_bytes(moddir / rel)))
         names.append("/" + name)
     entries.append(("modules", 0o100644, ("\n".join(names) + "\n").encode()))
     entries.append(("init", 0o100755, binary.read_bytes()))
