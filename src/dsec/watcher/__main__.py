@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from dsec.rpc.engine import use_fast_engine
+
+use_fast_engine()  # before anything imports grpc
+
+# ruff: noqa: E402
 import asyncio
 import sys
 
