@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -99,7 +99,8 @@ class Principal:
         return self.rank_on(project) >= 0
 
     def for_request(self, grants: tuple[tuple[str, str], ...]) -> Principal:
-        return replace(self, grants=grants, _needed=[])
+        return Principal(self.subject, self.project, self.role, self.key_id, self.token_id,
+                         grants)  # fmt: skip
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         needed = max(self._needed, default=0)
