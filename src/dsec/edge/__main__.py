@@ -1,7 +1,3 @@
-from dsec.rpc.engine import use_fast_engine
-
-use_fast_engine()  # before anything imports grpc
-
-from dsec.edge.app import main  # noqa: E402
+from dsec.edge.app import main
 
 main()

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from dsec.rpc.engine import use_fast_engine
-
-use_fast_engine()  # before anything imports grpc
-
-# ruff: noqa: E402
 import asyncio
 import sys
 from pathlib import Path

@@ -10,11 +10,6 @@ process (``python -m dsec.testing.simulated_edges``), so 100 edges fit on a lapt
 
 from __future__ import annotations
 
-from dsec.rpc.engine import use_fast_engine
-
-use_fast_engine()  # as a real edge does (python -m dsec.edge), before grpc is imported
-
-# ruff: noqa: E402
 import argparse
 import asyncio
 import contextlib
