@@ -6,11 +6,6 @@ turns SIGTERM/SIGINT into ``stop.set()``, runs ``main`` in a fresh event loop (s
 gRPC object is created inside that loop) and returns the process exit status: 0 when
 ``main`` returns, 1 when it raises. A second signal cancels ``main`` outright.
 
-The control-plane daemons (iam, watcher, apiserver) ask for uvloop's event loop
-(``fast_loop``): it cuts their CPU per sandbox create (every create is an HTTP request and
-gRPC calls, whose futures, tasks and callbacks the loop schedules). ``DSEC_EVENT_LOOP=asyncio``
-keeps the standard loop.
-
 :func:`serve_metrics` exposes ``GET /metrics`` (Prometheus text) and ``GET /healthz`` for
 daemons whose main port speaks gRPC.
 """
@@ -20,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,24 +32,20 @@ _PROM_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DaemonMain = Callable[[asyncio.Event], Awaitable[None]]
 
 
-def run_daemon(
-    component: str, main: DaemonMain, *, log_level: str = "INFO", fast_loop: bool = False
-) -> int:
+def run_daemon(component: str, main: DaemonMain, *, log_level: str = "INFO") -> int:
     """Run ``main(stop)`` until it returns; SIGTERM/SIGINT set ``stop``.
 
     Args:
         component: the name in every log line, e.g. ``"iam"``.
         main: the daemon body; it should return soon after ``stop`` is set.
         log_level: a logging level name.
-        fast_loop: run on uvloop's event loop (unless ``DSEC_EVENT_LOOP=asyncio``).
 
     Returns:
         The exit status: 0 after a clean stop, 1 if ``main`` raised.
     """
     setup_logging(component, log_level.upper())
     try:
-        with asyncio.Runner(loop_factory=_loop_factory(fast_loop)) as runner:
-            runner.run(_supervise(component, main))
+        asyncio.run(_supervise(component, main))
     except DsecError as e:
         log(_log, "stopped on error", logging.ERROR, error=e.message, code=e.code)
         return 1
@@ -67,14 +57,6 @@ def run_daemon(
         return 1
     log(_log, "stopped")
     return 0
-
-
-def _loop_factory(fast: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    if not fast or os.environ.get("DSEC_EVENT_LOOP", "").lower() == "asyncio":
-        return None
-    import uvloop
-
-    return uvloop.new_event_loop
 
 
 async def _supervise(component: str, main: DaemonMain) -> None:

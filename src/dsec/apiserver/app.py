@@ -285,8 +285,4 @@ def main(argv: list[str] | None = None) -> None:
     from dsec.daemon import run_daemon
 
     args = parse_args(argv)
-    sys.exit(
-        run_daemon(
-            "apiserver", lambda stop: serve(args, stop), log_level=args.log_level, fast_loop=True
-        )
-    )
+    sys.exit(run_daemon("apiserver", lambda stop: serve(args, stop), log_level=args.log_level))

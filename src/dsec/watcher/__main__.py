@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     async def body(stop: asyncio.Event) -> None:
         await serve(config, stop)
 
-    return run_daemon("watcher", body, log_level=args.log_level, fast_loop=True)
+    return run_daemon("watcher", body, log_level=args.log_level)
 
 
 if __name__ == "__main__":
