@@ -37,7 +37,7 @@ from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.client import TranslateErrors, secure_channel
 from dsec.rpc.options import CLIENT_OPTIONS, SERVER_OPTIONS
 from dsec.rpc.renewal import CertRenewer, run_renewer
-from dsec.rpc.server import GuardInterceptor, make_server, server_port
+from dsec.rpc.server import Guards, make_server, server_port
 from dsec.rpc.tls import Identity, channel_credentials, ensure_pki, server_credentials
 
 
@@ -62,7 +62,8 @@ async def _round(stub: pb_grpc.WatcherAsyncStub, calls: int) -> float:
 
 
 async def per_call(pki: Path, calls: int, rounds: int) -> dict[str, float]:
-    static = grpc.aio.server(interceptors=[GuardInterceptor(ROLES)], options=SERVER_OPTIONS)
+    static = grpc.aio.server(options=SERVER_OPTIONS)
+    Guards(ROLES).install(static)
     static_port = static.add_secure_port("127.0.0.1:0", server_credentials(pki, "watcher"))
     reloading = make_server(pki, "watcher", "127.0.0.1:0", ROLES)
     for s in (static, reloading):

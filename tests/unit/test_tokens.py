@@ -99,3 +99,24 @@ def test_revocation_set_and_staleness() -> None:
     later = tokens.RevocationSet(confirmed_at=100.0)
     later.add("subject", "alice", 999.0)  # revoked before this token was issued
     later.check(c, now_monotonic=101.0, max_staleness_s=5)
+
+
+def test_verified_tokens_remember_until_expiry_and_forget_on_clear() -> None:
+    cache = tokens.VerifiedTokens(max_entries=2)
+    token = tokens.issue(_claims(), KEY, "k1")
+    assert cache.verify(token, KEYS, now=1100.0) == _claims()
+    assert cache.verify(token, {}, now=1200.0) == _claims()  # remembered: no key needed
+    with pytest.raises(Unauthenticated, match="unknown key"):  # expired: checked afresh
+        cache.verify(token, {}, now=1600.0 + tokens.LEEWAY_S + 1)
+    with pytest.raises(Unauthenticated, match="expired"):
+        cache.verify(token, KEYS, now=1600.0 + tokens.LEEWAY_S + 1)
+    cache.verify(token, KEYS, now=1100.0)
+    cache.clear()
+    with pytest.raises(Unauthenticated, match="unknown key"):
+        cache.verify(token, {}, now=1100.0)
+    with pytest.raises(Unauthenticated, match="signature"):
+        cache.verify(_tamper(token, role="admin"), KEYS, now=1100.0)
+    others = [tokens.issue(_claims(token_id=f"t{i}"), KEY, "k1") for i in range(3)]
+    for t in others:
+        cache.verify(t, KEYS, now=1100.0)
+    assert len(cache._claims) <= 2

@@ -19,8 +19,8 @@ def status(edge_id: str, sandboxes: int = 0) -> pb.EdgeStatus:
 
 def test_health_follows_report_age() -> None:
     reg = EdgeRegistry(timeout_s=6)
-    reg.report(status("ab12", 3), now=1000.0, mono=50.0)
-    reg.report(status("cd34"), now=1002.0, mono=52.0)
+    assert reg.report(status("ab12", 3), now=1000.0, mono=50.0)  # new to the view
+    assert reg.report(status("cd34"), now=1002.0, mono=52.0)
     views = reg.views(mono=56.0)
     assert [(v.status.edge_id, v.healthy, v.last_seen) for v in views] == [
         ("ab12", True, 1000.0),
@@ -30,7 +30,7 @@ def test_health_follows_report_age() -> None:
     assert [(v.status.edge_id, v.healthy) for v in views] == [("ab12", False), ("cd34", True)]
     assert views[0].status.sandboxes == 3
     assert reg.counts(mono=57.5) == (2, 1)
-    reg.report(status("ab12", 4), now=1008.0, mono=58.0)
+    assert not reg.report(status("ab12", 4), now=1008.0, mono=58.0)  # known already
     assert reg.counts(mono=58.0) == (2, 2)  # cd34 is exactly 6 s old: still healthy
     assert reg.views(mono=58.0)[0].status.sandboxes == 4
 

@@ -35,7 +35,7 @@ async def admit_and_create(
     """
     c, p = ctx(request), principal(request)
     req_spec = spec_to_pb(spec)
-    last: DsecError = NodeFull("every edge is full")
+    last: DsecError | None = None
     for entry in edges:
         sid = new_sandbox_id(entry.edge_id, os.urandom(RANDOM_BYTES))
         request[audit.TARGET] = sid
@@ -61,7 +61,7 @@ async def admit_and_create(
         c.upstream.placement.placed(entry.edge_id, spec.memory_mb)
         c.metrics.inc("sandboxes_created")
         return info
-    raise last
+    raise last or NodeFull("every edge is full")
 
 
 async def release(request: web.Request, sids: list[str]) -> None:

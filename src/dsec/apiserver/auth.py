@@ -2,7 +2,8 @@
 
 A request carries ``Authorization: Bearer <credential>``, either an API key (``dsk_...``,
 checked by the iam, the answer cached for a few seconds) or an access token (a JWT signed
-by the iam, checked here with the iam's public key: no round trip). Both are subject to the
+by the iam, checked here with the iam's public key: no round trip; its verified claims are
+remembered until it expires, its revocation checked on every request). Both are subject to the
 iam's revocation feed, which this apiserver follows every second; when it cannot confirm
 its copy is current it refuses tokens instead of trusting them, and drops cached keys.
 Roles are per project and inherited downward: ``viewer`` reads, ``member`` also creates
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -98,7 +99,8 @@ class Principal:
         return self.rank_on(project) >= 0
 
     def for_request(self, grants: tuple[tuple[str, str], ...]) -> Principal:
-        return replace(self, grants=grants, _needed=[])
+        return Principal(self.subject, self.project, self.role, self.key_id, self.token_id,
+                         grants)  # fmt: skip
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         needed = max(self._needed, default=0)
@@ -125,6 +127,7 @@ class Authenticator:
         self._cache: dict[str, tuple[Principal, float]] = {}
         self._grants: dict[str, tuple[tuple[tuple[str, str], ...], float]] = {}
         self._keys: dict[str, Ed25519PublicKey] = {}
+        self._verified = tokens.VerifiedTokens()
         self._revoked = tokens.RevocationSet()
         self._max_staleness = max_staleness_s
         self._poller: asyncio.Task[None] | None = None
@@ -162,12 +165,12 @@ class Authenticator:
 
     async def _from_token(self, token: str) -> Principal:
         try:
-            claims = tokens.verify(token, self._keys, now=time.time())
+            claims = self._verified.verify(token, self._keys, now=time.time())
         except Unauthenticated as exc:
             if "unknown key" not in exc.message:
                 raise
             await self._load_keys()  # the iam may have a key we have not fetched yet
-            claims = tokens.verify(token, self._keys, now=time.time())
+            claims = self._verified.verify(token, self._keys, now=time.time())
         self._revoked.check(claims, now_monotonic=time.monotonic(),
                             max_staleness_s=self._max_staleness)  # fmt: skip
         return Principal(claims.subject, claims.project, claims.role, claims.key_id,
@@ -196,6 +199,7 @@ class Authenticator:
     async def _load_keys(self) -> None:
         reply = await rpc("iam", self._up.iam.TokenKeys(pb.Empty(), timeout=5))
         self._keys = {k.kid: Ed25519PublicKey.from_public_bytes(k.public_key) for k in reply.keys}
+        self._verified.clear()  # a key may have gone
 
     async def poll_revocations(self) -> None:
         """Fetch the feed after what we know; on success the copy counts as current."""

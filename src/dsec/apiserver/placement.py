@@ -50,6 +50,7 @@ class Placement:
     _view: list[EdgeEntry] | None = None
     _offers: list[_Offer] = field(default_factory=list)
     _by_backend: dict[str, list[_Offer]] = field(default_factory=dict)  # of _offers
+    _shuffled: dict[str, tuple[list[_Offer], int]] = field(default_factory=dict)  # (of those, next)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -81,11 +82,28 @@ class Placement:
                 for e in edges if e.healthy
             ]  # fmt: skip
             self._by_backend = {}
+            self._shuffled = {}
         return self._offers
 
     def _fit(self, offer: list[_Offer], memory_mb: int, now: float) -> list[_Scored]:
-        scored = [(o.room_mb - self._pending_mb(o, now), random.random(), o.entry) for o in offer]
-        return [t for t in scored if t[0] >= memory_mb]
+        out = []
+        recent = self._recent
+        for o in offer:
+            room = (
+                o.room_mb - self._pending_mb(o, now) if recent.get(o.entry.edge_id) else o.room_mb
+            )
+            if room >= memory_mb:
+                out.append((room, random.random(), o.entry))
+        return out
+
+    def _sample(self, backend: str, offer: list[_Offer]) -> list[_Offer]:
+        """The next SPREAD_SAMPLE offers of a shuffled copy of ``offer`` (each sample a random
+        subset, without drawing SPREAD_SAMPLE random numbers for each create)."""
+        shuffled, at = self._shuffled.get(backend, ([], 0))
+        if at + SPREAD_SAMPLE > len(shuffled):
+            shuffled, at = random.sample(offer, len(offer)), 0
+        self._shuffled[backend] = (shuffled, at + SPREAD_SAMPLE)
+        return shuffled[at : at + SPREAD_SAMPLE]
 
     def order(
         self, edges: list[EdgeEntry], backend: str, memory_mb: int, *, limit: int = 0
@@ -105,7 +123,7 @@ class Placement:
         now = time.time()
         fit = []
         if self.policy == "spread" and len(offer) > SPREAD_SAMPLE:
-            fit = self._fit(random.sample(offer, SPREAD_SAMPLE), memory_mb, now)
+            fit = self._fit(self._sample(backend, offer), memory_mb, now)
         if not fit:  # pack looks at every edge; so does spread when its sample is full
             fit = self._fit(offer, memory_mb, now)
         if not fit:

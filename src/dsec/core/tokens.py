@@ -25,6 +25,7 @@ ISSUER = "dsec-iam"
 MAX_TTL_S = 3600
 DEFAULT_TTL_S = 600
 _HEADER_FIELDS = ("alg", "typ", "kid")
+LEEWAY_S = 5.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,7 +77,7 @@ def looks_like_token(value: str) -> bool:
 
 def verify(
     token: str, keys: dict[str, Ed25519PublicKey], *, now: float, audience: str = AUDIENCE,
-    leeway_s: float = 5.0,
+    leeway_s: float = LEEWAY_S,
 ) -> Claims:  # fmt: skip
     """Check signature, issuer, audience and lifetime; raise Unauthenticated saying why."""
     parts = token.split(".")
@@ -114,6 +115,31 @@ def verify(
     if now + leeway_s < claims.issued_at:
         raise Unauthenticated("access token is not valid yet")
     return claims
+
+
+class VerifiedTokens:
+    """:func:`verify` with its answers remembered until each token expires: a client sends
+    the same token with every request, and its signature, which cannot change, costs the
+    most to check. Revocation is not cached: check every use against a
+    :class:`RevocationSet`. Forget everything (:meth:`clear`) when the keys change."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self._claims: dict[str, Claims] = {}
+        self._max = max_entries
+
+    def verify(self, token: str, keys: dict[str, Ed25519PublicKey], *, now: float) -> Claims:
+        claims = self._claims.get(token)
+        if claims is not None and now <= claims.expires_at + LEEWAY_S:
+            return claims
+        self._claims.pop(token, None)
+        claims = verify(token, keys, now=now)
+        if len(self._claims) >= self._max:
+            self._claims.clear()
+        self._claims[token] = claims
+        return claims
+
+    def clear(self) -> None:
+        self._claims.clear()
 
 
 @dataclass

@@ -10,7 +10,6 @@ sandboxes (checked here against the name in its certificate).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -152,22 +151,29 @@ class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
         queues (one transaction each per burst). An entry that cannot be appended fails
         the call, as AppendAudit would."""
         peer = peer_identity(context).spiffe_id
-        admitted = asyncio.gather(
-            *(self.admit(Admission(r.project, r.sandbox_id, r.cpu, r.memory_mb, r.edge_id))
-              for r in request.admissions),
-            return_exceptions=True,
-        )  # fmt: skip
-        appended = asyncio.gather(*(self.batched_audit(event_from(e, peer)) for e in request.audit))
-        results, _ = await asyncio.gather(admitted, appended)
+        items: list[Admission | AuditEvent] = [
+            Admission(r.project, r.sandbox_id, r.cpu, r.memory_mb, r.edge_id)
+            for r in request.admissions
+        ]
+        items += [event_from(e, peer) for e in request.audit]
+        decided = await self._queue.submit_many(items)
+        results = decided[: len(request.admissions)]
+        for r in decided[len(request.admissions) :]:
+            if isinstance(r, Exception):
+                raise r
         reply = pb.AdmitBatchReply()
+        counts: dict[str, int] = {}
         for r in results:
             if isinstance(r, BaseException):
                 err = r if isinstance(r, DsecError) else Internal(f"admission failed: {r}")
-                self._metrics.inc("admissions", result=err.code)
+                result = err.code
                 reply.verdicts.add(error_code=err.code, error_message=err.message)
             else:
-                self._metrics.inc("admissions", result="admitted" if r else "repeated")
+                result = "admitted" if r else "repeated"
                 reply.verdicts.add()
+            counts[result] = counts.get(result, 0) + 1
+        for result, n in counts.items():
+            self._metrics.inc("admissions", float(n), result=result)
         return reply
 
     async def Release(self, request: pb.ReleaseRequest, context: _Ctx) -> pb.Empty:

@@ -1,7 +1,7 @@
 """The mTLS gRPC server every daemon uses, with authorization and error mapping built in.
 
 :func:`make_server` returns a ``grpc.aio`` server that only accepts clients presenting a
-certificate of our CA. Its interceptor wraps every handler so that, per call:
+certificate of our CA. Every handler registered on it is wrapped so that, per call:
 
 1. the caller's SPIFFE id is read from ``context.auth_context()`` and its role checked
    against ``allowed_roles`` (a full method ``/dsec.v1.Iam/Admit`` beats a service
@@ -22,7 +22,7 @@ import inspect
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
 
@@ -88,8 +88,14 @@ def require_peer(context: HasAuthContext, role: str, name: str) -> Identity:
     return peer
 
 
-class GuardInterceptor(grpc.aio.ServerInterceptor):
-    """Authorizes each call by the caller's role and maps handler errors to statuses."""
+class Guards:
+    """Who may call what: wraps each handler, once when it is registered, so that every call
+    is authorized by the caller's role and its handler's errors become statuses.
+
+    Wrapping at registration instead of in a ``grpc.aio`` server interceptor saves the
+    interceptor pipeline's coroutines on every call (measured: about 0.15-0.2 ms of CPU per
+    unary call on the server).
+    """
 
     def __init__(
         self,
@@ -100,8 +106,6 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
         self._rules = {k: frozenset(v) for k, v in allowed_roles.items()}
         self._metrics = metrics
         self._trust = trust
-        # method -> (the servicer's handler, our wrapper of it): wrap once, not per call
-        self._wrapped: dict[str, tuple[Any, grpc.RpcMethodHandler[Any, Any]]] = {}
 
     def roles_for(self, method: str) -> frozenset[str]:
         """The roles allowed to call ``method`` (``/package.Service/Method``)."""
@@ -111,18 +115,47 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):
                 return self._rules[key]
         return frozenset()
 
-    async def intercept_service(
-        self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
+        guard = _Guard(method, self.roles_for(method), self._metrics, self._trust)
+        return _wrap_handler(handler, guard)
+
+    def install(self, server: grpc.aio.Server) -> None:
+        """Make ``server`` wrap every handler registered on it from now on."""
+        add_generic = server.add_generic_rpc_handlers
+        add_registered = server.add_registered_method_handlers
+
+        def generic(handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+            add_generic(tuple(_GuardedGeneric(h, self) for h in handlers))
+
+        def registered(
+            service: str, handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]
+        ) -> None:
+            add_registered(
+                service, {m: self.wrap(f"/{service}/{m}", h) for m, h in handlers.items()}
+            )
+
+        server.add_generic_rpc_handlers = generic  # type: ignore[method-assign,assignment]
+        server.add_registered_method_handlers = registered  # type: ignore[method-assign,assignment]
+
+
+class _GuardedGeneric(grpc.GenericRpcHandler):
+    """A generic handler whose method handlers come wrapped (each once, then cached)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, guards: Guards) -> None:
+        self._inner = inner
+        self._guards = guards
+        # method -> (the servicer's handler, our wrapper of it)
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = self._inner.service(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        guard = _Guard(method, self.roles_for(method), self._metrics, self._trust)
-        wrapped = _wrap_handler(handler, guard)
+        wrapped = self._guards.wrap(method, handler)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
@@ -240,7 +273,6 @@ def make_server(
     allowed_roles: AllowedRoles,
     *,
     metrics: Metrics | None = None,
-    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> grpc.aio.Server:
     """Build an mTLS gRPC server bound to ``listen``; the caller adds servicers and starts it.
 
@@ -255,7 +287,6 @@ def make_server(
         allowed_roles: who may call what, keyed by ``/pkg.Service/Method``, ``pkg.Service``
             or ``*``; values are roles such as ``{"apiserver", "admin"}``.
         metrics: where to count calls (``rpc_requests_total``, ``rpc_seconds``), if anywhere.
-        interceptors: more interceptors, run after authorization.
 
     Returns:
         The server; :func:`server_port` tells the port it is bound to.
@@ -264,10 +295,8 @@ def make_server(
         Unavailable: the address cannot be bound.
     """
     pki = ServerPki(pki_dir, name)
-    server = grpc.aio.server(
-        interceptors=[GuardInterceptor(allowed_roles, metrics, pki), *interceptors],
-        options=SERVER_OPTIONS,
-    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    Guards(allowed_roles, metrics, pki).install(server)
     try:
         port = server.add_secure_port(listen, pki.credentials())
     except RuntimeError as e:

@@ -59,13 +59,16 @@ class EdgeRegistry:
         self._healthy: dict[str, bool] = {}
         self.dirty = False
 
-    def report(self, status: pb.EdgeStatus, now: float, mono: float) -> None:
-        """Store ``status`` as the edge's latest. Raises InvalidArgument for a bad edge id."""
+    def report(self, status: pb.EdgeStatus, now: float, mono: float) -> bool:
+        """Store ``status`` as the edge's latest; returns whether the edge is new to the view.
+        Raises InvalidArgument for a bad edge id."""
         validate_edge_id(status.edge_id)
         copy = pb.EdgeStatus()
         copy.CopyFrom(status)
+        new = status.edge_id not in self._edges
         self._edges[status.edge_id] = EdgeEntry(copy, now, mono)
         self.dirty = True
+        return new
 
     def forget(self, edge_id: str) -> bool:
         """Drop an edge from the view on purpose; returns whether it was there."""

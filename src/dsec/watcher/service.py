@@ -45,9 +45,9 @@ class WatcherService(pb_grpc.WatcherServicer):
 
     async def Report(self, request: pb.EdgeStatus, context: _Ctx) -> pb.Empty:
         require_peer(context, "edge", request.edge_id)
-        self.registry.report(request, self._wall(), self._mono())
+        if self.registry.report(request, self._wall(), self._mono()):
+            self.update_gauges()  # otherwise the sweep (every second) and ListEdges do
         self.metrics.inc("reports", edge=request.edge_id)
-        self.update_gauges()
         return pb.Empty()
 
     async def ListEdges(self, request: pb.Empty, context: _Ctx) -> pb.EdgeViewList:
