@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -57,3 +59,51 @@ async def test_stream_process_connect(agent: LocalAgent):
         assert stream.final == {"result": {"exit_code": 0, "signal": None}}
     finally:
         await stream.aclose()
+
+
+def _refusing_port() -> tuple[socket.socket, int]:
+    """A port that refuses connections (bound, never listening) while the socket is open."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s, s.getsockname()[1]
+
+
+# More input than the unix socket buffers hold: aether reads none of it before answering,
+# so the client is still writing when aether answers and closes (the race, every time).
+BIG_INPUT = b"i" * (4 * 1024 * 1024)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("op", "code"),
+    [
+        ({"op": "tcp"}, "unavailable"),
+        ({"op": "files.write", "path": "/nonexistent-dir/sub/f"}, "not_found"),
+        ({"op": "exec", "cmd": ["true"], "stdin": True}, None),
+    ],
+    ids=["tcp", "files.write", "exec-stdin"],
+)
+async def test_stream_answer_survives_input_aether_never_reads(
+    agent: LocalAgent, op: dict[str, object], code: str | None
+):
+    refusing, port = _refusing_port()
+    stream = await agent_client.open_stream(agent.socket_path, {**op, "port": port})
+    try:
+
+        async def pump_in() -> None:  # as the edge's Stream does
+            await stream.send(KIND_IN, BIG_INPUT)
+            await stream.send(KIND_CLOSE)
+
+        pump = asyncio.ensure_future(pump_in())
+        frames = [frame async for frame in stream]
+        await pump  # the input aether did not take is dropped, not an error
+    finally:
+        await stream.aclose()
+        refusing.close()
+    assert frames, "no frames"
+    final = stream.final
+    assert final is not None
+    if code is None:
+        assert final.get("result", {}).get("exit_code") == 0, final
+    else:
+        assert final.get("error", {}).get("code") == code, final
