@@ -198,6 +198,39 @@ def test_files_write_is_atomic_and_keeps_mode(agent: LocalAgent, tmp_path: Path)
     assert path.read_bytes() == b""
 
 
+def _open_files_under(pid: int, directory: Path) -> list[str]:
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"{directory}/"):
+            found.append(target)
+    return found
+
+
+def test_files_write_shows_no_temporary_name_while_the_data_arrives(
+    agent: LocalAgent, tmp_path: Path
+):
+    assert agent.proc is not None
+    (tmp_path / "old.txt").write_text("old")
+    for target in ("new.txt", "old.txt"):
+        with agent.stream({"op": "files.write", "path": str(tmp_path / target)}) as s:
+            s.send(KIND_IN, b"part one, ")
+            deadline = time.monotonic() + 10
+            while not _open_files_under(agent.proc.pid, tmp_path):  # aether is writing
+                assert time.monotonic() < deadline, "aether never opened the new file"
+                time.sleep(0.01)
+            before = {"old.txt"} if target == "new.txt" else {"new.txt", "old.txt"}
+            assert set(os.listdir(tmp_path)) == before  # a watcher sees nothing yet
+            s.send(KIND_IN, b"part two")
+            s.send(KIND_CLOSE)
+            assert s.collect().result == {"path": str(tmp_path / target), "size": 18}
+        assert (tmp_path / target).read_text() == "part one, part two"
+    assert sorted(os.listdir(tmp_path)) == ["new.txt", "old.txt"]
+
+
 def test_files_read_range_and_stat_event(agent: LocalAgent, tmp_path: Path):
     path = tmp_path / "r.bin"
     path.write_bytes(bytes(range(256)) * 4)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,7 +21,6 @@ from dsec.core.errors import InvalidArgument
 from dsec.core.ids import new_sandbox_id
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import SandboxSpec
-from dsec.edge import agent_client
 from dsec.edge.backends.api import SandboxPaths
 from dsec.edge.backends.container import testkit
 from dsec.edge.backends.microvm import kernel
@@ -31,15 +29,10 @@ from dsec.edge.net.config import NetConfig
 from dsec.edge.net.edgenet import EdgeNetwork
 from dsec.paths import Paths
 from tests.integration import vmkit
-from tests.integration.fakenet import DNS_IP, POOL, WEB1, WEB2, WEB3, FakeInternet, probe
+from tests.integration.fakenet import DNS_IP, POOL, WEB3, FakeInternet, probe
 from tests.integration.vmkit import microvm_skip_reason as _skip_reason
 
 pytestmark = [pytest.mark.root, pytest.mark.guest_kernel]
-LISTEN = (
-    "import socket;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
-    "s.bind(('',{port}));s.listen()\n"
-    "while True:\n c,_=s.accept();c.sendall(b'peer!');c.close()\n"
-)
 
 
 @pytest.fixture(scope="module")
@@ -82,101 +75,47 @@ async def vmnet(internet: FakeInternet) -> AsyncIterator[tuple[MicrovmBackend, E
             await net.release()
 
 
-async def sh(sock: Path, cmd: str) -> tuple[int, str]:
-    res = await agent_client.call(sock, {"op": "exec", "cmd": cmd}, timeout=60)
-    out = (res.stdout + res.stderr).decode().strip()
-    return int(res.result.get("exit_code", -1)), out
-
-
-def tcp(ip: str, port: int) -> str:
-    return f"timeout 3 bash -c 'exec 3<>/dev/tcp/{ip}/{port}; head -c 5 <&3'"
-
-
 @pytest.mark.asyncio
 @pytest.mark.timeout(600)
 async def test_microvm_policed_like_a_container(
     vmnet: tuple[MicrovmBackend, EdgeNetwork], internet: FakeInternet
 ) -> None:
     be, edgenet = vmnet
-    assert be.capabilities().network_policy
-    # another sandbox's network (a container's: plain namespace) with a server on :7000
-    peer = await edgenet.create("peer-ns", NetworkPolicy())
-    srv = subprocess.Popen(
-        ["nsenter", f"--net={peer.netns}", "python3", "-c", LISTEN.format(port=7000)]
-    )
-    # a server in the gateway (the edge host): its loopback and addresses stay closed
-    host_srv = subprocess.Popen(
-        ["nsenter", f"--net={internet.gw_path}", "python3", "-c", LISTEN.format(port=7100)]
-    )
-    sid = new_sandbox_id("e0a1", os.urandom(13))
-    paths = SandboxPaths(
-        state_dir=be.sandboxes_dir / sid, agent_socket=be.paths.run / "sbx" / f"{sid}.sock"
-    )
-    policy = NetworkPolicy(allow=("web1.test.example", f"{WEB2}:80"))
-    t0 = time.monotonic()
-    await be.create(sid, SandboxSpec(backend="microvm", memory_mb=256, network=policy), paths)
-    boot_s = time.monotonic() - t0
-    net = edgenet.get(sid)
-    assert net is not None
-    sock = paths.agent_socket
-    try:
-        assert net.tap
-        _rc, out = await sh(sock, "cat /etc/resolv.conf")
-        assert f"nameserver {net.gateway}" in out, out
-        _rc, addrs = await sh(sock, "cat /proc/net/fib_trie")
-        assert net.address in addrs
-        assert await sh(sock, tcp(WEB2, 80)) == (0, "hello")
-        assert (await sh(sock, tcp(WEB2, 443)))[0] != 0
-        assert (await sh(sock, tcp(WEB1, 80)))[0] != 0  # not resolved yet
-        _rc, out = await sh(sock, "getent hosts web1.test.example")
-        assert out.split()[:1] == [WEB1], out
-        assert await sh(sock, tcp(WEB1, 443)) == (0, "hello")
-        assert (await sh(sock, "getent hosts api.svc.example"))[0] != 0
-        assert (await sh(sock, tcp(WEB3, 80)))[0] != 0  # default deny
-        # the edge host: neither its address on our link nor its uplink address
-        for host_ip in (net.gateway, "198.18.0.1", "127.0.0.1"):
-            assert (await sh(sock, tcp(host_ip, 7100)))[0] != 0, host_ip
-        # the other sandbox: closed until a rule names it, then only that port
-        assert (await sh(sock, tcp(peer.address, 7000)))[0] != 0
-        await be.set_network(sid, NetworkPolicy(allow=(f"{peer.address}/32:7000", f"{WEB3}:80")))
-        assert await sh(sock, tcp(peer.address, 7000)) == (0, "peer!")
-        assert await sh(sock, tcp(WEB3, 80)) == (0, "hello")
-        assert (await sh(sock, tcp(WEB2, 80)))[0] != 0
+
+    async def address_from_ip_param(vm: vmkit.PolicedVm) -> None:
+        _rc, addrs = await vm.run("cat /proc/net/fib_trie")
+        assert vm.net.address in addrs
+
+    async def ingress_pause_resume_fork(vm: vmkit.PolicedVm) -> None:
         # ingress: a server in the guest, reachable from the internet only once a rule says so
-        await sh(sock, f"cat > /root/srv.py <<'EOF'\n{LISTEN.format(port=7200)}EOF")
-        await sh(sock, "nohup python3 /root/srv.py >/dev/null 2>&1 &")
+        await vm.run(f"cat > /root/srv.py <<'EOF'\n{vmkit.LISTEN.format(port=7200)}EOF")
+        await vm.run("nohup python3 /root/srv.py >/dev/null 2>&1 &")
         inet = Path(f"/run/netns/{internet.inet}")
         deadline = time.monotonic() + 30
-        while (await sh(sock, tcp("127.0.0.1", 7200)))[1] != "peer!":
+        while (await vm.tcp("127.0.0.1", 7200))[1] != "peer!":
             assert time.monotonic() < deadline, "the guest's server did not start"
-        assert not probe(inet, "tcp", net.address, 7200, 1.0).startswith("peer!")
-        await be.set_network(
-            sid,
-            NetworkPolicy(
-                allow=(f"{peer.address}/32:7000", f"{WEB3}:80", "from:198.18.0.0/24:7200")
-            ),
-        )
-        assert probe(inet, "tcp", net.address, 7200, 1.0) == "peer!"
+        assert not probe(inet, "tcp", vm.net.address, 7200, 1.0).startswith("peer!")
+        allow = (f"{vm.peer.address}/32:7000", f"{WEB3}:80", "from:198.18.0.0/24:7200")
+        await be.set_network(vm.sid, NetworkPolicy(allow=allow))
+        assert probe(inet, "tcp", vm.net.address, 7200, 1.0) == "peer!"
         # pause (QEMU quits) and resume (a new QEMU in the same namespace, same TAP)
-        await be.pause(sid)
-        await be.resume(sid)
-        assert await sh(sock, tcp(WEB3, 80)) == (0, "hello")
-        stats = await be.network_stats(sid)
-        assert stats["allowed_connections"] >= 6
-        assert stats["denied_connections"] >= 5
+        await be.pause(vm.sid)
+        await be.resume(vm.sid)
+        assert await vm.tcp(WEB3, 80) == (0, "hello")
+        stats = await be.network_stats(vm.sid)
+        assert stats["allowed_connections"] >= 6  # the counters outlive the QEMU
         with pytest.raises(InvalidArgument):  # children would share the parent's address
-            await be.fork(sid, [(new_sandbox_id("e0a1", os.urandom(13)), paths)])
-    finally:
-        srv.kill()
-        host_srv.kill()
-        srv.wait()
-        host_srv.wait()
-        await be.destroy(sid, paths)
-    print(f"microVM with network booted in {boot_s:.1f} s")
-    assert edgenet.get(sid) is None
-    assert await edgenet.leaked(sid, net.key) == []
-    assert not net.netns.exists()
-    assert not paths.state_dir.exists()
+            await be.fork(vm.sid, [(new_sandbox_id("e0a1", os.urandom(13)), vm.paths)])
+
+    await vmkit.check_policed_like_a_container(
+        be,
+        edgenet,
+        internet,
+        memory_mb=256,
+        tcp_timeout_s=3,
+        guest_network=address_from_ip_param,
+        after=ingress_pause_resume_fork,
+    )
 
 
 @pytest.mark.asyncio

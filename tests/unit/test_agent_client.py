@@ -27,6 +27,18 @@ def sock_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes] | None:
+    """The fake agent's side: the next client frame, or None at a clean end of stream."""
+    try:
+        head = await reader.readexactly(protocol.HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise
+    length, kind = protocol.parse_header(head)
+    return kind, await reader.readexactly(length) if length else b""
+
+
 async def _serve(path: Path, script: Script) -> asyncio.Server:
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
@@ -40,11 +52,11 @@ async def _serve(path: Path, script: Script) -> asyncio.Server:
 async def _frames_until_close(
     r: asyncio.StreamReader,
 ) -> tuple[dict[str, Any], list[tuple[int, bytes]]]:
-    frame = await agent_client.read_frame(r)
+    frame = await read_frame(r)
     assert frame is not None
     req = protocol.decode_json(frame[1])
     got = []
-    while (f := await agent_client.read_frame(r)) is not None:
+    while (f := await read_frame(r)) is not None:
         got.append(f)
         if f[0] == KIND_CLOSE:
             break
@@ -84,7 +96,7 @@ async def test_call_aggregates_output_events_and_stdin(sock_dir: Path):
 @pytest.mark.asyncio
 async def test_call_truncates_beyond_limit_but_reads_to_the_end(sock_dir: Path):
     async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await agent_client.read_frame(r)
+        await read_frame(r)
         for _ in range(10):
             w.write(protocol.encode(KIND_OUT, b"y" * 1000))
         w.write(protocol.result({"size": 10_000}))
@@ -100,7 +112,7 @@ async def test_call_truncates_beyond_limit_but_reads_to_the_end(sock_dir: Path):
 @pytest.mark.asyncio
 async def test_error_final_is_returned_and_raised_only_on_request(sock_dir: Path):
     async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await agent_client.read_frame(r)
+        await read_frame(r)
         w.write(protocol.error("not_found", "/x: No such file"))
         await w.drain()
 
@@ -116,17 +128,17 @@ async def test_error_final_is_returned_and_raised_only_on_request(sock_dir: Path
 @pytest.mark.asyncio
 async def test_untrusted_peer_is_bounded(sock_dir: Path):
     async def oversize(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await agent_client.read_frame(r)
+        await read_frame(r)
         w.write(b"\x7f\xff\xff\xffO")
         await w.drain()
 
     async def hangs_up(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await agent_client.read_frame(r)
+        await read_frame(r)
         w.write(protocol.encode(KIND_OUT, b"partial"))
         await w.drain()
 
     async def bad_json(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await agent_client.read_frame(r)
+        await read_frame(r)
         w.write(protocol.encode(KIND_JSON, b"[1, 2]"))
         await w.drain()
 
@@ -139,7 +151,7 @@ async def test_untrusted_peer_is_bounded(sock_dir: Path):
 @pytest.mark.asyncio
 async def test_timeout_is_deadline_exceeded(sock_dir: Path):
     async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await agent_client.read_frame(r)
+        await read_frame(r)
         await asyncio.sleep(5)
 
     async with await _serve(sock_dir / "a.sock", silent):
@@ -150,7 +162,7 @@ async def test_timeout_is_deadline_exceeded(sock_dir: Path):
 @pytest.mark.asyncio
 async def test_connect_retries_until_the_socket_appears(sock_dir: Path):
     async def pong(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await agent_client.read_frame(r)
+        await read_frame(r)
         w.write(protocol.result({"pid": 1}))
         await w.drain()
 
@@ -173,8 +185,8 @@ async def test_connect_retries_until_the_socket_appears(sock_dir: Path):
 @pytest.mark.asyncio
 async def test_stream_is_bidirectional(sock_dir: Path):
     async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await agent_client.read_frame(r)
-        while (f := await agent_client.read_frame(r)) is not None:
+        await read_frame(r)
+        while (f := await read_frame(r)) is not None:
             if f[0] == KIND_IN:
                 w.write(protocol.encode(KIND_OUT, f[1].upper()))
             elif f[0] == KIND_JSON:
@@ -201,3 +213,34 @@ async def test_stream_is_bidirectional(sock_dir: Path):
                 await stream.send(KIND_OUT, b"clients cannot send output")
         finally:
             await stream.aclose()
+
+
+@pytest.mark.asyncio
+async def test_stream_input_after_the_agent_answered_and_closed_keeps_the_answer(
+    sock_dir: Path,
+):
+    """aether answers ``unavailable`` and closes without reading the input: the next write
+    fails (EPIPE), and the answer already in the socket must still be read."""
+    closed = asyncio.Event()
+
+    async def refuse(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_frame(r)
+        w.write(protocol.error("unavailable", "cannot connect to port 7: refused"))
+        await w.drain()
+        w.close()
+        await w.wait_closed()
+        closed.set()
+
+    async with await _serve(sock_dir / "a.sock", refuse):
+        stream = await agent_client.open_stream(sock_dir / "a.sock", {"op": "tcp", "port": 7})
+        try:
+            await closed.wait()  # the input surely arrives after aether closed
+            await stream.send(KIND_IN, b"x" * 100_000)
+            await stream.send(KIND_CLOSE)
+            assert stream.input_refused
+            frames = [f async for f in stream]
+        finally:
+            await stream.aclose()
+    assert len(frames) == 1
+    final = stream.final or {}
+    assert final["error"]["code"] == "unavailable"

@@ -143,23 +143,20 @@ def op_write(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
         if append:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         else:
-            tmp = os.path.join(parent, f".{os.path.basename(path)}.dsec-{os.urandom(6).hex()}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd, tmp = _open_temp(parent, path)
     except OSError as exc:
         raise from_oserror(exc, path) from None
     try:
         _receive(conn, fd)
-        if mode is None and tmp is not None:  # a replaced file keeps its permissions
+        if mode is None and not append:  # a replaced file keeps its permissions
             mode = stat.S_IMODE(old.st_mode) if old else 0o644
         if mode is not None:
             os.fchmod(fd, mode)
-        if tmp is not None and old is not None and os.getuid() == 0:
+        if not append and old is not None and os.getuid() == 0:
             os.fchown(fd, old.st_uid, old.st_gid)
         size = os.fstat(fd).st_size
-        os.close(fd)
-        fd = -1
-        if tmp is not None:
-            os.rename(tmp, path)
+        if not append:
+            _publish(fd, tmp, path)
             tmp = None
         return {"path": path, "size": size}
     except OSError as exc:
@@ -167,13 +164,63 @@ def op_write(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
             raise
         raise from_oserror(exc, path) from None
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
         if tmp is not None:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+
+
+def _temp_name(path: str) -> str:
+    parent, name = os.path.split(path)
+    return os.path.join(parent or "/", f".{name}.dsec-{os.urandom(6).hex()}")
+
+
+def _open_temp(parent: str, path: str) -> tuple[int, str | None]:
+    """A file for the new data: unnamed (``O_TMPFILE``: nothing shows in the directory while
+    the data arrives, nothing is left behind if aether dies), or where the filesystem
+    cannot do that, a hidden name beside the target (returned, to be renamed or removed)."""
+    try:
+        return os.open(parent, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600), None
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
+            raise
+    tmp = _temp_name(path)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), tmp
+
+
+def _publish(fd: int, tmp: str | None, path: str) -> None:
+    """Put the written file (``fd``, named ``tmp`` or unnamed) at ``path`` in one step."""
+    if tmp is not None:
+        os.rename(tmp, path)
+        return
+    try:
+        _link_fd(fd, path)  # a new file appears whole, under its own name
+        return
+    except FileExistsError:
+        pass
+    # rename replaces atomically but needs a name: this one exists for an instant only
+    tmp = _temp_name(path)
+    _link_fd(fd, tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _link_fd(fd: int, path: str) -> None:
+    """Give the file open as ``fd`` the name ``path`` (linkat through ``/proc/self/fd``,
+    following the link: plain ``link()`` would try to link the magic link itself)."""
+    fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(str(fd), path, src_dir_fd=fds, follow_symlinks=True)
+    finally:
+        os.close(fds)
 
 
 def _receive(conn: Conn, fd: int) -> None:

@@ -14,7 +14,8 @@ Kinds:
   ``{"op": "...", ...args}``; later client ``J`` frames are controls such as
   ``{"resize": [cols, rows]}`` or ``{"signal": 15}``. From the server, ``J`` frames are
   events ``{"event": ...}`` and exactly one final frame: ``{"result": {...}}`` or
-  ``{"error": {"code": ..., "message": ...}}``, after which the server closes.
+  ``{"error": {"code": ..., "message": ...}}``, after which the server closes, unread
+  input or not: a client whose write then fails still reads the final frame.
 * ``I`` -- bytes into the sandbox (stdin, upload chunks, request bodies, PTY input).
 * ``C`` -- end of the client's ``I`` stream (closes stdin, finishes an upload).
 * ``O`` -- bytes out of the sandbox (stdout, download chunks, response bodies, PTY output).

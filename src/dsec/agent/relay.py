@@ -113,7 +113,12 @@ def op_forward(conn: Conn, req: dict[str, Any]) -> None:
 
 
 def _splice(client: _socket.socket, up: socket.socket) -> bool:
-    """Copy bytes both ways until chronus closes; return whether it sent anything."""
+    """Copy bytes both ways until chronus closes; return whether it sent anything.
+
+    chronus answers and closes without reading input it has no use for: a failed write
+    to it stops the input (the caller's next write fails in turn) and its answer, already
+    in the socket, is still relayed.
+    """
     poller = select.poll()
     poller.register(client, select.POLLIN)
     poller.register(up, select.POLLIN)
@@ -122,7 +127,10 @@ def _splice(client: _socket.socket, up: socket.socket) -> bool:
     while True:
         for fd, _ in poller.poll():
             if fd == ufd:
-                data = up.recv(protocol.CHUNK)
+                try:
+                    data = up.recv(protocol.CHUNK)
+                except ConnectionResetError:  # closed with our input unread: after its answer
+                    data = b""
                 if not data:
                     return relayed
                 client.sendall(data)
@@ -131,4 +139,7 @@ def _splice(client: _socket.socket, up: socket.socket) -> bool:
                 data = client.recv(protocol.CHUNK)
                 if not data:  # the caller went away: so does the call
                     return True
-                up.sendall(data)
+                try:
+                    up.sendall(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    poller.unregister(cfd)

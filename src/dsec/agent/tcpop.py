@@ -3,8 +3,10 @@
 ``I`` frames are written to the connection and what the server sends comes back as ``O``
 frames; ``C`` half-closes the sandbox side (shutdown for writing). Once connected it sends
 the event ``connected`` (so a client knows the port answered before sending). The call ends when the
-server closes its side, with ``{"sent": n, "received": n}``. It reaches the server through
-the runtime channel, so the sandbox needs no network rule for it.
+server closes its side (or resets the connection), with ``{"sent": n, "received": n}``. A
+server that stops reading (closes while input still comes) gets no more of it (``sent``
+counts what it was given) and what it sent is still answered. It reaches the server
+through the runtime channel, so the sandbox needs no network rule for it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def op_tcp(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
     up.settimeout(None)
     conn.event("connected")
     sent = received = 0
+    reading = True  # the server still takes input
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
     poller.register(up.fileno(), select.POLLIN)
@@ -44,7 +47,10 @@ def op_tcp(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
         while True:
             for fd, _ in poller.poll():
                 if fd == up.fileno():
-                    data = up.recv(CHUNK)
+                    try:
+                        data = up.recv(CHUNK)
+                    except ConnectionResetError:
+                        data = b""
                     if not data:  # the server is done: so is the call
                         return {"sent": sent, "received": received}
                     conn.send(KIND_OUT, data)
@@ -54,11 +60,15 @@ def op_tcp(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
                 if frame is None:
                     raise BrokenPipeError("the client closed the connection")
                 kind, payload = frame
-                if kind == KIND_IN:
-                    up.sendall(payload)
-                    sent += len(payload)
+                if kind == KIND_IN and reading:
+                    try:
+                        up.sendall(payload)
+                        sent += len(payload)
+                    except (BrokenPipeError, ConnectionResetError):
+                        reading = False  # it closed: what it sent before still comes
                 elif kind == KIND_CLOSE:
-                    up.shutdown(socket.SHUT_WR)
+                    if reading:
+                        up.shutdown(socket.SHUT_WR)
                     poller.unregister(conn.fileno())
     finally:
         up.close()

@@ -64,43 +64,23 @@ def is_final(obj: dict[str, Any]) -> bool:
     return "result" in obj or "error" in obj
 
 
-async def _connect(
-    path: str | Path, retry_s: float
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    deadline = time.monotonic() + retry_s
-    delay = 0.005
-    while True:
-        try:
-            return await asyncio.open_unix_connection(str(path))
-        except OSError as exc:
-            if exc.errno not in _RETRY or time.monotonic() + delay > deadline:
-                raise
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.1)
-
-
-async def read_frame(reader: asyncio.StreamReader) -> Frame | None:
-    """The next frame, or ``None`` at a clean end of stream (size-checked)."""
-    try:
-        head = await reader.readexactly(protocol.HEADER.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise
-    length, kind = protocol.parse_header(head)
-    return kind, await reader.readexactly(length) if length else b""
-
-
 class AgentStream:
     """A live call: ``send`` frames in, iterate ``(kind, payload)`` frames out.
 
     Iteration yields every frame aether sends, the final ``J`` frame included, and stops
     after it (:attr:`final` is then set) or at end of stream.
+
+    aether answers and closes without reading input it has no use for (a ``tcp`` port
+    nobody listens on, an upload it refused, stdin a finished command never read). A
+    write that fails because of that means aether is done: the input is dropped and the
+    answer is still read (it is in the socket, and a bare socket's failed write leaves the
+    reading side alone, unlike an asyncio transport's).
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+        self.input_refused = False  # aether stopped reading: later input is dropped
         self.final: dict[str, Any] | None = None
 
     async def send(self, kind: int, payload: bytes = b"") -> None:
@@ -108,29 +88,52 @@ class AgentStream:
         if kind not in (KIND_IN, KIND_CLOSE, KIND_JSON):
             raise ProtocolError(f"a client cannot send frame kind {kind:#x}")
         for start in range(0, max(len(payload), 1), protocol.CHUNK):
-            self._writer.write(protocol.encode(kind, payload[start : start + protocol.CHUNK]))
-            await self._writer.drain()
+            await self._write(protocol.encode(kind, payload[start : start + protocol.CHUNK]))
             if kind != KIND_IN:
                 break
 
     async def send_json(self, obj: dict[str, Any]) -> None:
-        self._writer.write(protocol.encode_json(obj))
-        await self._writer.drain()
+        await self._write(protocol.encode_json(obj))
+
+    async def _write(self, data: bytes) -> None:
+        if self.input_refused:
+            return
+        try:
+            await asyncio.get_running_loop().sock_sendall(self._sock, data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.input_refused = True  # aether answered and closed: recv() reads why
+
+    async def _fill(self, size: int) -> bool:
+        """Buffer at least ``size`` bytes; False at end of stream."""
+        loop = asyncio.get_running_loop()
+        while len(self._buf) < size:
+            chunk = await loop.sock_recv(self._sock, RECV_SIZE)
+            if not chunk:
+                return False
+            self._buf += chunk
+        return True
 
     async def recv(self) -> Frame | None:
         """The next frame, or ``None`` once the final frame was received or the peer closed."""
         if self.final is not None:
             return None
-        frame = await read_frame(self._reader)
-        if frame is None:
+        if not await self._fill(protocol.HEADER.size):
+            if self._buf:
+                raise ProtocolError("the agent closed the connection inside a frame")
             return None
-        if frame[0] == KIND_JSON:
-            obj = protocol.decode_json(frame[1])
+        length, kind = protocol.parse_header(bytes(self._buf[: protocol.HEADER.size]))
+        end = protocol.HEADER.size + length
+        if not await self._fill(end):
+            raise ProtocolError("the agent closed the connection inside a frame")
+        payload = bytes(self._buf[protocol.HEADER.size : end])
+        del self._buf[:end]
+        if kind == KIND_JSON:
+            obj = protocol.decode_json(payload)
             if is_final(obj):
                 self.final = obj
-        elif frame[0] not in (KIND_OUT, KIND_ERR):
-            raise ProtocolError(f"the agent sent frame kind {frame[0]:#x}")
-        return frame
+        elif kind not in (KIND_OUT, KIND_ERR):
+            raise ProtocolError(f"the agent sent frame kind {kind:#x}")
+        return kind, payload
 
     def __aiter__(self) -> AsyncIterator[Frame]:
         return self._iterate()
@@ -140,19 +143,14 @@ class AgentStream:
             yield frame
 
     async def aclose(self) -> None:
-        self._writer.close()
-        try:
-            await self._writer.wait_closed()
-        except OSError:
-            pass
+        self._sock.close()
 
 
 async def open_stream(
     path: str | Path, request: dict[str, Any], *, connect_retry_s: float = CONNECT_RETRY_S
 ) -> AgentStream:
     """Connect to aether at ``path`` and send ``request``; the caller drives the stream."""
-    reader, writer = await _connect(path, connect_retry_s)
-    stream = AgentStream(reader, writer)
+    stream = AgentStream(await _connect_socket(path, connect_retry_s))
     try:
         await stream.send_json(request)
     except BaseException:

@@ -120,9 +120,6 @@ Snapshot = dict[str, tuple[str, int, float]]
 
 
 WATCHER_DIR = "/tmp/.e2b-watchers"
-# The temporary file a write goes through before it is renamed over its target
-# (``dsec.agent.fileops``): not a file of the user's, so a watcher does not report it.
-WRITE_TEMP = re.compile(r"\..+\.dsec-[0-9a-f]{12}")
 
 
 async def _snapshot(c: Call, path: str, depth: int) -> Snapshot:
@@ -130,8 +127,6 @@ async def _snapshot(c: Call, path: str, depth: int) -> Snapshot:
     out: Snapshot = {}
     for e in entries:
         if e.path == WATCHER_DIR or e.path.startswith(WATCHER_DIR + "/"):
-            continue
-        if WRITE_TEMP.fullmatch(posixpath.basename(e.path)):
             continue
         mtime = e.mtime.timestamp() if e.mtime else 0.0
         out[posixpath.relpath(e.path, path)] = (e.type, e.size, mtime)
