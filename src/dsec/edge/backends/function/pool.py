@@ -536,9 +536,9 @@ class Pool:
             self._refill(w.image)
 
     def _kill(self, w: Worker) -> None:
-        self._kill_call(w)
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, signal.SIGKILL)
+        self._kill_call(w)  # after the worker: it must not see the call end and answer it
 
     def _kill_call(self, w: Worker) -> None:
         """Kill the worker's call: its child is pid 1 of the call's pid namespace."""
