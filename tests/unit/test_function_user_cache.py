@@ -1,11 +1,16 @@
-"""The function worker looks each user up once (the image's files are the same per call)."""
+"""The function worker's per-call state: users looked up once per worker (the image's
+files are the same for every call), the environment set only when the sandbox changes."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from dsec.agent import users
 from dsec.agent.users import User
 from dsec.agent.wire import AgentError
+from dsec.edge.backends.function import worker
 from dsec.edge.backends.function.worker import cached_lookup
 
 
@@ -37,3 +42,26 @@ def test_failed_lookups_are_not_kept() -> None:
         with pytest.raises(AgentError):
             resolve("ghost")
     assert calls == 2
+
+
+def test_the_environment_is_the_sandboxs_and_set_again_only_when_it_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = _Environ(HOST_ONLY="1")
+    monkeypatch.setattr(os, "environ", env)
+    monkeypatch.setattr(worker, "_environ", [])
+    worker.set_environ({"A": "1"})
+    assert env == {"A": "1", "PATH": users.DEFAULT_PATH}
+    worker.set_environ({"A": "1"})
+    assert env.clears == 1  # only the first time
+    worker.set_environ({"B": "2", "PATH": "/bin"})
+    assert env.clears == 2
+    assert env == {"B": "2", "PATH": "/bin"}
+
+
+class _Environ(dict[str, str]):
+    clears = 0
+
+    def clear(self) -> None:
+        self.clears += 1
+        super().clear()

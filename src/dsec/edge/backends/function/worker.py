@@ -282,9 +282,7 @@ def run_call(
             "backend 'function' runs calls as an unprivileged user; use backend='container' "
             "to run as root",
         )
-    os.environ.clear()
-    os.environ.update(sandbox.get("env") or {})
-    os.environ.setdefault("PATH", users.DEFAULT_PATH)
+    set_environ(sandbox.get("env") or {})
     env = dict(req.get("env") or {})
     env.setdefault("HOME", "/tmp")
     workdir = sandbox.get("workdir") or "/"
@@ -306,6 +304,25 @@ def run_call(
     if oom_fd >= 0 and _oom_kills(oom_fd) > oom_before:
         result["oom_killed"] = True
     return result
+
+
+_environ: list[dict[str, str]] = []  # what set_environ last made os.environ
+
+
+def set_environ(env: dict[str, str]) -> None:
+    """Make the process environment the sandbox's (``exec`` builds the command's from it).
+
+    Only when it differs from the last call's: emptying ``os.environ`` is one ``unsetenv``
+    per variable, and a worker mostly serves the same sandbox again.
+    """
+    want = dict(env)
+    want.setdefault("PATH", users.DEFAULT_PATH)
+    if _environ and _environ[0] == want:
+        return
+    _environ.clear()
+    os.environ.clear()
+    os.environ.update(want)
+    _environ.append(want)
 
 
 @contextlib.contextmanager
