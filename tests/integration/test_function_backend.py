@@ -142,6 +142,24 @@ async def test_state_does_not_leak_between_calls(fn_one_worker: Fn) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_calls_files_never_change_who_runs_it_or_the_next_call(fn_one_worker: Fn) -> None:
+    """Users are looked up in the image's /etc/passwd and /etc/group (once per worker): a
+    call that brings its own /etc/group gets no extra group, nor does the next call."""
+    fn = fn_one_worker
+    group = b"root:x:0:\nnogroup:x:65534:\nextra:x:4242:nobody\n"
+    files = [{"path": "/etc/group", "data": base64.b64encode(group).decode()}]
+    res, out = await fn.run("id -G; grep -c 4242 /etc/group", files=files)
+    assert out["exit_code"] == 0, res.stderr
+    groups, written = res.stdout.decode().split("\n")[:2]
+    assert written == "1"  # the call's file is there, and read as its own
+    assert "4242" not in groups.split()
+    res, out = await fn.run("id -G; grep -c 4242 /etc/group")
+    groups, written = res.stdout.decode().split("\n")[:2]
+    assert written == "0"
+    assert "4242" not in groups.split()
+
+
+@pytest.mark.asyncio
 async def test_stdin_env_cwd_and_files_in_and_out(fn: Fn) -> None:
     data = base64.b64encode(b"print(input() + ' ' + open('in.txt').read())").decode()
     res = await fn.call(

@@ -300,13 +300,20 @@ class Pool:
             conn.setblocking(False)
             half = HalfRead(sb, conn)
             self.sel.register(conn, selectors.EVENT_READ, ("request", half))
+            self._on_request(half)  # the request has usually arrived with the connection
 
     def _drop_half(self, half: HalfRead) -> None:
         self.sel.unregister(half.conn)
         half.conn.close()
 
     def _on_request(self, half: HalfRead) -> None:
-        """Read the request frame, never a byte beyond it (stdin frames follow)."""
+        """Read the request frame, never a byte beyond it (stdin frames follow): all of it
+        that has arrived (header and body usually arrive together), not a part per event."""
+        while self._read_request(half):
+            pass
+
+    def _read_request(self, half: HalfRead) -> bool:
+        """One read of the request frame; True if the next read may find more."""
         need = protocol.HEADER.size
         if len(half.buf) >= need:
             length, _ = protocol.parse_header(bytes(half.buf[:need]))
@@ -314,28 +321,32 @@ class Pool:
         try:
             chunk = half.conn.recv(need - len(half.buf))
         except BlockingIOError:
-            return
+            return False
         except OSError:
             chunk = b""
         if not chunk:
             self._drop_half(half)
-            return
+            return False
         half.buf += chunk
+        if len(half.buf) < protocol.HEADER.size:
+            return True
         if len(half.buf) == protocol.HEADER.size:
             length, kind = protocol.parse_header(bytes(half.buf))
             if kind != protocol.KIND_JSON or length > MAX_REQUEST:
                 self._answer(half, protocol.error("invalid_argument", "bad request frame"))
-            return
+                return False
+            return True
         length, _ = protocol.parse_header(bytes(half.buf[: protocol.HEADER.size]))
         if len(half.buf) < protocol.HEADER.size + length:
-            return
+            return True
         self.sel.unregister(half.conn)
         try:
             req = protocol.decode_json(bytes(half.buf[protocol.HEADER.size :]))
         except protocol.ProtocolError as exc:
             self._answer(half, protocol.error("invalid_argument", str(exc)), registered=False)
-            return
+            return False
         self._route(half.sandbox, half.conn, req)
+        return False
 
     def _answer(self, half: HalfRead, frame: bytes, registered: bool = True) -> None:
         if registered:
@@ -525,9 +536,9 @@ class Pool:
             self._refill(w.image)
 
     def _kill(self, w: Worker) -> None:
-        self._kill_call(w)
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, signal.SIGKILL)
+        self._kill_call(w)  # after the worker: it must not see the call end and answer it
 
     def _kill_call(self, w: Worker) -> None:
         """Kill the worker's call: its child is pid 1 of the call's pid namespace."""

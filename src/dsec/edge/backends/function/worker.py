@@ -40,7 +40,7 @@ import os
 import signal
 import socket
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +111,7 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
     zyg.sock.send(filt.program())  # the zygote starts preparing once it has the filter
     zyg.wait_prepared()
     execop_spawn = _spawner(zyg)
+    users.resolve = cached_lookup(users.resolve)  # this process serves only this image
     sock.send(b"ready")
     buf = bytearray(MAX_DISPATCH)
     while True:
@@ -194,6 +195,28 @@ def _spawner(zyg: zygote.Zygote) -> execop.Spawner:
     return spawn_in_call
 
 
+def cached_lookup(lookup: Callable[[str | int | None], users.User]) -> Callable[..., users.User]:
+    """``users.resolve``, each user looked up once per worker.
+
+    A lookup reads the call's ``/etc/passwd`` and ``/etc/group`` (twice per call, each file
+    parsed whole); before a call's files are written these are the image's, on the
+    worker's read-only layers, so the same for every call the worker serves. Users are
+    taken from the image: a call's own files never change who its command runs as.
+    Failed lookups are not kept. Every lookup of a call is made before its files are
+    written (:func:`run_call` also looks up the uid that ``exec`` looks up later).
+    """
+    cache: dict[tuple[type, str | int | None], users.User] = {}
+
+    def resolve(spec: str | int | None) -> users.User:
+        key = (type(spec), spec)
+        user = cache.get(key)
+        if user is None:
+            user = cache[key] = lookup(spec)
+        return user
+
+    return resolve
+
+
 def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     fds = array.array("i")
     for level, kind, data in ancdata:
@@ -252,15 +275,14 @@ def run_call(
 ) -> dict[str, Any] | None:
     """Run one ``exec`` request in the call's root, its command as the unprivileged user."""
     user = users.resolve(req.get("user", UNPRIVILEGED_UID))
+    users.resolve(user.uid)  # as ``exec`` will, by uid: from the image's files, cached
     if user.uid == 0:
         raise AgentError(
             "permission_denied",
             "backend 'function' runs calls as an unprivileged user; use backend='container' "
             "to run as root",
         )
-    os.environ.clear()
-    os.environ.update(sandbox.get("env") or {})
-    os.environ.setdefault("PATH", users.DEFAULT_PATH)
+    set_environ(sandbox.get("env") or {})
     env = dict(req.get("env") or {})
     env.setdefault("HOME", "/tmp")
     workdir = sandbox.get("workdir") or "/"
@@ -282,6 +304,25 @@ def run_call(
     if oom_fd >= 0 and _oom_kills(oom_fd) > oom_before:
         result["oom_killed"] = True
     return result
+
+
+_environ: list[dict[str, str]] = []  # what set_environ last made os.environ
+
+
+def set_environ(env: dict[str, str]) -> None:
+    """Make the process environment the sandbox's (``exec`` builds the command's from it).
+
+    Only when it differs from the last call's: emptying ``os.environ`` is one ``unsetenv``
+    per variable, and a worker mostly serves the same sandbox again.
+    """
+    want = dict(env)
+    want.setdefault("PATH", users.DEFAULT_PATH)
+    if _environ and _environ[0] == want:
+        return
+    _environ.clear()
+    os.environ.clear()
+    os.environ.update(want)
+    _environ.append(want)
 
 
 @contextlib.contextmanager
