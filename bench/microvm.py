@@ -7,6 +7,9 @@ Drives :class:`MicrovmBackend` directly in a temp node (no apiserver hop) and me
   split into its phases (the manifest check, VMM start + state load + ``cont``, the agent
   channel's handshake, from the backend's "microvm resumed" log line; then the first exec);
 * fork of 1 and of 10 children -> every child answered an exec;
+* the CPU time each restored QEMU used until its first exec returned (all its threads:
+  mostly TCG translating the code the guest runs again), which load changes far less
+  than the wall times;
 * host memory (PSS from ``/proc/<qemu>/smaps_rollup``) of the parent and of each child right
   after the fork, and the children's growth after each writes 32 MiB in its guest.
 
@@ -59,6 +62,13 @@ class Phases(logging.Handler):
 
 def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def cpu_ms(pid: int) -> float:
+    """CPU time (user + system, all threads) process ``pid`` used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
 def pss_mib(pid: int) -> float:
@@ -129,6 +139,7 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
         restore: list[float] = []
         pause: list[float] = []
         first_exec: list[float] = []
+        restore_cpu: list[float] = []
         for _ in range(runs):
             sid, p = node.sandbox()
             live.append((sid, p))
@@ -146,6 +157,7 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
             await exec_ok(p.agent_socket)
             restore.append(time.perf_counter() - t0)
             first_exec.append(time.perf_counter() - t1)
+            restore_cpu.append(cpu_ms(be._vms[sid].vmm.pid))
             loads.append(loadavg())
             await be.destroy(sid, p)
             live.clear()
@@ -157,9 +169,11 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
             **{k: statistics.median(p[k] for p in phases.seen) for k in phases.seen[0]},
             "first_exec_ms": round(statistics.median(first_exec) * 1000, 1),
         }
+        out["restore_to_first_exec_qemu_cpu_ms"] = statistics.median(restore_cpu)
 
         for count in (1, 10):
             samples: list[float] = []
+            child_cpu: list[float] = []
             for _ in range(max(1, runs // 2)):
                 sid, p = node.sandbox()
                 live.append((sid, p))
@@ -171,12 +185,14 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
                 await be.fork(sid, kids)
                 await asyncio.gather(*(exec_ok(kp.agent_socket) for _, kp in kids))
                 samples.append(time.perf_counter() - t0)
+                child_cpu += [cpu_ms(be._vms[k].vmm.pid) for k, _ in kids]
                 if count == 10 and "pss" not in out:
                     out["pss"] = await measure_pss(be, sid, kids)
                 for s, sp in reversed(live):
                     await be.destroy(s, sp)
                 live.clear()
             out[f"fork_{count}_all_ready"] = summary(samples)
+            out[f"fork_{count}_child_qemu_cpu_ms"] = statistics.median(child_cpu)
             loads.append(loadavg())
         one = out["fork_1_all_ready"]["p50_ms"]
         ten = out["fork_10_all_ready"]["p50_ms"]

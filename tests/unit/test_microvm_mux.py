@@ -7,6 +7,8 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -216,3 +218,30 @@ def test_vsock_is_recognised_by_its_virtio_driver(tmp_path: Path) -> None:
     assert not vmport.vsock_present(str(tmp_path))
     (tmp_path / "virtio3").symlink_to(tmp_path)
     assert vmport.vsock_present(str(tmp_path))
+
+
+_SIGIO_CHECK = """
+import signal, socket, time
+from dsec.agent import vmport
+a, b = socket.socketpair()
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGIO})
+wait = vmport.host_signal(a.fileno())
+assert wait is not None
+t = time.monotonic(); wait(); idle = time.monotonic() - t
+b.send(b"x")
+t = time.monotonic(); wait(); woken = time.monotonic() - t
+print(idle, woken)
+"""
+
+
+def test_guest_waits_for_the_hosts_sigio_not_a_poll_interval() -> None:
+    """``host_signal``: the wait ends when the port's owner gets SIGIO (here: data on a
+    socket, as the virtio console driver sends it on a host (dis)connect), else times out.
+    In a process of its own: SIGIO goes to any thread that does not block it."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGIO_CHECK], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    idle, woken = map(float, out.stdout.split())
+    assert idle >= 0.4, idle  # nothing happened: the whole timeout
+    assert woken < 0.2, woken  # the signal ended it at once

@@ -26,12 +26,14 @@ itself. Without the offer (an older peer) DATA is written through as it arrives.
 This module also runs in the guest (``main``): one process, a reader thread per channel,
 standard library only. virtio-serial reads return EOF while no host end is connected
 (before the edge connects, after it restarts, across a snapshot restore), so the guest
-keeps retrying.
+keeps retrying: it waits for the SIGIO the virtio console driver sends when the host end
+connects, not for a poll interval.
 """
 
 from __future__ import annotations
 
 import _queue
+import _signal  # type: ignore[import-not-found]  # no stub; `signal` would import enum
 import _socket
 import _thread
 import os
@@ -40,6 +42,7 @@ import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 HEADER = struct.Struct(">BII")
@@ -119,9 +122,12 @@ class _Chan:
 class GuestMux:
     """The guest end: frames from ``fd`` open connections to ``target`` (aether)."""
 
-    def __init__(self, fd: int, target: str = AETHER_SOCKET) -> None:
+    def __init__(
+        self, fd: int, target: str = AETHER_SOCKET, wait_host: Callable[[], None] | None = None
+    ) -> None:
         self.fd = fd
         self.target = target
+        self.wait_host = wait_host  # returns when the host end may have connected
         self.channels: dict[int, _Chan] = {}
         self.lock = _thread.allocate_lock()  # one writer of frames at a time
         self.window = 0  # per-channel flow control, as the host's HELLO offered
@@ -249,7 +255,10 @@ class GuestMux:
                     buf.clear()
                 if not retry_eof:
                     return
-                time.sleep(0.02)
+                if self.wait_host is not None:
+                    self.wait_host()
+                else:
+                    time.sleep(0.02)
                 continue
             buf += data
             for kind, chan, payload in parse(buf):
@@ -325,7 +334,26 @@ def serve_listener(srv: _socket.socket, target: str = AETHER_SOCKET) -> None:
             os.close(fd)
 
 
+def host_signal(fd: int) -> Callable[[], None] | None:
+    """A wait that ends when the host end of virtio port ``fd`` (dis)connects or sends: the
+    driver signals SIGIO to the fd's owner (O_ASYNC) on each. SIGIO must be blocked in
+    every thread (``main`` does it first). None when the port cannot signal."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    except (ImportError, OSError):
+        return None
+
+    def wait() -> None:  # a signal pending from earlier data costs one more EOF read
+        _signal.sigtimedwait((_signal.SIGIO,), 0.5)
+
+    return wait
+
+
 def main() -> None:
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, (_signal.SIGIO,))  # before any thread
     while True:
         port = find_port()
         if port is None:
@@ -341,7 +369,7 @@ def main() -> None:
         except OSError:
             time.sleep(0.1)
             continue
-        mux = GuestMux(fd)
+        mux = GuestMux(fd, wait_host=host_signal(fd))
         try:
             mux.run()
         except (OSError, MuxError) as exc:

@@ -5,7 +5,7 @@ group can be killed by the pid we started), control over QMP, the agent channel 
 virtio-serial port whose host end is a unix socket QEMU serves. Guest RAM is a
 ``memory-backend-file``: snapshots skip it (``x-ignore-shared``) and fork children map the
 same file privately. Under TCG the kernel gets ``tsc_early_khz`` (it hangs at random in TSC
-calibration without it); under KVM it does not.
+calibration without it) and ``norandmaps`` (see TCG_KERNEL_ARGS); under KVM it gets neither.
 
 Files in ``run_dir``: ``qmp.sock``, ``serial.sock`` (agent channel), ``console.log`` (the
 guest's serial console), ``qemu.log`` (QEMU's stderr), ``qemu.pid`` (pid + start time, for
@@ -57,6 +57,13 @@ def accelerator() -> str:
 # OOM-killed mid-boot (seen as "the agent closed the connection"). Bounded, QEMU flushes
 # the buffer when full and translates again, and the limit holds (VMM_OVERHEAD_MIB).
 TCG_TB_MIB = 128
+# QEMU 7.2's x86 TCG keys translated code by the guest's virtual address, so with ASLR in
+# the guest every new process (every exec's sh, ld.so and libc) and the multiplexer beside
+# aether (two Pythons at different addresses) run through the translator again: ~3,000
+# translated blocks (~60 ms of CPU, ~1.5 MiB of code buffer) per exec. Without it an exec
+# of a warm program is translated once per VM, and the first exec after a restore or in a
+# fork child translates ~15% less. Under TCG only (no KVM here): the VM is the boundary.
+TCG_KERNEL_ARGS = "norandmaps"
 
 
 def host_tsc_khz() -> int | None:
@@ -161,6 +168,7 @@ class QemuVmm:
             khz = host_tsc_khz()
             if khz:
                 cmdline += f" tsc_early_khz={khz}"
+            cmdline += f" {TCG_KERNEL_ARGS}"
         # extra["machine"] = "q35": a standard PC (SeaBIOS, virtio-pci) for full VMs
         q35 = c.extra.get("machine") == "q35"
         machine = "q35" if q35 else "microvm,x-option-roms=off,rtc=on,isa-serial=on"
