@@ -12,9 +12,9 @@ import asyncio
 import contextlib
 import io
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import IO, cast
+from typing import IO, TypeVar, cast
 
 from dsec.core.errors import AlreadyExists, DsecError, InvalidArgument, Unavailable
 from dsec.edge.images.credentials import RegistryCredentials, default_docker_configs
@@ -29,6 +29,41 @@ if TYPE_CHECKING:
     from dsec.paths import Paths
 
 PROGRESS_INTERVAL_S = 0.25
+
+T = TypeVar("T")
+Report = Callable[[LayerProgress], None]
+
+
+async def thread_progress(
+    work: Callable[[Report], T], out: list[T], stop: Callable[[], None] | None = None
+) -> AsyncGenerator[pb.PullImageEvent, None]:
+    """Run ``work(report)`` in a thread; yield what it reports as progress events, then put
+    its result in ``out``. A thread cannot be cancelled, so a consumer that stops early
+    calls ``stop`` (to unblock it) and waits for it to end; use it under ``aclosing``."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[LayerProgress | None] = asyncio.Queue()
+
+    def report(p: LayerProgress) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, p)
+
+    def body() -> T:
+        try:
+            return work(report)
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    task = asyncio.ensure_future(asyncio.to_thread(body))
+    try:
+        while (p := await queue.get()) is not None:
+            progress = pb.PullProgress(digest=p.digest, status=p.status, done=p.done, total=p.total)
+            yield pb.PullImageEvent(progress=progress)
+        out.append(await task)
+    finally:
+        if not task.done():
+            if stop is not None:
+                stop()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
 
 
 def image_to_pb(image: Image, edge_id: str) -> pb.ImageInfo:
@@ -110,18 +145,7 @@ class EdgeImages:
 
     async def pull(self, req: pb.PullImageRequest) -> AsyncIterator[pb.PullImageEvent]:
         """Pull ``req.reference``; yield progress events, then the image."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[LayerProgress | None] = asyncio.Queue()
         last: dict[str, tuple[str, float]] = {}
-
-        def report(p: LayerProgress) -> None:
-            now = time.monotonic()
-            prev = last.get(p.digest)
-            if prev and prev[0] == p.status and now - prev[1] < PROGRESS_INTERVAL_S:
-                return
-            last[p.digest] = (p.status, now)
-            loop.call_soon_threadsafe(queue.put_nowait, p)
-
         opts = PullOptions(
             platform=req.platform or DEFAULT_PLATFORM,
             insecure=req.insecure,
@@ -129,26 +153,22 @@ class EdgeImages:
             password=req.password,
         )
 
-        def work() -> Image:
-            try:
-                return self.puller.pull(req.reference, opts, report)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
+        def work(report: Report) -> Image:
+            def throttled(p: LayerProgress) -> None:
+                now = time.monotonic()
+                prev = last.get(p.digest)
+                if prev and prev[0] == p.status and now - prev[1] < PROGRESS_INTERVAL_S:
+                    return
+                last[p.digest] = (p.status, now)
+                report(p)
 
-        async with self._shared():  # no gc while layers are being added
-            task = asyncio.ensure_future(asyncio.to_thread(work))
-            try:
-                while (item := await queue.get()) is not None:
-                    yield pb.PullImageEvent(
-                        progress=pb.PullProgress(
-                            digest=item.digest, status=item.status, done=item.done, total=item.total
-                        )
-                    )
-                image = await task
-            finally:
-                if not task.done():
-                    await asyncio.shield(task)  # the thread cannot be cancelled: let it end
-        yield pb.PullImageEvent(image=image_to_pb(image, self.edge_id))
+            return self.puller.pull(req.reference, opts, throttled)
+
+        image: list[Image] = []
+        async with self._shared(), contextlib.aclosing(thread_progress(work, image)) as events:
+            async for event in events:  # no gc while layers are being added
+                yield event
+        yield pb.PullImageEvent(image=image_to_pb(image[0], self.edge_id))
 
     async def pack(self, upper: Path, base: str, name: str) -> Image:
         """Record ``upper`` (a frozen sandbox's overlay upper dir) as image ``name``."""
@@ -266,8 +286,6 @@ class EdgeImages:
         from dsec.edge.images.archive import load_image
         from dsec.edge.images.pipe import ChunkReader, PipeClosed
 
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[LayerProgress | None] = asyncio.Queue()
         src = ChunkReader()
         first = await anext(aiter(requests), None)
         name = first.name if first is not None else ""
@@ -278,16 +296,12 @@ class EdgeImages:
         if first is not None and first.kind:
             raise InvalidArgument(f"unknown kind of image to load: {first.kind!r}")
 
-        def report(p: LayerProgress) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, p)
-
-        def work() -> list[Image]:
+        def work(report: Report) -> list[Image]:
             try:
                 with io.BufferedReader(src, 1 << 20) as f:
                     return load_image(self.store, f, name=name, progress=report)
             finally:
                 src.stop()
-                loop.call_soon_threadsafe(events.put_nowait, None)
 
         async def feed() -> None:
             with contextlib.suppress(PipeClosed):
@@ -298,24 +312,17 @@ class EdgeImages:
                         await src.feed(req.data)
                 await src.feed(None)
 
+        images: list[list[Image]] = []
         async with self._shared():
-            task = asyncio.ensure_future(asyncio.to_thread(work))
             feeder = asyncio.ensure_future(feed())
             try:
-                while (item := await events.get()) is not None:
-                    yield pb.PullImageEvent(
-                        progress=pb.PullProgress(
-                            digest=item.digest, status=item.status, done=item.done, total=item.total
-                        )
-                    )
-                images = await task
+                async with contextlib.aclosing(thread_progress(work, images, src.stop)) as events:
+                    async for event in events:
+                        yield event
             finally:
                 feeder.cancel()
                 src.stop()
-                if not task.done():
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(task)
-        for image in images:
+        for image in images[0]:
             yield pb.PullImageEvent(image=image_to_pb(image, self.edge_id))
 
     async def _import_vm(
@@ -341,8 +348,6 @@ class EdgeImages:
             async for _ in requests:
                 pass
             raise
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[LayerProgress | None] = asyncio.Queue()
         tag = f"vm:{name}"
         upload = imports.upload_path(data)
         try:
@@ -359,40 +364,26 @@ class EdgeImages:
                 )
             )
 
-            def report(status: str, done: int, total: int) -> None:
-                item = LayerProgress(tag, status, done, total)
-                loop.call_soon_threadsafe(events.put_nowait, item)
+            def work(report: Report) -> imports.VmImport:
+                return imports.import_disk(
+                    data,
+                    name,
+                    upload,
+                    bundle,
+                    source="dsec image import-vm",
+                    progress=lambda status, done, total: report(
+                        LayerProgress(tag, status, done, total)
+                    ),
+                    consume=True,
+                )
 
-            def work() -> imports.VmImport:
-                try:
-                    return imports.import_disk(
-                        data,
-                        name,
-                        upload,
-                        bundle,
-                        source="dsec image import-vm",
-                        progress=report,
-                        consume=True,
-                    )
-                finally:
-                    loop.call_soon_threadsafe(events.put_nowait, None)
-
-            task = asyncio.ensure_future(asyncio.to_thread(work))
-            try:
-                while (item := await events.get()) is not None:
-                    yield pb.PullImageEvent(
-                        progress=pb.PullProgress(
-                            digest=item.digest, status=item.status, done=item.done, total=item.total
-                        )
-                    )
-                imported = await task
-            finally:
-                if not task.done():
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(task)
+            imported: list[imports.VmImport] = []
+            async with contextlib.aclosing(thread_progress(work, imported)) as events:
+                async for event in events:
+                    yield event
         finally:
             upload.unlink(missing_ok=True)
-        yield pb.PullImageEvent(image=vm_image_to_pb(imported, self.edge_id))
+        yield pb.PullImageEvent(image=vm_image_to_pb(imported[0], self.edge_id))
 
     def list(self) -> pb.ImageList:
         images = [image_to_pb(i, self.edge_id) for i in self.store.list()]
