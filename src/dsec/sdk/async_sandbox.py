@@ -281,20 +281,7 @@ class AsyncClient:
         """Import the OCI image-layout tar ``path`` on one edge (``name`` renames a
         single image); ``progress`` gets blob reports. Returns the images loaded."""
         req = images.load_request(name=name, edge_id=edge_id)
-        reader = images.PullReader(progress)
-        f = await asyncio.to_thread(Path(path).open, "rb")
-
-        async def body() -> AsyncIterator[bytes]:
-            while chunk := await asyncio.to_thread(f.read, 1 << 20):
-                yield chunk
-
-        try:
-            async with self.transport.download(req, content=body()) as chunks:
-                async for chunk in chunks:
-                    reader.feed(chunk)
-        finally:
-            f.close()
-        return reader.result()
+        return await self._upload_image(path, req, progress, count=False)
 
     async def import_vm_image(
         self,
@@ -308,6 +295,18 @@ class AsyncClient:
         as vm system image ``name`` on one edge; ``Sandbox.create(backend="vm", image=name)``
         boots it. ``progress`` gets the upload's bytes, then the edge's import steps."""
         req = images.load_request(name=name, edge_id=edge_id, kind="vm")
+        return images.one_image(await self._upload_image(path, req, progress, count=True))
+
+    async def _upload_image(
+        self,
+        path: str | Path,
+        req: wire.Request,
+        progress: images.PullProgress | None,
+        *,
+        count: bool,
+    ) -> builtins.list[dict[str, Any]]:
+        """Stream the file ``path`` as the body of the load request ``req``; ``progress``
+        gets the edge's reports (and the bytes sent, with ``count``). Returns the images."""
         reader = images.PullReader(progress)
         f = await asyncio.to_thread(Path(path).open, "rb")
         sent = images.upload_progress(progress, os.fstat(f.fileno()).st_size)
@@ -316,7 +315,8 @@ class AsyncClient:
             done = 0
             while chunk := await asyncio.to_thread(f.read, 1 << 20):
                 done += len(chunk)
-                sent(done)
+                if count:
+                    sent(done)
                 yield chunk
 
         try:
@@ -325,7 +325,7 @@ class AsyncClient:
                     reader.feed(chunk)
         finally:
             f.close()
-        return images.one_image(reader.result())
+        return reader.result()
 
     async def backends(self) -> builtins.list[dict[str, Any]]:
         """Each edge's backends: ``{edge_id, healthy, backends: [{name, available, reason,

@@ -281,13 +281,7 @@ class Client:
         """Import the OCI image-layout tar ``path`` on one edge (``name`` renames a
         single image); ``progress`` gets blob reports. Returns the images loaded."""
         req = images.load_request(name=name, edge_id=edge_id)
-        reader = images.PullReader(progress)
-        with Path(path).open("rb") as f:
-            body = iter(lambda: f.read(1 << 20), b"")
-            with self.transport.download(req, content=body) as chunks:
-                for chunk in chunks:
-                    reader.feed(chunk)
-        return reader.result()
+        return self._upload_image(path, req, progress, count=False)
 
     def import_vm_image(
         self,
@@ -301,6 +295,18 @@ class Client:
         as vm system image ``name`` on one edge; ``Sandbox.create(backend="vm", image=name)``
         boots it. ``progress`` gets the upload's bytes, then the edge's import steps."""
         req = images.load_request(name=name, edge_id=edge_id, kind="vm")
+        return images.one_image(self._upload_image(path, req, progress, count=True))
+
+    def _upload_image(
+        self,
+        path: str | Path,
+        req: wire.Request,
+        progress: images.PullProgress | None,
+        *,
+        count: bool,
+    ) -> builtins.list[dict[str, Any]]:
+        """Stream the file ``path`` as the body of the load request ``req``; ``progress``
+        gets the edge's reports (and the bytes sent, with ``count``). Returns the images."""
         reader = images.PullReader(progress)
         sent = images.upload_progress(progress, Path(path).stat().st_size)
         with Path(path).open("rb") as f:
@@ -309,13 +315,14 @@ class Client:
                 done = 0
                 while chunk := f.read(1 << 20):
                     done += len(chunk)
-                    sent(done)
+                    if count:
+                        sent(done)
                     yield chunk
 
             with self.transport.download(req, content=body()) as chunks:
                 for chunk in chunks:
                     reader.feed(chunk)
-        return images.one_image(reader.result())
+        return reader.result()
 
     def backends(self) -> builtins.list[dict[str, Any]]:
         """Each edge's backends: ``{edge_id, healthy, backends: [{name, available, reason,
