@@ -62,13 +62,13 @@ def test_snapshot_manifest_refuses_damage(tmp_path: Path, damage: str) -> None:
 
 def _count_digests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
-    real = snapshots._digest
+    real = snapshots.file_digest
 
     def counting(path: Path, sparse: bool) -> str:
         seen.append(path.name)
         return real(path, sparse)
 
-    monkeypatch.setattr(snapshots, "_digest", counting)
+    monkeypatch.setattr(snapshots, "file_digest", counting)
     return seen
 
 

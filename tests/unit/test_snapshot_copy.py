@@ -142,7 +142,7 @@ def test_base_digests_are_kept_across_processes(
     def rehash(path: Path, sparse: bool) -> str:
         raise AssertionError(f"{path} hashed again")
 
-    monkeypatch.setattr(snapshots, "_digest", rehash)
+    monkeypatch.setattr(snapshots, "file_digest", rehash)
     assert sc.digest(f) == want
     f.write_bytes(b"changed")  # a new stamp: hashed again
     with pytest.raises(AssertionError, match="hashed again"):

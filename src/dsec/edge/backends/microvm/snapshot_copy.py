@@ -62,7 +62,7 @@ def digest(path: Path, sparse: bool = True) -> str:
     key = json.dumps([str(path), snapshots.stamp(path), sparse])
     hit = _digests.get(key)
     if hit is None:
-        hit = snapshots._digest(path, sparse)
+        hit = snapshots.file_digest(path, sparse)
         _digests[key] = hit
     return hit
 

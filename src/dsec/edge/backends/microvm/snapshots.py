@@ -89,7 +89,8 @@ def stamp(path: Path) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _digest(path: Path, sparse: bool) -> str:
+def file_digest(path: Path, sparse: bool) -> str:
+    """sha256 of ``path``; ``sparse``: of its non-zero pages and their offsets."""
     if sparse:
         return sparse_digest(path)
     h = hashlib.sha256()
@@ -102,7 +103,7 @@ def _digest(path: Path, sparse: bool) -> str:
 def _entry(path: Path, sparse: bool, digest: bool) -> dict[str, object]:
     out: dict[str, object] = {"path": str(path), "size": path.stat().st_size}
     if digest:
-        out["sha256"] = _digest(path, sparse)
+        out["sha256"] = file_digest(path, sparse)
     out["stamp"] = stamp(path)
     return out
 
@@ -160,7 +161,7 @@ def verify(snap: Snapshot, *, trust_stamps: bool = True) -> None:
             raise SnapshotCorrupt(
                 f"snapshot {snap.dir.name}: {name} changed since it was written (no digest)"
             )
-        if _digest(p, name == "ram") != entry["sha256"]:
+        if file_digest(p, name == "ram") != entry["sha256"]:
             raise SnapshotCorrupt(f"snapshot {snap.dir.name}: {name} digest mismatch")
 
 
