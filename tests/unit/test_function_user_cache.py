@@ -49,7 +49,6 @@ def test_the_environment_is_the_sandboxs_and_set_again_only_when_it_changes(
 ) -> None:
     env = _Environ(HOST_ONLY="1")
     monkeypatch.setattr(os, "environ", env)
-    monkeypatch.setattr(worker, "_environ", [])
     worker.set_environ({"A": "1"})
     assert env == {"A": "1", "PATH": users.DEFAULT_PATH}
     worker.set_environ({"A": "1"})

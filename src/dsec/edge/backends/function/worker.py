@@ -306,23 +306,17 @@ def run_call(
     return result
 
 
-_environ: list[dict[str, str]] = []  # what set_environ last made os.environ
-
-
 def set_environ(env: dict[str, str]) -> None:
     """Make the process environment the sandbox's (``exec`` builds the command's from it).
 
-    Only when it differs from the last call's: emptying ``os.environ`` is one ``unsetenv``
-    per variable, and a worker mostly serves the same sandbox again.
+    Only when it differs: emptying ``os.environ`` is one ``unsetenv`` per variable, and a
+    worker mostly serves the same sandbox again.
     """
     want = dict(env)
     want.setdefault("PATH", users.DEFAULT_PATH)
-    if _environ and _environ[0] == want:
-        return
-    _environ.clear()
-    os.environ.clear()
-    os.environ.update(want)
-    _environ.append(want)
+    if os.environ != want:
+        os.environ.clear()
+        os.environ.update(want)
 
 
 @contextlib.contextmanager
