@@ -236,6 +236,17 @@ def test_killing_a_sandbox_mid_stream_ends_the_stream_with_an_error(api: Client)
     assert isinstance(got[-1], errors.DsecError), got
 
 
+def test_input_racing_the_end_of_a_call_keeps_its_result(sbx: Sandbox) -> None:
+    # The command exits without reading its stdin, so the input races the call's end on
+    # every hop: the SDK's WebSocket (the server may have closed it) and the apiserver's
+    # gRPC stream to the edge (a write racing the server's status turned the whole call
+    # into INTERNAL). Each call must still report its own exit, never a transport error.
+    codes = [
+        [ev.exit_code for ev in sbx.exec_stream(["false"], stdin=b"x" * 100)] for _ in range(400)
+    ]
+    assert codes == [[1]] * 400
+
+
 def test_huge_and_aborted_uploads_leave_nothing(sbx: Sandbox, platform: RunningPlatform) -> None:
     import socket as socketlib
     from urllib.parse import urlsplit

@@ -37,6 +37,7 @@ from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.convert import policy_from_pb, spec_from_pb, spec_to_pb
 
 REPLY_LIMIT = 32 * 1024 * 1024
+STREAM_CLOSE_GRACE_S = 10.0  # how long a finished runtime call waits for its caller to stop
 
 
 def caller_of(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
@@ -393,6 +394,11 @@ class EdgeService(pb_grpc.EdgeServicer):
         try:
             async for kind, payload in stream:
                 yield pb.RuntimeFrame(kind=kind, data=payload)
+            # Finish only once the caller stops writing (it half-closes or cancels when it
+            # has the final frame): with grpc.aio a write racing the call's end replaces
+            # the whole call's outcome, final frame included, with INTERNAL.
+            with contextlib.suppress(Exception):  # a late input error changes nothing now
+                await asyncio.wait_for(asyncio.shield(pump), STREAM_CLOSE_GRACE_S)
         except (OSError, asyncio.IncompleteReadError, protocol.ProtocolError) as exc:
             raise self._lost(first.sandbox_id, caller, exc) from exc
         finally:

@@ -250,8 +250,11 @@ class AsyncTransport:
         pump: asyncio.Task[None] | None = None
         try:
             if isinstance(stdin, bytes | bytearray | memoryview) and len(stdin) <= CHUNK:
-                await sock.send_input(bytes(stdin))
-                await sock.close_input()
+                try:
+                    await sock.send_input(bytes(stdin))
+                    await sock.close_input()
+                except DsecError:
+                    pass  # the call already ended (and closed): its final frame says how
             elif stdin is not None:
                 pump = asyncio.create_task(_pump_input(sock, stdin, failures))
             async for event in sock:

@@ -245,8 +245,11 @@ class SyncTransport:
         failures: list[BaseException] = []
         try:
             if isinstance(stdin, bytes | bytearray | memoryview) and len(stdin) <= CHUNK:
-                sock.send_input(bytes(stdin))
-                sock.close_input()
+                try:
+                    sock.send_input(bytes(stdin))
+                    sock.close_input()
+                except DsecError:
+                    pass  # the call already ended (and closed): its final frame says how
             elif stdin is not None:
                 threading.Thread(
                     target=_pump_input, args=(sock, stdin, failures), daemon=True
