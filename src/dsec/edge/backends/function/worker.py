@@ -13,10 +13,11 @@ prepared for the next call, forked ahead (so building it is not on the call's pa
 child is pid 1 of a new pid namespace and
 
 * is born in the worker's cgroup (the pool writes each call's limits there; the worker's
-  own few pages and the next prepared child count too) and unshares new mount, ipc and
-  cgroup namespaces;
+  own few pages count too; the next call's child is only prepared once this call is
+  answered) and unshares new mount, ipc and cgroup namespaces;
 * mounts a FRESH tmpfs on /call, an overlay of the layers with its upper dir on that
-  tmpfs, its own /proc and /dev, pivots into it, loads the seccomp filter and waits;
+  tmpfs, its own /proc and /dev, pivots into it and forks the command's process (pid 2:
+  own session, no_new_privs, the seccomp filter loaded), which waits;
 * when the worker passes it a call (the connection, whose request the pool already
   read, and the request), writes the call's files, runs the command with aether's own
   ``exec`` code as an unprivileged user, reads the files asked for, answers and exits.
@@ -26,8 +27,9 @@ The worker reports the running child's pid to the pool, waits for it, answers an
 alongside the call slowed the call down) and say ``ready`` again, so the pool hands calls
 to workers that are prepared. Each child serves exactly one call.
 
-The child stays as the call's init (pid 1) and forks the command (``zygote.c``); when the
-command exits so does the child, and the kernel kills whatever the command left behind,
+The child stays as the call's init (pid 1); its own child, forked ahead with the seccomp
+filter already loaded, execs the command (``zygote.c``); when the command exits so does
+the init, and the kernel kills whatever the command left behind,
 and its tmpfs, ipc objects and mounts go with its namespaces, so nothing carries over to
 the next call; the worker itself never runs a call's code and never holds its data
 (requests are read into one buffer that is zeroed after each fork).

@@ -343,11 +343,11 @@ int main(int argc, char **argv) {
                             .msg_controllen = sizeof cbuf};
         n = recvmsg(WORKER, &mh, MSG_CMSG_CLOEXEC);
         if (n <= 0) break;
-        if (n == 1 && msg[0] == 'N' && next == 0) {
-            next = prepare(&link, &status_fd);
+        if (n == 1 && msg[0] == 'N') {
+            if (next == 0) next = prepare(&link, &status_fd);  /* (one is enough) */
             continue;
         }
-        if (next <= 0) break;  /* the worker was told (E), or broke the protocol */
+        if (next <= 0) break;  /* the worker was told (E), or skipped "N" */
         struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
         int nfd = c && c->cmsg_type == SCM_RIGHTS ? (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int)) : 0;
         int fds[3] = {-1, -1, -1};
