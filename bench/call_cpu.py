@@ -10,15 +10,27 @@ are not counted. CPU time moves less with the machine's load than wall time does
 shows where a call's cost is on a busy machine.
 
     .venv/bin/python -m bench.call_cpu [--n 500] [--backends function,container]
+        [--json FILE --label NAME]
+
+``--json`` appends one JSON line per backend to FILE (labelled, with the ``dsec`` that
+ran: the daemons inherit ``PYTHONPATH``), so two versions can be compared side by side
+under the same load by alternating them:
+
+    for i in 1 2 3; do
+      PYTHONPATH=/path/to/main/src .venv/bin/python -m bench.call_cpu --json ab.jsonl --label main
+      .venv/bin/python -m bench.call_cpu --json ab.jsonl --label branch
+    done
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
 
+import dsec
 from dsec.sdk import Client, Sandbox
 from dsec.testing.platform import RunningPlatform, running_platform
 
@@ -108,6 +120,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--backends", default="function,container")
+    ap.add_argument("--json", help="append one JSON line per backend to this file")
+    ap.add_argument("--label", default="this")
     args = ap.parse_args()
     with running_platform() as plat:
         os.environ.update(DSEC_API_URL=plat.api_url, DSEC_API_KEY=plat.admin_key)
@@ -119,6 +133,10 @@ def main() -> None:
             for k, v in cpu.items():
                 print(f"  {k:40s} {v:6.2f} ms CPU per call")
             print(f"  {'total':40s} {r['cpu_ms_total']:6.2f}")
+            if args.json:
+                code = {"label": args.label, "dsec": os.path.dirname(dsec.__file__)}
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({**code, "backend": backend, "n": args.n, **r}) + "\n")
 
 
 if __name__ == "__main__":

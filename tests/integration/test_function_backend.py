@@ -96,7 +96,8 @@ def _zombie(pid: int) -> bool:
 async def test_exec_runs_unprivileged_in_fresh_namespaces(fn: Fn) -> None:
     res, out = await fn.run(
         "id -u; hostname; pwd; readlink /proc/self/ns/net /proc/self/ns/mnt /proc/self/ns/pid;"
-        " grep Seccomp: /proc/self/status; ls /proc | grep -c '^[0-9]'"
+        " grep Seccomp: /proc/self/status; ls /proc | grep -c '^[0-9]';"
+        " grep NoNewPrivs: /proc/self/status; cut -d' ' -f1,5,6 /proc/$$/stat"
     )
     assert out["exit_code"] == 0, res.stderr
     lines = res.stdout.decode().split()
@@ -107,6 +108,9 @@ async def test_exec_runs_unprivileged_in_fresh_namespaces(fn: Fn) -> None:
         assert theirs != os.readlink(f"/proc/self/ns/{ns}"), ns
     assert lines[6:8] == ["Seccomp:", "2"]
     assert int(lines[8]) <= 5  # pid 1, the shell, ls, grep: nothing of the host
+    assert lines[9:11] == ["NoNewPrivs:", "1"]
+    pid, pgrp, session = lines[11:14]
+    assert pid == pgrp == session == "2", lines  # its own session, under the call's init
 
 
 # Call 1 leaves a file in /tmp and /dev/shm, a SysV shared memory segment and a background

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from dsec.agent import users
+from dsec.agent import execop, users
 from dsec.agent.users import User
-from dsec.agent.wire import AgentError
+from dsec.agent.wire import AgentError, Conn
 from dsec.edge.backends.function import worker
-from dsec.edge.backends.function.worker import cached_lookup
+from dsec.edge.backends.function.worker import cached_lookup, pinned
 
 
 def test_each_user_is_looked_up_once_and_kept_by_spec() -> None:
@@ -42,6 +42,31 @@ def test_failed_lookups_are_not_kept() -> None:
         with pytest.raises(AgentError):
             resolve("ghost")
     assert calls == 2
+
+
+def test_exec_runs_the_calls_checked_user_without_a_second_lookup() -> None:
+    seen: list[str | int | None] = []
+
+    def lookup(spec: str | int | None) -> User:
+        seen.append(spec)
+        return User(1000, 1000, str(spec), "/", ())
+
+    nobody = User(65534, 65534, "nobody", "/", (7,))
+    resolve = pinned(nobody, lookup)
+    assert resolve(65534) is nobody
+    assert seen == []
+    assert resolve("other").name == "other"  # anyone else: looked up
+    assert seen == ["other"]
+
+
+def test_exec_looks_users_up_with_the_resolver_it_is_given() -> None:
+    def refuse(spec: str | int | None) -> User:
+        raise AgentError("permission_denied", f"the caller's resolver refused {spec!r}")
+
+    req = {"op": "exec", "cmd": ["true"], "user": 4321}
+    conn: Conn = None  # type: ignore[assignment]  # never reached: the lookup comes first
+    with pytest.raises(AgentError, match="resolver refused 4321"):
+        execop.op_exec(conn, req, None, refuse)
 
 
 def test_the_environment_is_the_sandboxs_and_set_again_only_when_it_changes(

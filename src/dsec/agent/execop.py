@@ -39,6 +39,10 @@ if TYPE_CHECKING:
             uid: int | None = None, gid: int | None = None, groups: tuple[int, ...] = (),
         ) -> spawn.Child: ...  # fmt: skip
 
+    from collections.abc import Callable
+
+    Resolver = Callable[[str | int | None], users.User]  # users.resolve or the caller's own
+
 
 DRAIN_AFTER_EXIT_S = 0.5  # output still arriving from leftovers after the command exited
 STDIN_HIGH_WATER = 1 << 20  # stop reading the client while this much stdin is pending
@@ -47,11 +51,17 @@ STDIN_HIGH_WATER = 1 << 20  # stop reading the client while this much stdin is p
 SIGKILL = 9
 
 
-def start(req: dict[str, Any], *, stdin: bool, spawner: Spawner | None = None) -> spawn.Child:
+def start(
+    req: dict[str, Any],
+    *,
+    stdin: bool,
+    spawner: Spawner | None = None,
+    resolve: Resolver = users.resolve,
+) -> spawn.Child:
     """Start the command of ``req`` (``cmd, env, cwd, user``) in its own session."""
     argv, _ = args.cmd(req)
     spec = args.user(req)
-    user = users.resolve(spec)
+    user = resolve(spec)
     env = users.child_env(user, args.env(req), explicit_user=spec is not None)
     cwd = users.resolve_cwd(args.opt_str(req, "cwd"), user)
     args.check_text(cwd, "'cwd'")
@@ -90,10 +100,10 @@ def exit_fields(returncode: int) -> dict[str, Any]:
     return {"exit_code": returncode, "signal": None}
 
 
-def _files_in(req: dict[str, Any], budget: list[int]) -> str:
+def _files_in(req: dict[str, Any], budget: list[int], resolve: Resolver) -> str:
     """Write the call's ``files``; return the directory relative paths resolve against."""
     spec = args.user(req)
-    user = users.resolve(spec)
+    user = resolve(spec)
     cwd = users.resolve_cwd(args.opt_str(req, "cwd"), user)
     if req.get("files") is not None:
         explicit = spec is not None
@@ -103,16 +113,21 @@ def _files_in(req: dict[str, Any], budget: list[int]) -> str:
 
 
 def op_exec(
-    conn: Conn, req: dict[str, Any], spawner: Spawner | None = None
+    conn: Conn,
+    req: dict[str, Any],
+    spawner: Spawner | None = None,
+    resolve: Resolver = users.resolve,
 ) -> dict[str, Any] | None:
+    """Run ``req``'s command to completion; ``spawner`` and ``resolve`` (user lookup) are
+    the function backend's own, aether's defaults otherwise."""
     timeout = args.opt_timeout(req)
     want_stdin = args.opt_bool(req, "stdin")
     outputs = callfiles.check_outputs(req)
     budget = [callfiles.MAX_BYTES]
-    cwd = _files_in(req, budget) if req.get("files") is not None or outputs else ""
+    cwd = _files_in(req, budget, resolve) if req.get("files") is not None or outputs else ""
     started = time.monotonic()
     try:
-        proc = start(req, stdin=want_stdin, spawner=spawner)
+        proc = start(req, stdin=want_stdin, spawner=spawner, resolve=resolve)
     except _NotStarted as exc:
         if want_stdin:
             _discard_input(conn)

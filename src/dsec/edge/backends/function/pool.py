@@ -13,7 +13,8 @@ protocol on it, so the edge relays calls exactly as it does for containers:
   the call's memory, CPU and pids limits are written to that worker's cgroup. The worker
   forks a fresh child for the call (new pid, mount, ipc and cgroup namespaces, a new
   tmpfs under its root: see :mod:`.worker`), which answers on the connection itself; the
-  worker reports the child's pid and then ``done``, and serves the next call.
+  worker reports the child's pid and then ``done``, prepares its next call's child (a
+  worker doing that counts as starting) and says ``ready`` again.
 
 Workers are long-lived: ``WARM`` idle ones per image, more while calls queue (up to
 ``MAX_WORKERS``), the extra ones retired when they fall idle. An image's workers stay
@@ -499,6 +500,10 @@ class Pool:
         if pool is None or (len(pool.ready) >= WARM and not pool.pending):
             w.phase = "retiring"  # an idle worker more than needed (or its image is gone)
             self._kill(w)
+            return
+        if msg == b"done":  # it prepares its next call's process now: "ready" follows
+            w.phase = "starting"
+            pool.starting += 1
             return
         w.phase = "ready"
         pool.ready.append(w)

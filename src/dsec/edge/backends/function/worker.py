@@ -13,19 +13,23 @@ prepared for the next call, forked ahead (so building it is not on the call's pa
 child is pid 1 of a new pid namespace and
 
 * is born in the worker's cgroup (the pool writes each call's limits there; the worker's
-  own few pages and the next prepared child count too) and unshares new mount, ipc and
-  cgroup namespaces;
+  own few pages count too; the next call's child is only prepared once this call is
+  answered) and unshares new mount, ipc and cgroup namespaces;
 * mounts a FRESH tmpfs on /call, an overlay of the layers with its upper dir on that
-  tmpfs, its own /proc and /dev, pivots into it, loads the seccomp filter and waits;
+  tmpfs, its own /proc and /dev, pivots into it and forks the command's process (pid 2:
+  own session, no_new_privs, the seccomp filter loaded), which waits;
 * when the worker passes it a call (the connection, whose request the pool already
   read, and the request), writes the call's files, runs the command with aether's own
   ``exec`` code as an unprivileged user, reads the files asked for, answers and exits.
 
-The worker reports the running child's pid to the pool, prepares the next child, waits
-for the running one and says ``done``. Each child serves exactly one call.
+The worker reports the running child's pid to the pool, waits for it, answers and says
+``done``; only then does it have the next child prepared (on a busy machine building it
+alongside the call slowed the call down) and say ``ready`` again, so the pool hands calls
+to workers that are prepared. Each child serves exactly one call.
 
-The child stays as the call's init (pid 1) and forks the command (``zygote.c``); when the
-command exits so does the child, and the kernel kills whatever the command left behind,
+The child stays as the call's init (pid 1); its own child, forked ahead with the seccomp
+filter already loaded, execs the command (``zygote.c``); when the command exits so does
+the init, and the kernel kills whatever the command left behind,
 and its tmpfs, ipc objects and mounts go with its namespaces, so nothing carries over to
 the next call; the worker itself never runs a call's code and never holds its data
 (requests are read into one buffer that is zeroed after each fork).
@@ -48,6 +52,8 @@ from dsec.agent import callfiles, execop, spawn, users
 from dsec.agent.wire import AgentError, Conn
 from dsec.edge.backends.container import mounts
 from dsec.edge.backends.function import kernel, zygote
+
+Resolver = Callable[[str | int | None], users.User]
 
 UNPRIVILEGED_UID = 65534  # nobody
 HOSTNAME = "function"
@@ -111,7 +117,7 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
     zyg.sock.send(filt.program())  # the zygote starts preparing once it has the filter
     zyg.wait_prepared()
     execop_spawn = _spawner(zyg)
-    users.resolve = cached_lookup(users.resolve)  # this process serves only this image
+    resolve = cached_lookup(users.resolve)  # this process serves only this image
     sock.send(b"ready")
     buf = bytearray(MAX_DISPATCH)
     while True:
@@ -122,14 +128,14 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
         fds = _received_fds(anc)
         if not fds:
             return  # the pool closed: no more calls for this worker
-        pid = zyg.prepared or zyg.wait_prepared()  # built while the previous call ran
+        pid = zyg.prepared  # built after the previous call, before its "ready"
         mnt = os.open(f"{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
         sock.send(f"pid {pid}".encode())
         kernel.setns(mnt, kernel.CLONE_NEWNS)  # into the call's root (and cwd "/")
         os.close(mnt)
         zyg.used = False
         try:
-            serve(fds[0], bytes(memoryview(buf)[:n]), oom_fd, execop_spawn)
+            serve(fds[0], bytes(memoryview(buf)[:n]), oom_fd, execop_spawn, resolve)
         finally:
             if not zyg.used:  # the call failed before its command started
                 zyg.discard()
@@ -139,6 +145,8 @@ def _worker_main(spec: WorkerSpec, filt: kernel.SeccompFilter, sock_fd: int) -> 
         for fd in fds[1:]:
             os.close(fd)
         sock.send(b"done")
+        zyg.prepare()  # the call has been answered: off its path
+        sock.send(b"ready")
 
 
 def _start_zygote(exe: str, layers: int) -> zygote.Zygote:
@@ -195,15 +203,15 @@ def _spawner(zyg: zygote.Zygote) -> execop.Spawner:
     return spawn_in_call
 
 
-def cached_lookup(lookup: Callable[[str | int | None], users.User]) -> Callable[..., users.User]:
+def cached_lookup(lookup: Resolver) -> Resolver:
     """``users.resolve``, each user looked up once per worker.
 
-    A lookup reads the call's ``/etc/passwd`` and ``/etc/group`` (twice per call, each file
-    parsed whole); before a call's files are written these are the image's, on the
-    worker's read-only layers, so the same for every call the worker serves. Users are
-    taken from the image: a call's own files never change who its command runs as.
-    Failed lookups are not kept. Every lookup of a call is made before its files are
-    written (:func:`run_call` also looks up the uid that ``exec`` looks up later).
+    A lookup reads the call's ``/etc/passwd`` and ``/etc/group`` (each file parsed whole);
+    before a call's files are written these are the image's, on the worker's read-only
+    layers, so the same for every call the worker serves. Users are taken from the image:
+    a call's own files never change who its command runs as. Failed lookups are not kept.
+    A call looks its user up once, before its files are written (:func:`run_call`), and
+    ``exec`` gets that user (:func:`pinned`).
     """
     cache: dict[tuple[type, str | int | None], users.User] = {}
 
@@ -215,6 +223,16 @@ def cached_lookup(lookup: Callable[[str | int | None], users.User]) -> Callable[
         return user
 
     return resolve
+
+
+def pinned(user: users.User, resolve: Resolver) -> Resolver:
+    """``resolve``, but the call's own user (by uid, as ``exec`` asks for it) is ``user``:
+    exec runs the command as the user :func:`run_call` checked, without a second lookup."""
+
+    def resolve_pinned(spec: str | int | None) -> users.User:
+        return user if spec == user.uid else resolve(spec)
+
+    return resolve_pinned
 
 
 def _received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
@@ -241,13 +259,15 @@ def _build_base(spec: WorkerSpec) -> None:
     kernel.pivot_root(base)
 
 
-def serve(conn_fd: int, dispatch: bytes, oom_fd: int, spawner: execop.Spawner) -> int:
+def serve(
+    conn_fd: int, dispatch: bytes, oom_fd: int, spawner: execop.Spawner, resolve: Resolver
+) -> int:
     """Run the call the pool handed over and answer it; return the exit code."""
     os.set_inheritable(conn_fd, False)
     conn = Conn(socket.socket(fileno=conn_fd))
     try:
         msg = _loads(dispatch)
-        result = run_call(conn, msg["request"], msg["sandbox"], oom_fd, spawner)
+        result = run_call(conn, msg["request"], msg["sandbox"], oom_fd, spawner, resolve)
         if not conn.answered:
             conn.result(result)
     except AgentError as exc:
@@ -271,11 +291,15 @@ def _loads(data: bytes) -> dict[str, Any]:
 
 
 def run_call(
-    conn: Conn, req: dict[str, Any], sandbox: dict[str, Any], oom_fd: int, spawner: execop.Spawner
+    conn: Conn,
+    req: dict[str, Any],
+    sandbox: dict[str, Any],
+    oom_fd: int,
+    spawner: execop.Spawner,
+    resolve: Resolver = users.resolve,
 ) -> dict[str, Any] | None:
     """Run one ``exec`` request in the call's root, its command as the unprivileged user."""
-    user = users.resolve(req.get("user", UNPRIVILEGED_UID))
-    users.resolve(user.uid)  # as ``exec`` will, by uid: from the image's files, cached
+    user = resolve(req.get("user", UNPRIVILEGED_UID))
     if user.uid == 0:
         raise AgentError(
             "permission_denied",
@@ -296,7 +320,7 @@ def run_call(
     req.pop("files", None)
     req.pop("outputs", None)
     oom_before = _oom_kills(oom_fd) if oom_fd >= 0 else 0  # the cgroup is reused
-    result = execop.op_exec(conn, req, spawner)
+    result = execop.op_exec(conn, req, spawner, pinned(user, resolve))
     assert result is not None
     if outputs is not None:  # as the user: the call cannot read more than it could itself
         with _as_user(user):

@@ -6,10 +6,13 @@
  * worker -> zygote:  first message: the seccomp BPF program (struct sock_filter[]);
  *                    then one message per call: "G" uid gid ngroups groups[] then
  *                    NUL-terminated path, cwd, argc argv[], env[] (all u32 little endian),
- *                    with stdin/stdout/stderr as SCM_RIGHTS; or "D" (discard the child).
+ *                    with stdin/stdout/stderr as SCM_RIGHTS; or "D" (discard the child);
+ *                    after each call's "X": "N" (prepare the next call's process; the
+ *                    worker sends it once the call's answer is out, so building it
+ *                    never competes with the call)
  * zygote -> worker:  "H"           started (the worker pivots only then)
  *                    "R" pid       the next call's process is prepared (its root is built),
- *                                  with its pidfd (after the previous call's "X")
+ *                                  with its pidfd (after the previous call's "X" and "N")
  *                    "S" stage err the call's process exec'd (stage 0) or failed
  *                                  (1 cwd, 2 exec, 3 other, 4 discarded)
  *                    "X" status    the call's command exited (its wait status; that of
@@ -18,8 +21,10 @@
  *
  * A prepared process is pid 1 of new pid, mount, ipc and cgroup namespaces: it mounts a
  * fresh tmpfs on /call, an overlay of the layers over it, its own /proc and /dev, pivots
- * into it and waits.  Per call it forks the command (pid 2: takes its pipes, becomes the
- * user, loads the filter and execs) and stays as the call's init: it forwards the signals
+ * into it and forks the command's process (pid 2), which starts its own session, sets
+ * no_new_privs, loads the seccomp filter and waits (none of it depends on the call, so
+ * all of it is done ahead).  Per call, pid 2 takes its pipes, becomes the user and execs
+ * the command; pid 1 stays as the call's init: it forwards the signals
  * it gets to the command's process group (a command as pid 1 would ignore SIGTERM without
  * a handler), reaps orphans, and when the command exits it kills and reaps all the call
  * started, writes the command's wait status to its status pipe and exits.  The zygote
@@ -143,7 +148,7 @@ static void call_init(pid_t cmd, int status_fd) {
     sigfillset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);  /* taken with sigwaitinfo, never delivered */
     setsid();
-    for (int i = 0; i < 3; i++) close(i);  /* the command's pipes: EOF when it is done */
+    for (int i = 0; i < 3; i++) close(i);  /* the zygote's: the command has its own pipes */
     for (;;) {
         int status;
         pid_t p;
@@ -163,8 +168,20 @@ static void call_init(pid_t cmd, int status_fd) {
     }
 }
 
-/* In the new process: wait for the call, then run it.  Only returns on failure. */
-static void serve(int link, int status_fd) {
+/* pid 2, ahead of the call: what does not depend on the call.  -1 on failure. */
+static int prepare_command(void) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    for (int s = 1; s < 32; s++) signal(s, SIG_DFL);
+    if (setsid() < 0 || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) ||
+        prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0))
+        return -1;
+    return 0;
+}
+
+/* pid 2: wait for the call, then exec its command.  Never returns. */
+static void serve(int link) {
     struct msghdr mh = {0};
     struct iovec iov = {msg, MAX_MSG};
     char cbuf[CMSG_SPACE(3 * sizeof(int))];
@@ -205,26 +222,12 @@ static void serve(int link, int status_fd) {
         if (dup2(fds[i], i) < 0) goto out;
     for (int i = 0; i < 3; i++)
         if (fds[i] > 2) close(fds[i]);
-    pid_t cmd = fork();
-    if (cmd < 0) goto out;
-    if (cmd > 0) {
-        close(link);  /* the command's exec closes the last copy: the zygote sees it */
-        call_init(cmd, status_fd);
-    }
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
-    for (int s = 1; s < 32; s++) signal(s, SIG_DFL);
-    if (setsid() < 0 || setgroups(ng, groups) || setgid(gid) || setuid(uid)) goto out;
+    if (setgroups(ng, groups) || setgid(gid) || setuid(uid)) goto out;
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);  /* setuid reset it */
     rep[0] = 1;
     if (chdir(cwd)) goto out;
-    rep[0] = 3;
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) ||
-        prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0))
-        goto out;
     rep[0] = 2;
-    execve(path, argv, envp);
+    execve(path, argv, envp);  /* closes the link (cloexec): the zygote sees the exec */
 out:
     rep[1] = errno;
     send(link, rep, sizeof rep, MSG_NOSIGNAL);
@@ -253,16 +256,23 @@ static pid_t spawn_next(int *link, int *status_fd) {
         close(st[0]);
         close(WORKER);
         prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
-        char ok = build_root() ? 'E' : 'R';
-        if (ok == 'E') {
+        pid_t cmd = build_root() ? -1 : fork();
+        if (cmd == 0) {
+            close(st[1]);  /* the init reports the status */
+            if (prepare_command() == 0) {
+                send(sp[1], "R", 1, MSG_NOSIGNAL);
+                serve(sp[1]);
+            }
+            cmd = -1;
+        }
+        if (cmd < 0) {
             char text[128];
             int k = snprintf(text, sizeof text, "E%s", strerror(errno));
             send(sp[1], text, (size_t)k, MSG_NOSIGNAL);
             _exit(1);
         }
-        send(sp[1], &ok, 1, MSG_NOSIGNAL);
-        serve(sp[1], st[1]);
-        _exit(127);
+        close(sp[1]);  /* pid 2 holds the link now */
+        call_init(cmd, st[1]);
     }
     close(sp[1]);
     close(st[1]);
@@ -301,6 +311,16 @@ static pid_t await_ready(pid_t pid, int *link) {
     return pid;
 }
 
+/* Prepare the next call's process and tell the worker: its pid (> 0), or -1 (told "E"). */
+static pid_t prepare(int *link, int *status_fd) {
+    pid_t pid = await_ready(spawn_next(link, status_fd), link);
+    if (pid < 0 && *status_fd >= 0) {
+        close(*status_fd);
+        *status_fd = -1;
+    }
+    return pid;
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) return 2;
     layers = atoi(argv[1]);
@@ -315,9 +335,7 @@ int main(int argc, char **argv) {
     filter.len = (unsigned short)(n / sizeof(struct sock_filter));
     filter.filter = (struct sock_filter *)prog;
     int link = -1, status_fd = -1;
-    pid_t next = spawn_next(&link, &status_fd);
-    next = await_ready(next, &link);
-    if (next < 0 && status_fd >= 0) close(status_fd);
+    pid_t next = prepare(&link, &status_fd);
     for (;;) {
         char cbuf[CMSG_SPACE(3 * sizeof(int))];
         struct iovec iov = {msg, MAX_MSG};
@@ -325,7 +343,11 @@ int main(int argc, char **argv) {
                             .msg_controllen = sizeof cbuf};
         n = recvmsg(WORKER, &mh, MSG_CMSG_CLOEXEC);
         if (n <= 0) break;
-        if (next < 0) break;  /* the worker was told (E) and goes away */
+        if (n == 1 && msg[0] == 'N') {
+            if (next == 0) next = prepare(&link, &status_fd);  /* (one is enough) */
+            continue;
+        }
+        if (next <= 0) break;  /* the worker was told (E), or skipped "N" */
         struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
         int nfd = c && c->cmsg_type == SCM_RIGHTS ? (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int)) : 0;
         int fds[3] = {-1, -1, -1};
@@ -354,7 +376,7 @@ int main(int argc, char **argv) {
         status_fd = -1;
         say2("S", rep[0], rep[1]);
         pid_t running = next;
-        next = spawn_next(&link, &status_fd);  /* it builds its root while the call runs */
+        next = 0;  /* the next one is prepared when the worker says "N" */
         int status = 0;
         int32_t w;
         ssize_t got;
@@ -365,11 +387,6 @@ int main(int argc, char **argv) {
         while (waitpid(running, &status, 0) < 0 && errno == EINTR) {
         }
         if (got != (ssize_t)sizeof w) say2("X", status, 0);  /* the init died: killed */
-        next = await_ready(next, &link);
-        if (next < 0 && status_fd >= 0) {
-            close(status_fd);
-            status_fd = -1;
-        }
     }
     if (next > 0) {
         kill(next, SIGKILL);
