@@ -51,6 +51,7 @@ AGENT_READY_TIMEOUT_S = 15.0
 TERMINAL_RETENTION_S = 3600.0
 # A paused sandbox of ``on_timeout="pause"`` is kept this long (then ended), not its timeout.
 PAUSED_KEEP_S = float(MAX_TIMEOUT_S)
+MOVED_TO = "moved to another edge as "  # the error of a sandbox resumed on another edge
 TRAJECTORY_MARK = "dsec.trajectory"  # spec metadata: the trajectory the sandbox is bound to
 TRAJECTORY_EPOCH = "dsec.trajectory.epoch"  # ... and the epoch of that binding
 
@@ -131,6 +132,11 @@ class SandboxManager:
         if rec is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}")
         caller.check(rec)
+        if not rec.live and rec.error.startswith(MOVED_TO):  # the tombstone of a move
+            raise SandboxNotFound(
+                f"sandbox {sandbox_id} was {MOVED_TO}{rec.error.removeprefix(MOVED_TO)}: "
+                "use that id"
+            )
         return rec
 
     def query(
@@ -284,6 +290,22 @@ class SandboxManager:
         if rec.spec.on_timeout == "pause":
             return self._move(rec, Event.RESUME, expires_at=self._clock() + rec.spec.timeout_s)
         return self._move(rec, Event.RESUME)
+
+    async def end_moved(self, sandbox_id: str, moved_to: str, caller: Caller) -> SandboxRecord:
+        """End paused ``sandbox_id``, which now runs on another edge as ``moved_to``; its
+        record stays (TERMINAL_RETENTION_S) as a tombstone: :meth:`get` names the new id.
+
+        Raises:
+            InvalidState: it is not paused any more (resumed here meanwhile): not ended.
+        """
+        rec = self.get(sandbox_id, caller)
+        if rec.state is not State.PAUSED:
+            raise InvalidState(f"sandbox {sandbox_id} is {rec.state.value}, not paused: "
+                               "it stays on this edge")  # fmt: skip
+        rec = self._move(rec, Event.STOP)
+        rec = await self._finish_stop(rec, f"{MOVED_TO}{moved_to}")
+        self._metrics.inc("sandboxes_moved_away")
+        return rec
 
     async def fork(
         self, sandbox_id: str, count: int, caller: Caller, child_ids: Sequence[str] = ()
