@@ -92,6 +92,8 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         assert api.usage()["sandboxes"] == usage
         first.kill()
         second.kill()
+        usage -= 2
+        _until(lambda: api.usage()["sandboxes"] == usage, "the two released")
         api.delete_snapshot(snap.id)
         _until(lambda: not list(b.mem.glob("cache-*")), "the deleted snapshot's cache dropped")
 
@@ -147,7 +149,7 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         assert src.info().state == "paused"
         src.kill()
         _until(lambda: a.leftovers() == [] and b.leftovers() == [], "every file removed")
-        assert api.usage()["sandboxes"] == usage - 1
+        _until(lambda: api.usage()["sandboxes"] == usage - 1, "the moved sandbox released")
     finally:
         for s in (*made, src):
             try:
