@@ -309,3 +309,25 @@ async def test_a_sandbox_moved_away_ends_only_if_paused_and_leaves_a_tombstone(e
         env.manager.get(sid, BOB)  # other projects learn nothing
     [listed] = env.manager.query(ALICE, include_terminated=True)
     assert listed.error == f"moved to another edge as {new}"
+
+
+@pytest.mark.asyncio
+async def test_a_sandbox_being_resumed_here_is_not_ended_by_a_move(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = await env.create()
+    await env.manager.pause(sid, ALICE)
+    go = asyncio.Event()
+    resume = env.backend.resume
+
+    async def slow(sandbox_id: str) -> None:
+        await go.wait()
+        await resume(sandbox_id)
+
+    monkeypatch.setattr(env.backend, "resume", slow)
+    task = asyncio.create_task(env.manager.resume(sid, ALICE))
+    await asyncio.sleep(0.01)
+    with pytest.raises(errors.InvalidState, match="resuming"):
+        await env.manager.end_moved(sid, new_sandbox_id("ffff", os.urandom(13)), ALICE)
+    go.set()
+    assert (await task).state is State.RUNNING

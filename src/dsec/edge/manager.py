@@ -108,6 +108,7 @@ class SandboxManager:
         self._live: dict[str, SandboxRecord] = {}
         self._watch_fds: dict[str, int] = {}
         self._creating: dict[str, asyncio.Event] = {}
+        self._resuming: set[str] = set()  # a move must not end one being resumed here
         self._tasks: set[asyncio.Task[None]] = set()
         socket_root.mkdir(parents=True, exist_ok=True)
         state_root.mkdir(parents=True, exist_ok=True)
@@ -286,7 +287,11 @@ class SandboxManager:
         if rec.state is State.RUNNING:
             return rec
         rec.moved(Event.RESUME)  # raises InvalidState unless paused
-        await self._backends[rec.spec.backend].resume(sandbox_id)
+        self._resuming.add(sandbox_id)
+        try:
+            await self._backends[rec.spec.backend].resume(sandbox_id)
+        finally:
+            self._resuming.discard(sandbox_id)
         if rec.spec.on_timeout == "pause":
             return self._move(rec, Event.RESUME, expires_at=self._clock() + rec.spec.timeout_s)
         return self._move(rec, Event.RESUME)
@@ -299,8 +304,9 @@ class SandboxManager:
             InvalidState: it is not paused any more (resumed here meanwhile): not ended.
         """
         rec = self.get(sandbox_id, caller)
-        if rec.state is not State.PAUSED:
-            raise InvalidState(f"sandbox {sandbox_id} is {rec.state.value}, not paused: "
+        if rec.state is not State.PAUSED or sandbox_id in self._resuming:
+            what = "resuming" if rec.state is State.PAUSED else rec.state.value
+            raise InvalidState(f"sandbox {sandbox_id} is {what}, not paused: "
                                "it stays on this edge")  # fmt: skip
         rec = self._move(rec, Event.STOP)
         rec = await self._finish_stop(rec, f"{MOVED_TO}{moved_to}")
