@@ -137,6 +137,7 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         with pytest.raises(errors.SandboxNotFound, match=src.id):
             Sandbox(old, api).exec("true")
         assert not _sandbox_dir(a, old).exists()
+        assert not list(b.mem.glob("cache-*"))  # a move (and a paused fork) caches nothing
         assert not list(a.mem.glob(f"{old}*"))
 
         # a paused sandbox whose pause snapshot is gone: a clear error, it stays

@@ -139,6 +139,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         child.kill()
         # a fork onto the other edge: a snapshot of the parent, copied, children from it
         started = time.monotonic()
+        cached = sorted(b.mem.glob("cache-*"))
         forked = src.fork(count=1, edge=b.id)
         made += forked
         print(f"fork onto another edge: {time.monotonic() - started:.1f} s")
@@ -146,6 +147,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         assert forked[0].shell("work").run("echo $X").stdout.strip() == "42"
         assert sh.run("echo $X").stdout.strip() == "42"  # the parent goes on
         assert [s.id for s in api.list_snapshots()] == [snap.id]  # none left by the fork
+        assert sorted(b.mem.glob("cache-*")) == cached  # nor kept in the target's cache
         forked[0].kill()
         # the snapshot's edge is full (two sandboxes each): the apiserver copies it over
         moved = Sandbox.from_snapshot(snap.id, timeout=300, client=api)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,7 +41,7 @@ T = TypeVar("T")
 
 async def copy(
     request: web.Request, snapshot_id: str, source: EdgeEntry, target: EdgeEntry, *,
-    sandbox_id: str = "",
+    sandbox_id: str = "", cache: bool = True,
 ) -> pb.SnapshotInfo:  # fmt: skip
     """Copy ``snapshot_id`` (or, ``sandbox_id``, that paused sandbox's pause snapshot)
     from ``source`` to ``target``; returns the copy.
@@ -64,6 +65,11 @@ async def copy(
     async with _from(f"edge {source.edge_id}"):
         async for msg in head:
             manifest = msg.manifest
+    if not cache:  # a one-off copy (a fork's snapshot): the target keeps none of it
+        try:
+            manifest = json.dumps({**json.loads(manifest), "cache": False}).encode()
+        except (ValueError, TypeError):
+            raise Unavailable(f"edge {source.edge_id} sent a bad snapshot manifest") from None
     copy_id = new_snapshot_id(target.edge_id, os.urandom(RANDOM_BYTES))
     call = dst.ImportSnapshot(metadata=md, timeout=TRANSFER_TIMEOUT_S)
     sent = 0
@@ -134,11 +140,13 @@ async def on_edge(
     use: Callable[[str], Awaitable[T]],
     *,
     sandbox_id: str = "",
+    cache: bool = True,
 ) -> T:
     """Copy the snapshot (``sandbox_id``: that paused sandbox's) to ``target``, run
     ``use(copy_id)`` (a create from it) and delete the copy whatever happens (sandboxes
-    started from it keep its files)."""
-    snap = await copy(request, snapshot_id, source, target, sandbox_id=sandbox_id)
+    started from it keep its files). ``cache``: the target keeps the snapshot's files by
+    digest for the next copy of it (not for a snapshot used once)."""
+    snap = await copy(request, snapshot_id, source, target, sandbox_id=sandbox_id, cache=cache)
     try:
         return await use(snap.id)
     finally:
@@ -234,6 +242,6 @@ async def fork_to(
     if paused:
         return await on_edge(request, parent.id, source, target, children, sandbox_id=parent.id)
     try:
-        return await on_edge(request, snap_id, source, target, children)
+        return await on_edge(request, snap_id, source, target, children, cache=False)
     finally:
         await asyncio.shield(_delete(request, source, snap_id))
