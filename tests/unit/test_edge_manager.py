@@ -331,3 +331,20 @@ async def test_a_sandbox_being_resumed_here_is_not_ended_by_a_move(
         await env.manager.end_moved(sid, new_sandbox_id("ffff", os.urandom(13)), ALICE)
     go.set()
     assert (await task).state is State.RUNNING
+
+
+@pytest.mark.asyncio
+async def test_a_paused_sandbox_that_no_longer_fits_is_not_resumed(env: Env) -> None:
+    """Back with less capacity, the edge refuses to resume beside the running ones (the
+    apiserver then resumes a microVM on another edge)."""
+    keep, paused = await env.create(), await env.create()
+    await env.manager.pause(paused, ALICE)
+    env.manager.close()
+    env.manager = env.make(max_sandboxes=1)
+    await env.manager.adopt()
+    assert env.manager.get(paused, ALICE).state is State.PAUSED
+    with pytest.raises(errors.NodeFull):
+        await env.manager.resume(paused, ALICE)
+    assert env.manager.get(paused, ALICE).state is State.PAUSED
+    await env.manager.kill(keep, ALICE)
+    assert (await env.manager.resume(paused, ALICE)).state is State.RUNNING

@@ -282,11 +282,20 @@ class SandboxManager:
         return self._move(rec, Event.PAUSE)
 
     async def resume(self, sandbox_id: str, caller: Caller) -> SandboxRecord:
-        """Thaw a paused sandbox; one of ``on_timeout="pause"`` gets a new timeout."""
+        """Thaw a paused sandbox; one of ``on_timeout="pause"`` gets a new timeout.
+
+        Raises:
+            NodeFull: it no longer fits beside the running ones (the edge came back with
+                less capacity): the apiserver may resume a microVM on another edge.
+        """
         rec = self.get(sandbox_id, caller)
         if rec.state is State.RUNNING:
             return rec
         rec.moved(Event.RESUME)  # raises InvalidState unless paused
+        running = [r for r in self._live.values() if r.state is State.RUNNING]
+        admission.admit(self._capacity, admission.NodeLoad(
+            sandboxes=len(running), cpu=sum(r.spec.cpu for r in running),
+            memory_mb=sum(r.spec.memory_mb for r in running)), rec.spec)  # fmt: skip
         self._resuming.add(sandbox_id)
         try:
             await self._backends[rec.spec.backend].resume(sandbox_id)
