@@ -44,12 +44,20 @@ class Edge:
         self.templates = proc.home / "edge" / "vm-templates"
 
     def leftovers(self) -> list[str]:
-        """Snapshot, template, staging and RAM files on this edge."""
+        """Snapshot, template, staging and RAM files on this edge (not the cache of
+        copies received: ``cache-*``)."""
         out = []
         for d in (self.templates, self.mem, self.home / "edge" / "vm-bases"):
             if d.exists():
-                out += [str(p.relative_to(d)) for p in d.iterdir()]
+                out += [str(p.relative_to(d)) for p in d.iterdir()
+                        if not p.name.startswith("cache-")]  # fmt: skip
         return sorted(out)
+
+    def drop_cache(self) -> None:
+        """Empty the cache of received snapshot files (as its size bound would)."""
+        for p in self.mem.glob("cache-*"):
+            p.unlink()
+        shutil.rmtree(self.home / "edge" / "vm-cache", ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +139,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         child.kill()
         # a fork onto the other edge: a snapshot of the parent, copied, children from it
         started = time.monotonic()
+        cached = sorted(b.mem.glob("cache-*"))
         forked = src.fork(count=1, edge=b.id)
         made += forked
         print(f"fork onto another edge: {time.monotonic() - started:.1f} s")
@@ -138,6 +147,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         assert forked[0].shell("work").run("echo $X").stdout.strip() == "42"
         assert sh.run("echo $X").stdout.strip() == "42"  # the parent goes on
         assert [s.id for s in api.list_snapshots()] == [snap.id]  # none left by the fork
+        assert sorted(b.mem.glob("cache-*")) == cached  # nor kept in the target's cache
         forked[0].kill()
         # the snapshot's edge is full (two sandboxes each): the apiserver copies it over
         moved = Sandbox.from_snapshot(snap.id, timeout=300, client=api)
@@ -157,7 +167,8 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         _until(lambda: b.leftovers() == [], "the copy's files go with its last sandbox")
 
         # a snapshot whose device state (here with the RAM: the source had forked) changed
-        # on the source since it was taken is refused
+        # on the source since it was taken is refused (b no longer has a copy of it)
+        b.drop_cache()
         state = a.templates / snap.id / "state"
         with open(state, "r+b") as f:
             f.seek(4096)

@@ -233,3 +233,13 @@ def test_kill_a_whole_project(api: FakeApi, dsec: Dsec) -> None:
     assert both.exit_code == 2
     assert "not both" in both.stderr
     assert dsec("sandbox", "pause").exit_code == 2
+
+
+def test_resume_on_another_edge_prints_the_new_id(api: FakeApi, dsec: Dsec) -> None:
+    a = api.add_sandbox(state="paused", backend="microvm")
+    res = dsec("sandbox", "resume", a, "--edge", "f00d")
+    assert res.exit_code == 0, res.output
+    [new] = api.sandboxes
+    assert res.stdout.strip() == f"resumed {a} on edge f00d as {new}"
+    assert json.loads(api.requests[-1].content) == {"edge": "f00d"}
+    assert dsec("sandbox", "resume", a, new, "--edge", "f00d").exit_code == 2  # one id only

@@ -281,3 +281,70 @@ async def test_trajectory_epoch_refuses_calls_of_an_earlier_binding(env: Env) ->
     with pytest.raises(errors.TrajectoryBound):
         env.manager.check_epoch(sid, "e2", ALICE)
     assert "dsec.trajectory.epoch" not in env.manager.get(sid, ALICE).spec.metadata
+
+
+@pytest.mark.asyncio
+async def test_a_sandbox_moved_away_ends_only_if_paused_and_leaves_a_tombstone(env: Env) -> None:
+    sid = await env.create()
+    new = new_sandbox_id("ffff", os.urandom(13))
+    with pytest.raises(errors.InvalidState, match="not paused"):
+        await env.manager.end_moved(sid, new, ALICE)  # resumed here meanwhile: it stays
+    assert env.manager.get(sid, ALICE).state is State.RUNNING
+    await env.manager.pause(sid, ALICE)
+    with pytest.raises(errors.SandboxNotFound):
+        await env.manager.end_moved(sid, new, BOB)
+    rec = await env.manager.end_moved(sid, new, ALICE)
+    assert rec.state is State.STOPPED
+    assert env.backend.destroyed == [sid]
+    assert env.ended == [sid]  # the iam release is a no-op: the allocation moved first
+    for call in (
+        lambda: env.manager.get(sid, ALICE),
+        lambda: env.manager.agent_socket(sid, ALICE),
+    ):
+        with pytest.raises(errors.SandboxNotFound, match=f"moved to another edge as {new}"):
+            call()
+    with pytest.raises(errors.SandboxNotFound, match=new):
+        await env.manager.kill(sid, ALICE)
+    with pytest.raises(errors.SandboxNotFound, match=f"^no sandbox {sid}$"):
+        env.manager.get(sid, BOB)  # other projects learn nothing
+    [listed] = env.manager.query(ALICE, include_terminated=True)
+    assert listed.error == f"moved to another edge as {new}"
+
+
+@pytest.mark.asyncio
+async def test_a_sandbox_being_resumed_here_is_not_ended_by_a_move(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = await env.create()
+    await env.manager.pause(sid, ALICE)
+    go = asyncio.Event()
+    resume = env.backend.resume
+
+    async def slow(sandbox_id: str) -> None:
+        await go.wait()
+        await resume(sandbox_id)
+
+    monkeypatch.setattr(env.backend, "resume", slow)
+    task = asyncio.create_task(env.manager.resume(sid, ALICE))
+    await asyncio.sleep(0.01)
+    with pytest.raises(errors.InvalidState, match="resuming"):
+        await env.manager.end_moved(sid, new_sandbox_id("ffff", os.urandom(13)), ALICE)
+    go.set()
+    assert (await task).state is State.RUNNING
+
+
+@pytest.mark.asyncio
+async def test_a_paused_sandbox_that_no_longer_fits_is_not_resumed(env: Env) -> None:
+    """Back with less capacity, the edge refuses to resume beside the running ones (the
+    apiserver then resumes a microVM on another edge)."""
+    keep, paused = await env.create(), await env.create()
+    await env.manager.pause(paused, ALICE)
+    env.manager.close()
+    env.manager = env.make(max_sandboxes=1)
+    await env.manager.adopt()
+    assert env.manager.get(paused, ALICE).state is State.PAUSED
+    with pytest.raises(errors.NodeFull):
+        await env.manager.resume(paused, ALICE)
+    assert env.manager.get(paused, ALICE).state is State.PAUSED
+    await env.manager.kill(keep, ALICE)
+    assert (await env.manager.resume(paused, ALICE)).state is State.RUNNING

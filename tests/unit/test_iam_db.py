@@ -202,6 +202,36 @@ def test_release_by_edge_only_its_own(db: IamDb) -> None:
     assert db.release(sid("ab12", 1), edge_id="ab12") is not None
 
 
+def test_a_moved_sandbox_keeps_its_one_allocation(db: IamDb, clock: Clock) -> None:
+    """Resuming on another edge renames the allocation: usage never changes, even at a
+    full quota, and the new edge's reconcile grace covers it."""
+    db.put_project(Project("p", 1, 0, 0))
+    old, new = sid("ab12", 1), sid("cd34", 2)
+    db.admit("p", old, 1, 64)
+    with pytest.raises(e.QuotaExceeded):
+        db.admit("p", new, 1, 64)  # admitting the moved one as a second would not fit
+    clock.now += 60
+    moved = db.move_allocation(old, new)
+    assert (moved.sandbox_id, moved.edge_id, moved.memory_mb) == (new, "cd34", 64)
+    assert db.usage("p").sandboxes == 1
+    assert {a.sandbox_id for a in db.allocations()} == {new}
+    assert db.move_allocation(old, new).sandbox_id == new  # idempotent
+    assert db.reconcile("cd34", [], grace_s=30) == []  # young again on its new edge
+    assert db.reconcile("ab12", [], grace_s=30) == []
+    db.move_allocation(new, old)  # a failed move gives it back
+    assert {a.sandbox_id for a in db.allocations()} == {old}
+    with pytest.raises(e.NotFound):
+        db.move_allocation(sid("ab12", 9), sid("cd34", 9))
+    db.put_project(Project("p", 0, 0, 0))
+    db.admit("p", new, 1, 64)
+    with pytest.raises(e.AlreadyExists):
+        db.move_allocation(old, new)
+    with pytest.raises(e.InvalidArgument):
+        db.move_allocation(old, "nope")
+    with pytest.raises(e.InvalidArgument):
+        db.move_allocation(old, old)
+
+
 def test_reconcile_drops_dead_allocations_after_grace(db: IamDb, clock: Clock) -> None:
     db.put_project(Project("p", 0, 0, 0))
     for i in range(3):

@@ -76,5 +76,6 @@ def test_async_methods_are_awaitable_or_async_iterators(sync_cls: type, async_cl
 
 
 def test_instance_attributes_match() -> None:
-    assert {"files", "processes", "pty"} <= set(sdk.Sandbox.__init__.__code__.co_names)
-    assert {"files", "processes", "pty"} <= set(sdk.AsyncSandbox.__init__.__code__.co_names)
+    for cls in (sdk.Sandbox, sdk.AsyncSandbox):  # set in __init__ (through _bind)
+        assert "_bind" in cls.__init__.__code__.co_names
+        assert {"files", "processes", "pty"} <= set(cls._bind.__code__.co_names)

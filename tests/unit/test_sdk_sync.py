@@ -267,3 +267,14 @@ def test_batch_sandboxes_one_result_each() -> None:
         client.batch_sandboxes("kill")
     with pytest.raises(errors.InvalidArgument, match="not one string"):
         client.batch_sandboxes("kill", ids=sid)
+
+
+def test_resume_on_another_edge_takes_the_new_id(api: FakeApi, client: Client) -> None:
+    old = api.add_sandbox(state="paused", backend="microvm")
+    sbx = client.sandbox(old)
+    info = sbx.resume(edge="f00d")
+    assert info.edge_id == "f00d"
+    assert sbx.id == info.id != old
+    sbx.files.write("/a.txt", b"x")  # the runtime objects follow the new id
+    assert [r.url.path for r in api.requests][-1].startswith(f"/v1/sandboxes/{info.id}/")
+    assert sbx.info().id == info.id

@@ -275,7 +275,8 @@ class _Backend:
         assert self.export is not None
         return self.export
 
-    def snapshot_importer(self, copy_id: str, manifest: dict[str, Any], image: str) -> sc.Importer:
+    def snapshot_importer(self, copy_id: str, manifest: dict[str, Any], image: str, *,
+                          source: str = "", keep: bool = True) -> sc.Importer:  # fmt: skip
         return _importer(self.root, manifest, copy_id)
 
     def import_commit(self, imp: sc.Importer, source_sandbox: str) -> int:

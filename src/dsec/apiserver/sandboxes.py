@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
-from dsec.apiserver import audit, snapshot_copy
+from dsec.apiserver import audit, sandbox_move, snapshot_copy
 from dsec.apiserver.admission import admit_and_create, release
 from dsec.apiserver.auth import PLATFORM
 from dsec.apiserver.context import ctx, json_body, ok, principal, sandbox_id
@@ -126,8 +126,37 @@ async def pause(request: web.Request) -> web.Response:
 
 
 async def resume(request: web.Request) -> web.Response:
-    """Thaw a paused sandbox."""
-    return await _on_sandbox(request, "member", "ResumeSandbox")
+    """Thaw a paused sandbox. ``{"edge": E}`` (or, for a microVM, its own edge being full)
+    resumes it on that edge instead, under a new id (``sandbox_move``)."""
+    c, p, sid = ctx(request), principal(request), sandbox_id(request)
+    p.require("member")
+    body = await json_body(request)
+    if set(body) - {"edge"}:
+        raise InvalidArgument(f"resume takes only 'edge', not {', '.join(sorted(set(body)))}")
+    target = body.get("edge") or ""
+    if not isinstance(target, str):
+        raise InvalidArgument("'edge' must be an edge id")
+    stub = await c.upstream.edge_for(sid)
+    ref = pb.SandboxRef(sandbox_id=sid)
+    if target and target != edge_of(sid):
+        info = await rpc("edge", stub.GetSandbox(ref, metadata=p.metadata(), timeout=10))
+        entry = await snapshot_copy.edge_entry(request, target)
+        return ok(info_json(await sandbox_move.resume_on(request, info, entry)))
+    try:
+        info = await rpc("edge", stub.ResumeSandbox(ref, metadata=p.metadata(), timeout=60))
+    except NodeFull as full:
+        info = await rpc("edge", stub.GetSandbox(ref, metadata=p.metadata(), timeout=10))
+        if info.spec.backend != "microvm":
+            raise
+        others = [e for e in await c.upstream.edges() if e.edge_id != info.edge_id]
+        try:
+            there = c.upstream.placement.order(
+                others, info.spec.backend, info.spec.memory_mb, limit=1
+            )
+        except Unavailable:
+            raise full from None
+        info = await sandbox_move.resume_on(request, info, there[0])
+    return ok(info_json(info))
 
 
 BATCH_VERBS = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,7 +29,7 @@ from aiohttp import web
 from dsec.apiserver.context import ctx, principal
 from dsec.apiserver.upstream import EdgeEntry, rpc
 from dsec.core.errors import DsecError, InvalidArgument, Unavailable
-from dsec.core.ids import RANDOM_BYTES, new_snapshot_id
+from dsec.core.ids import RANDOM_BYTES, new_snapshot_id, snapshot_edge_of
 from dsec.core.spec import SandboxSpec
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.convert import spec_json
@@ -39,9 +40,11 @@ T = TypeVar("T")
 
 
 async def copy(
-    request: web.Request, snapshot_id: str, source: EdgeEntry, target: EdgeEntry
-) -> pb.SnapshotInfo:
-    """Copy ``snapshot_id`` from ``source`` to ``target``; returns the copy.
+    request: web.Request, snapshot_id: str, source: EdgeEntry, target: EdgeEntry, *,
+    sandbox_id: str = "", cache: bool = True,
+) -> pb.SnapshotInfo:  # fmt: skip
+    """Copy ``snapshot_id`` (or, ``sandbox_id``, that paused sandbox's pause snapshot)
+    from ``source`` to ``target``; returns the copy.
 
     Raises:
         Unavailable: the source edge failed or went away during the transfer.
@@ -53,12 +56,20 @@ async def copy(
     src = c.upstream.edge_stub(source)
     dst = c.upstream.edge_stub(target)
     started = time.perf_counter()
-    head = src.ExportSnapshot(pb.ExportSnapshotRequest(snapshot_id=snapshot_id), metadata=md,
-                              timeout=120)  # fmt: skip
+    head = src.ExportSnapshot(
+        pb.ExportSnapshotRequest(snapshot_id=snapshot_id, sandbox_id=sandbox_id),
+        metadata=md,
+        timeout=120,
+    )
     manifest = b""
     async with _from(f"edge {source.edge_id}"):
         async for msg in head:
             manifest = msg.manifest
+    if not cache:  # a one-off copy (a fork's snapshot): the target keeps none of it
+        try:
+            manifest = json.dumps({**json.loads(manifest), "cache": False}).encode()
+        except (ValueError, TypeError):
+            raise Unavailable(f"edge {source.edge_id} sent a bad snapshot manifest") from None
     copy_id = new_snapshot_id(target.edge_id, os.urandom(RANDOM_BYTES))
     call = dst.ImportSnapshot(metadata=md, timeout=TRANSFER_TIMEOUT_S)
     sent = 0
@@ -68,7 +79,9 @@ async def copy(
             want = await _event(call)
         if want.want:
             files = src.ExportSnapshot(
-                pb.ExportSnapshotRequest(snapshot_id=snapshot_id, files=list(want.want)),
+                pb.ExportSnapshotRequest(
+                    snapshot_id=snapshot_id, files=list(want.want), sandbox_id=sandbox_id
+                ),
                 metadata=md,
                 timeout=TRANSFER_TIMEOUT_S,
             )
@@ -125,10 +138,15 @@ async def on_edge(
     source: EdgeEntry,
     target: EdgeEntry,
     use: Callable[[str], Awaitable[T]],
+    *,
+    sandbox_id: str = "",
+    cache: bool = True,
 ) -> T:
-    """Copy the snapshot to ``target``, run ``use(copy_id)`` (a create from it) and delete
-    the copy whatever happens (sandboxes started from it keep its files)."""
-    snap = await copy(request, snapshot_id, source, target)
+    """Copy the snapshot (``sandbox_id``: that paused sandbox's) to ``target``, run
+    ``use(copy_id)`` (a create from it) and delete the copy whatever happens (sandboxes
+    started from it keep its files). ``cache``: the target keeps the snapshot's files by
+    digest for the next copy of it (not for a snapshot used once)."""
+    snap = await copy(request, snapshot_id, source, target, sandbox_id=sandbox_id, cache=cache)
     try:
         return await use(snap.id)
     finally:
@@ -145,6 +163,22 @@ async def _delete(request: web.Request, target: EdgeEntry, copy_id: str) -> None
                 pb.SnapshotRef(snapshot_id=copy_id), metadata=p.metadata(), timeout=60
             ),
         )
+
+
+async def drop_copies(request: web.Request, snapshot_id: str) -> None:
+    """Ask every other healthy edge to drop its cached copy of deleted ``snapshot_id``
+    (best effort: an edge that misses it drops the files under its cache bound)."""
+    c, p = ctx(request), principal(request)
+    req = pb.SnapshotRef(snapshot_id=snapshot_id)
+
+    async def one(e: EdgeEntry) -> None:
+        with contextlib.suppress(DsecError):
+            stub = c.upstream.edge_stub(e)
+            await rpc(f"edge {e.edge_id}", stub.DropSnapshotCopies(req, metadata=p.metadata(),
+                                                                   timeout=10))  # fmt: skip
+
+    edges = [e for e in await c.upstream.edges() if e.healthy]
+    await asyncio.gather(*(one(e) for e in edges if e.edge_id != snapshot_edge_of(snapshot_id)))
 
 
 async def edge_entry(request: web.Request, edge_id: str) -> EdgeEntry:
@@ -167,17 +201,20 @@ async def fork_to(
     """Fork ``count`` children of the running microVM ``parent`` onto ``target``: a full
     snapshot of the parent on its edge (it keeps running), copied to ``target``, each child
     admitted by iam and started from the copy; the snapshot and the copy are deleted after.
+    A paused ``parent`` needs no snapshot: its pause snapshot is copied (it stays paused).
     A failure leaves no child and no snapshot."""
     from dsec.apiserver.admission import admit_and_create
 
     c, p = ctx(request), principal(request)
     source = await edge_entry(request, parent.edge_id)
     stub = c.upstream.edge_stub(source)
+    paused = parent.state == "paused"
     snap_id = new_snapshot_id(source.edge_id, os.urandom(RANDOM_BYTES))
-    take = pb.CreateSnapshotRequest(sandbox_id=parent.id, snapshot_id=snap_id, name="fork",
-                                    mode="full")  # fmt: skip
-    await rpc(f"edge {source.edge_id}", stub.CreateSnapshot(take, metadata=p.metadata(),
-                                                            timeout=300))  # fmt: skip
+    if not paused:
+        take = pb.CreateSnapshotRequest(sandbox_id=parent.id, snapshot_id=snap_id,
+                                        name="fork", mode="full")  # fmt: skip
+        await rpc(f"edge {source.edge_id}", stub.CreateSnapshot(take, metadata=p.metadata(),
+                                                                timeout=300))  # fmt: skip
     d = spec_json(parent.spec)
     if timeout_s is not None:
         d["timeout_s"] = timeout_s
@@ -202,7 +239,9 @@ async def fork_to(
             raise
         return out
 
+    if paused:
+        return await on_edge(request, parent.id, source, target, children, sandbox_id=parent.id)
     try:
-        return await on_edge(request, snap_id, source, target, children)
+        return await on_edge(request, snap_id, source, target, children, cache=False)
     finally:
         await asyncio.shield(_delete(request, source, snap_id))

@@ -145,6 +145,7 @@ async def delete_snapshot(request: web.Request) -> web.Response:
     req = pb.SnapshotRef(snapshot_id=snap_id)
     info = await rpc("edge", stub.DeleteSnapshot(req, metadata=p.metadata(), timeout=60))
     request["audit_project"] = info.project
+    await snapshot_copy.drop_copies(request, snap_id)
     return ok(snapshot_json(info))
 
 

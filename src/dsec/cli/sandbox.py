@@ -226,10 +226,29 @@ def pause(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> N
 @sandbox_group.command("resume")
 @click.argument("sandbox_ids", nargs=-1, metavar="[ID...]")
 @click.option("--project", default=None, help=PROJECT_HELP)
+@click.option(
+    "--edge",
+    default=None,
+    metavar="EDGE",
+    help="Resume one paused microVM on this edge (it moves there under a new id).",
+)
 @json_option
-def resume(sandbox_ids: tuple[str, ...], project: str | None, as_json: bool) -> None:
+def resume(
+    sandbox_ids: tuple[str, ...], project: str | None, edge: str | None, as_json: bool
+) -> None:
     """Thaw paused sandboxes."""
-    _batch("resume", "resumed", sandbox_ids, project, as_json, single_object=True)
+    if edge is None:
+        _batch("resume", "resumed", sandbox_ids, project, as_json, single_object=True)
+        return
+    if len(sandbox_ids) != 1 or project is not None:
+        raise click.UsageError("--edge resumes one sandbox: give exactly one id")
+    old = sandbox_ids[0]
+    with stderr().status(f"moving {old} to edge {edge} (copying its memory snapshot)..."):
+        moved = state().client().sandbox(old).resume(edge=edge)
+    if as_json:
+        print_json(moved)
+    else:
+        click.echo(f"resumed {old} on edge {moved.edge_id} as {moved.id}")
 
 
 @sandbox_group.command("network")

@@ -51,6 +51,7 @@ AGENT_READY_TIMEOUT_S = 15.0
 TERMINAL_RETENTION_S = 3600.0
 # A paused sandbox of ``on_timeout="pause"`` is kept this long (then ended), not its timeout.
 PAUSED_KEEP_S = float(MAX_TIMEOUT_S)
+MOVED_TO = "moved to another edge as "  # the error of a sandbox resumed on another edge
 TRAJECTORY_MARK = "dsec.trajectory"  # spec metadata: the trajectory the sandbox is bound to
 TRAJECTORY_EPOCH = "dsec.trajectory.epoch"  # ... and the epoch of that binding
 
@@ -107,6 +108,7 @@ class SandboxManager:
         self._live: dict[str, SandboxRecord] = {}
         self._watch_fds: dict[str, int] = {}
         self._creating: dict[str, asyncio.Event] = {}
+        self._resuming: set[str] = set()  # a move must not end one being resumed here
         self._tasks: set[asyncio.Task[None]] = set()
         socket_root.mkdir(parents=True, exist_ok=True)
         state_root.mkdir(parents=True, exist_ok=True)
@@ -131,6 +133,11 @@ class SandboxManager:
         if rec is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}")
         caller.check(rec)
+        if not rec.live and rec.error.startswith(MOVED_TO):  # the tombstone of a move
+            raise SandboxNotFound(
+                f"sandbox {sandbox_id} was {MOVED_TO}{rec.error.removeprefix(MOVED_TO)}: "
+                "use that id"
+            )
         return rec
 
     def query(
@@ -275,15 +282,45 @@ class SandboxManager:
         return self._move(rec, Event.PAUSE)
 
     async def resume(self, sandbox_id: str, caller: Caller) -> SandboxRecord:
-        """Thaw a paused sandbox; one of ``on_timeout="pause"`` gets a new timeout."""
+        """Thaw a paused sandbox; one of ``on_timeout="pause"`` gets a new timeout.
+
+        Raises:
+            NodeFull: it no longer fits beside the running ones (the edge came back with
+                less capacity): the apiserver may resume a microVM on another edge.
+        """
         rec = self.get(sandbox_id, caller)
         if rec.state is State.RUNNING:
             return rec
         rec.moved(Event.RESUME)  # raises InvalidState unless paused
-        await self._backends[rec.spec.backend].resume(sandbox_id)
+        running = [r for r in self._live.values() if r.state is State.RUNNING]
+        admission.admit(self._capacity, admission.NodeLoad(
+            sandboxes=len(running), cpu=sum(r.spec.cpu for r in running),
+            memory_mb=sum(r.spec.memory_mb for r in running)), rec.spec)  # fmt: skip
+        self._resuming.add(sandbox_id)
+        try:
+            await self._backends[rec.spec.backend].resume(sandbox_id)
+        finally:
+            self._resuming.discard(sandbox_id)
         if rec.spec.on_timeout == "pause":
             return self._move(rec, Event.RESUME, expires_at=self._clock() + rec.spec.timeout_s)
         return self._move(rec, Event.RESUME)
+
+    async def end_moved(self, sandbox_id: str, moved_to: str, caller: Caller) -> SandboxRecord:
+        """End paused ``sandbox_id``, which now runs on another edge as ``moved_to``; its
+        record stays (TERMINAL_RETENTION_S) as a tombstone: :meth:`get` names the new id.
+
+        Raises:
+            InvalidState: it is not paused any more (resumed here meanwhile): not ended.
+        """
+        rec = self.get(sandbox_id, caller)
+        if rec.state is not State.PAUSED or sandbox_id in self._resuming:
+            what = "resuming" if rec.state is State.PAUSED else rec.state.value
+            raise InvalidState(f"sandbox {sandbox_id} is {what}, not paused: "
+                               "it stays on this edge")  # fmt: skip
+        rec = self._move(rec, Event.STOP)
+        rec = await self._finish_stop(rec, f"{MOVED_TO}{moved_to}")
+        self._metrics.inc("sandboxes_moved_away")
+        return rec
 
     async def fork(
         self, sandbox_id: str, count: int, caller: Caller, child_ids: Sequence[str] = ()

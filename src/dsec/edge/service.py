@@ -302,7 +302,10 @@ class EdgeService(pb_grpc.EdgeServicer):
         self, request: pb.ExportSnapshotRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.SnapshotChunk]:
         files = list(request.files)
-        async for chunk in self._transfer.export(request.snapshot_id, files, caller_of(context)):
+        caller = caller_of(context)
+        async for chunk in self._transfer.export(
+            request.snapshot_id, files, caller, sandbox_id=request.sandbox_id
+        ):
             yield chunk
 
     async def ImportSnapshot(
@@ -312,6 +315,19 @@ class EdgeService(pb_grpc.EdgeServicer):
     ) -> AsyncIterator[pb.ImportSnapshotEvent]:
         async for event in self._transfer.import_(request_iterator, caller_of(context)):
             yield event
+
+    async def EndMovedSandbox(
+        self, request: pb.MovedSandbox, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SandboxInfo:
+        caller = caller_of(context)
+        rec = await self._m.end_moved(request.sandbox_id, request.moved_to, caller)
+        return info_to_pb(rec, self._m.edge_id)
+
+    async def DropSnapshotCopies(
+        self, request: pb.SnapshotRef, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.Empty:
+        await self._transfer.drop_copies(request.snapshot_id)
+        return pb.Empty()
 
     async def ResumeSandbox(
         self, request: pb.SandboxRef, context: grpc.aio.ServicerContext[Any, Any]

@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from dsec.core.errors import AlreadyExists, InvalidArgument, PermissionDenied
+from dsec.core.errors import AlreadyExists, InvalidArgument, InvalidState, PermissionDenied
 from dsec.core.ids import snapshot_edge_of
+from dsec.core.lifecycle import State
 from dsec.edge.manager import Caller
 from dsec.edge.named_snapshots import NamedSnapshots, SnapshotRecord
 from dsec.obs import log
@@ -43,18 +44,26 @@ class SnapshotTransfer:
         return backend
 
     async def export(
-        self, snapshot_id: str, files: list[str], caller: Caller
+        self, snapshot_id: str, files: list[str], caller: Caller, *, sandbox_id: str = ""
     ) -> AsyncIterator[pb.SnapshotChunk]:
-        rec = self._s.get(snapshot_id, caller)
-        if rec.mode != "full":
-            raise InvalidArgument(
-                f"snapshot {snapshot_id} is a {rec.mode} snapshot: only full ones are copied "
-                "(a filesystem snapshot is an image: push and pull it)"
-            )
-        backend = self._backend(rec.backend)
-        exp = await asyncio.to_thread(backend.export_snapshot, snapshot_id)
+        """``sandbox_id``: send that paused sandbox's pause snapshot (to resume it on
+        another edge) instead of named snapshot ``snapshot_id``."""
+        if sandbox_id:
+            rec, exp = await self._paused(sandbox_id, caller)
+            snapshot_id = sandbox_id
+        else:
+            rec = self._s.get(snapshot_id, caller)
+            if rec.mode != "full":
+                raise InvalidArgument(
+                    f"snapshot {snapshot_id} is a {rec.mode} snapshot: only full ones are "
+                    "copied (a filesystem snapshot is an image: push and pull it)"
+                )
+            backend = self._backend(rec.backend)
+            exp = await asyncio.to_thread(backend.export_snapshot, snapshot_id)
         if not files:
-            doc = {"record": json.loads(rec.to_json()), "backend": exp.manifest}
+            # a paused sandbox's files are sent once: the target does not cache them
+            doc = {"record": json.loads(rec.to_json()), "backend": exp.manifest,
+                   "cache": not sandbox_id}  # fmt: skip
             yield pb.SnapshotChunk(manifest=json.dumps(doc).encode())
             return
         from dsec.edge.backends.microvm.snapshot_copy import chunks
@@ -72,6 +81,20 @@ class SnapshotTransfer:
         log(_log, "snapshot sent", snapshot=snapshot_id, files=len(files), bytes=sent,
             ms=round((time.perf_counter() - started) * 1000, 1))  # fmt: skip
 
+    async def _paused(self, sandbox_id: str, caller: Caller) -> tuple[SnapshotRecord, Any]:
+        """A snapshot record for paused ``sandbox_id`` and its pause snapshot's export."""
+        sbx = self._s._m.get(sandbox_id, caller)
+        if sbx.state is not State.PAUSED:
+            raise InvalidState(
+                f"sandbox {sandbox_id} is {sbx.state.value}: only a paused one moves"
+            )
+        backend = self._backend(sbx.spec.backend)
+        exp = await asyncio.to_thread(backend.export_paused, sandbox_id)
+        rec = SnapshotRecord(id=sandbox_id, name="paused", project=sbx.project, owner=sbx.owner,
+                             source_sandbox=sandbox_id, backend=sbx.spec.backend, mode="full",
+                             size_bytes=0, created_at=time.time(), spec=sbx.spec)  # fmt: skip
+        return rec, exp
+
     async def import_(
         self, requests: AsyncIterator[pb.SnapshotChunk], caller: Caller
     ) -> AsyncIterator[pb.ImportSnapshotEvent]:
@@ -85,6 +108,7 @@ class SnapshotTransfer:
             doc = json.loads(first.manifest)
             src = SnapshotRecord.from_json(json.dumps(doc["record"]))
             manifest = doc["backend"]
+            keep = bool(doc.get("cache", True))
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidArgument(f"bad snapshot transfer manifest: {exc}") from None
         if not caller.covers(src.project):
@@ -93,7 +117,9 @@ class SnapshotTransfer:
             raise AlreadyExists(f"snapshot {copy_id} already exists")
         backend = self._backend(src.backend)
         started = time.perf_counter()
-        imp = await asyncio.to_thread(backend.snapshot_importer, copy_id, manifest, src.spec.image)
+        imp = await asyncio.to_thread(
+            backend.snapshot_importer, copy_id, manifest, src.spec.image, source=src.id, keep=keep
+        )
         try:
             yield pb.ImportSnapshotEvent(want=imp.want)
             received, ended = 0, False
@@ -119,7 +145,17 @@ class SnapshotTransfer:
             await asyncio.shield(self._s._drop_data(rec))
             raise
         log(_log, "snapshot received", snapshot=copy_id, source=src.id, files=len(imp.want),
-            bytes=received, ms=round((time.perf_counter() - started) * 1000, 1))  # fmt: skip
+            cached=len(imp.cached), bytes=received,
+            ms=round((time.perf_counter() - started) * 1000, 1))  # fmt: skip
         from dsec.edge.service import snapshot_to_pb
 
         yield pb.ImportSnapshotEvent(snapshot=snapshot_to_pb(rec, self._s._m.edge_id))
+
+    async def drop_copies(self, snapshot_id: str) -> None:
+        """Forget the cached files of ``snapshot_id``, deleted on its edge."""
+        for backend in list(self._s._m._backends.values()):
+            dropper = getattr(backend, "drop_copies", None)
+            if dropper is not None:
+                n = await asyncio.to_thread(dropper, snapshot_id)
+                if n:
+                    log(_log, "snapshot copies dropped", snapshot=snapshot_id, files=n)

@@ -51,7 +51,7 @@ from dsec.core.errors import (
 from dsec.core.ids import edge_of, is_sandbox_id, parse_api_key, validate_edge_id
 from dsec.iam.audit import AuditQuery
 from dsec.iam.keys import hash_secret, new_api_key, secret_matches
-from dsec.iam.quotas import check_admission, check_quota
+from dsec.iam.quotas import check_admission, check_move, check_quota
 from dsec.iam.records import (
     DEFAULT_PROJECT,
     DEFAULT_QUOTA,
@@ -630,6 +630,27 @@ class KvIam:
             return alloc
 
         result: Allocation | None = await self._atomic(fn)
+        return result
+
+    async def move_allocation(self, old: str, new: str) -> Allocation:
+        check_move(old, new)
+
+        async def fn(stm: Stm) -> Allocation:
+            have_old = await stm.get(_alloc_key(old))
+            have_new = await stm.get(_alloc_key(new))
+            if have_old is not None and have_new is not None:
+                raise AlreadyExists(f"sandboxes {old} and {new} both hold an allocation")
+            if have_new is not None:
+                return _alloc(new, _load(have_new))
+            if have_old is None:
+                raise NotFound(f"sandbox {old} holds no allocation")
+            # created now: the new edge's reconcile grace covers it as for an admission
+            rec = {**_load(have_old), "t": self._clock()}
+            stm.delete(_alloc_key(old))
+            stm.put(_alloc_key(new), _dump(rec))
+            return _alloc(new, rec)
+
+        result: Allocation = await self._atomic(fn)
         return result
 
     async def reconcile(self, edge_id: str, live: Sequence[str], grace_s: float) -> list[str]:

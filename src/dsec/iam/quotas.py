@@ -191,6 +191,30 @@ class QuotasMixin:
             db.execute("DELETE FROM allocations WHERE sandbox_id = ?", (sandbox_id,))
         return alloc
 
+    def move_allocation(self, old: str, new: str) -> Allocation:
+        """Give sandbox ``old``'s allocation to ``new`` (the same sandbox, moved to another
+        edge): one row renamed, so the usage never changes. Idempotent.
+
+        Raises:
+            InvalidArgument: a malformed id.
+            NotFound: neither id has an allocation.
+            AlreadyExists: both have one.
+        """
+        check_move(old, new)
+        with self._write() as db:
+            rows = {str(r[0]): _alloc(r) for r in db.execute(
+                f"{_ALLOC_SELECT} WHERE sandbox_id IN (?, ?)", (old, new)).fetchall()}  # fmt: skip
+            if old in rows and new in rows:
+                raise AlreadyExists(f"sandboxes {old} and {new} both hold an allocation")
+            if new in rows:
+                return rows[new]
+            if old not in rows:
+                raise NotFound(f"sandbox {old} holds no allocation")
+            now = self._clock()  # the new edge's reconcile grace covers it as an admission
+            db.execute("UPDATE allocations SET sandbox_id = ?, edge_id = ?, created_at = ? "
+                       "WHERE sandbox_id = ?", (new, edge_of(new), now, old))  # fmt: skip
+        return replace(rows[old], sandbox_id=new, edge_id=edge_of(new), created_at=now)
+
     def reconcile(self, edge_id: str, live: Sequence[str], grace_s: float) -> list[str]:
         """Drop allocations of ``edge_id`` whose sandbox is not in ``live``.
 
@@ -304,6 +328,14 @@ def check_admission(a: Admission) -> int:
     if a.cpu < 0 or a.memory_mb < 0:
         raise InvalidArgument("cpu and memory_mb must be >= 0")
     return milli(a.cpu)
+
+
+def check_move(old: str, new: str) -> None:
+    for sid in (old, new):
+        if not is_sandbox_id(sid):
+            raise InvalidArgument(f"malformed sandbox id {sid!r}")
+    if old == new:
+        raise InvalidArgument("a sandbox moves to a new id")
 
 
 def check_quota(

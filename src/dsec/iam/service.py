@@ -184,6 +184,11 @@ class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
             self._metrics.inc("releases")
         return pb.Empty()
 
+    async def MoveAllocation(self, request: pb.MoveAllocationRequest, context: _Ctx) -> pb.Empty:
+        await self._state.move_allocation(request.from_sandbox_id, request.to_sandbox_id)
+        self._metrics.inc("allocations_moved")
+        return pb.Empty()
+
     async def Reconcile(self, request: pb.ReconcileRequest, context: _Ctx) -> pb.Empty:
         peer = peer_identity(context)
         if peer.role == "edge" and peer.name != request.edge_id:

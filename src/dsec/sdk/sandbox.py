@@ -383,6 +383,11 @@ class Sandbox:
         self._client = client
         self._t = client.transport
         self._owns_client = owns_client
+        self._bind(sandbox_id)
+
+    def _bind(self, sandbox_id: str) -> None:
+        """Address ``sandbox_id`` from now on (a sandbox moved to another edge)."""
+        self._id = sandbox_id
         self.files = Files(sandbox_id, self._t)
         self.processes = Processes(sandbox_id, self._t)
         self.pty = Ptys(sandbox_id, self._t)
@@ -538,8 +543,14 @@ class Sandbox:
         """Freeze every process in the sandbox; runtime calls fail until :meth:`resume`."""
         return self._t.call(wire.pause_sandbox(self._id))
 
-    def resume(self) -> SandboxInfo:
-        return self._t.call(wire.resume_sandbox(self._id))
+    def resume(self, *, edge: str | None = None) -> SandboxInfo:
+        """Resume this paused sandbox. ``edge``: on that edge (microvm; also done when its
+        own edge is full): it moves there under a new id, which this object takes on; the
+        old id answers 404 naming the new one."""
+        info = self._t.call(wire.resume_sandbox(self._id, edge))
+        if info.id != self._id:
+            self._bind(info.id)
+        return info
 
     def bind_trajectory(
         self, trajectory: str, *, on_mismatch: str = "diverge", checkpoint_every: int = 0

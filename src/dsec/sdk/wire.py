@@ -251,8 +251,14 @@ def pause_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
     return Call(json_request("POST", sandbox_path(sandbox_id) + "/pause"), SandboxInfo.from_wire)
 
 
-def resume_sandbox(sandbox_id: str) -> Call[SandboxInfo]:
-    return Call(json_request("POST", sandbox_path(sandbox_id) + "/resume"), SandboxInfo.from_wire)
+def resume_sandbox(sandbox_id: str, edge: str | None = None) -> Call[SandboxInfo]:
+    """``POST /v1/sandboxes/{id}/resume``; ``edge``: resume it on that edge (a microVM moves
+    there under a new id, the answer's)."""
+    path = sandbox_path(sandbox_id) + "/resume"
+    if edge is None:
+        return Call(json_request("POST", path), SandboxInfo.from_wire)
+    return Call(json_request("POST", path, {"edge": edge}, timeout=CREATE_TIMEOUT_S),
+                SandboxInfo.from_wire)  # fmt: skip
 
 
 BATCH_ACTIONS = ("pause", "resume", "kill")

@@ -205,6 +205,11 @@ class FakeApi:
             if m == "DELETE":
                 info["state"] = "stopped"
             return _ok(info)
+        if rest == ["resume"] and body.get("edge"):  # a move: the same sandbox, a new id
+            new = self.add_sandbox(**info["spec"])
+            self.sandboxes[new].info["edge_id"] = body["edge"]
+            del self.sandboxes[parts[1]]
+            return _ok(self.sandboxes[new].info)
         if rest == ["timeout"]:
             info["expires_at"] = 1_700_000_000.0 + body["timeout_s"]
             return _ok(info)

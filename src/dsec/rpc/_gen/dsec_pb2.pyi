@@ -999,12 +999,38 @@ class EdgeStatus(_message.Message):
 Global___EdgeStatus: _TypeAlias = EdgeStatus  # noqa: Y015
 
 @_typing.final
+class MovedSandbox(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    MOVED_TO_FIELD_NUMBER: _builtins.int
+    sandbox_id: _builtins.str
+    moved_to: _builtins.str
+    """its id on the other edge"""
+    def __init__(
+        self,
+        *,
+        sandbox_id: _builtins.str = ...,
+        moved_to: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["moved_to", b"moved_to", "sandbox_id", b"sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MovedSandbox: _TypeAlias = MovedSandbox  # noqa: Y015
+
+@_typing.final
 class ExportSnapshotRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SNAPSHOT_ID_FIELD_NUMBER: _builtins.int
     FILES_FIELD_NUMBER: _builtins.int
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
     snapshot_id: _builtins.str
+    sandbox_id: _builtins.str
+    """instead of a snapshot: this paused sandbox's pause snapshot"""
     @_builtins.property
     def files(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """empty: only the transfer manifest"""
@@ -1014,10 +1040,11 @@ class ExportSnapshotRequest(_message.Message):
         *,
         snapshot_id: _builtins.str = ...,
         files: _abc.Iterable[_builtins.str] | None = ...,
+        sandbox_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "snapshot_id", b"snapshot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "sandbox_id", b"sandbox_id", "snapshot_id", b"snapshot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1664,6 +1691,32 @@ class AdmitBatchReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AdmitBatchReply: _TypeAlias = AdmitBatchReply  # noqa: Y015
+
+@_typing.final
+class MoveAllocationRequest(_message.Message):
+    """A sandbox moved to another edge under a new id: its allocation now names that id (the
+    project's usage does not change at any moment).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    TO_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    from_sandbox_id: _builtins.str
+    to_sandbox_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        from_sandbox_id: _builtins.str = ...,
+        to_sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_sandbox_id", b"from_sandbox_id", "to_sandbox_id", b"to_sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveAllocationRequest: _TypeAlias = MoveAllocationRequest  # noqa: Y015
 
 @_typing.final
 class ReleaseRequest(_message.Message):

@@ -174,6 +174,16 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotChunk.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImportSnapshotEvent.FromString,
                 _registered_method=True)
+        self.EndMovedSandbox = channel.unary_unary(
+                '/dsec.v1.Edge/EndMovedSandbox',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.MovedSandbox.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
+                _registered_method=True)
+        self.DropSnapshotCopies = channel.unary_unary(
+                '/dsec.v1.Edge/DropSnapshotCopies',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -359,6 +369,21 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndMovedSandbox(self, request, context):
+        """A paused sandbox now runs on another edge: end it here (only if still paused) and
+        keep a tombstone naming its new id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropSnapshotCopies(self, request, context):
+        """The snapshot was deleted on its edge: drop this edge's cached copies of its files.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -501,6 +526,16 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.ImportSnapshot,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotChunk.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ImportSnapshotEvent.SerializeToString,
+            ),
+            'EndMovedSandbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndMovedSandbox,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.MovedSandbox.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.SerializeToString,
+            ),
+            'DropSnapshotCopies': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropSnapshotCopies,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1269,6 +1304,60 @@ class Edge:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def EndMovedSandbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/EndMovedSandbox',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.MovedSandbox.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropSnapshotCopies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Edge/DropSnapshotCopies',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class IamStub:
     """Missing associated documentation comment in .proto file."""
@@ -1312,6 +1401,11 @@ class IamStub:
         self.Reconcile = channel.unary_unary(
                 '/dsec.v1.Iam/Reconcile',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                _registered_method=True)
+        self.MoveAllocation = channel.unary_unary(
+                '/dsec.v1.Iam/MoveAllocation',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.MoveAllocationRequest.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                 _registered_method=True)
         self.GetUsage = channel.unary_unary(
@@ -1431,6 +1525,12 @@ class IamServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reconcile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveAllocation(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1566,6 +1666,11 @@ def add_IamServicer_to_server(servicer, server):
             'Reconcile': grpc.unary_unary_rpc_method_handler(
                     servicer.Reconcile,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'MoveAllocation': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveAllocation,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.MoveAllocationRequest.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
             ),
             'GetUsage': grpc.unary_unary_rpc_method_handler(
@@ -1832,6 +1937,33 @@ class Iam:
             target,
             '/dsec.v1.Iam/Reconcile',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveAllocation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsec.v1.Iam/MoveAllocation',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.MoveAllocationRequest.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -76,6 +76,12 @@ class EdgeStub:
     answers with the copy. An unfinished or corrupt transfer leaves nothing on the target.
     """
     ImportSnapshot: _grpc.StreamStreamMultiCallable[_dsec_pb2.SnapshotChunk, _dsec_pb2.ImportSnapshotEvent]
+    EndMovedSandbox: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.MovedSandbox, _dsec_pb2.SandboxInfo]
+    """A paused sandbox now runs on another edge: end it here (only if still paused) and
+    keep a tombstone naming its new id.
+    """
+    DropSnapshotCopies: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.Empty]
+    """The snapshot was deleted on its edge: drop this edge's cached copies of its files."""
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -121,6 +127,12 @@ class EdgeAsyncStub(EdgeStub):
     answers with the copy. An unfinished or corrupt transfer leaves nothing on the target.
     """
     ImportSnapshot: _aio.StreamStreamMultiCallable[_dsec_pb2.SnapshotChunk, _dsec_pb2.ImportSnapshotEvent]  # type: ignore[assignment]
+    EndMovedSandbox: _aio.UnaryUnaryMultiCallable[_dsec_pb2.MovedSandbox, _dsec_pb2.SandboxInfo]  # type: ignore[assignment]
+    """A paused sandbox now runs on another edge: end it here (only if still paused) and
+    keep a tombstone naming its new id.
+    """
+    DropSnapshotCopies: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.Empty]  # type: ignore[assignment]
+    """The snapshot was deleted on its edge: drop this edge's cached copies of its files."""
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -332,6 +344,24 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_dsec_pb2.ImportSnapshotEvent], _abc.AsyncIterator[_dsec_pb2.ImportSnapshotEvent]]: ...
 
+    @_abc_1.abstractmethod
+    def EndMovedSandbox(
+        self,
+        request: _dsec_pb2.MovedSandbox,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.SandboxInfo, _abc.Awaitable[_dsec_pb2.SandboxInfo]]:
+        """A paused sandbox now runs on another edge: end it here (only if still paused) and
+        keep a tombstone naming its new id.
+        """
+
+    @_abc_1.abstractmethod
+    def DropSnapshotCopies(
+        self,
+        request: _dsec_pb2.SnapshotRef,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]:
+        """The snapshot was deleted on its edge: drop this edge's cached copies of its files."""
+
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class IamStub:
@@ -346,6 +376,7 @@ class IamStub:
     Admit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AdmitRequest, _dsec_pb2.Empty]
     Release: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReleaseRequest, _dsec_pb2.Empty]
     Reconcile: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]
+    MoveAllocation: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.MoveAllocationRequest, _dsec_pb2.Empty]
     GetUsage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]
     AppendAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]
     AdmitMany: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AdmitBatch, _dsec_pb2.AdmitBatchReply]
@@ -376,6 +407,7 @@ class IamAsyncStub(IamStub):
     Admit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AdmitRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReleaseRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     Reconcile: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
+    MoveAllocation: _aio.UnaryUnaryMultiCallable[_dsec_pb2.MoveAllocationRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     GetUsage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]  # type: ignore[assignment]
     AppendAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]  # type: ignore[assignment]
     AdmitMany: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AdmitBatch, _dsec_pb2.AdmitBatchReply]  # type: ignore[assignment]
@@ -443,6 +475,13 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
     def Reconcile(
         self,
         request: _dsec_pb2.ReconcileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]: ...
+
+    @_abc_1.abstractmethod
+    def MoveAllocation(
+        self,
+        request: _dsec_pb2.MoveAllocationRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]: ...
 

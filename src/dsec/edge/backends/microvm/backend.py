@@ -57,8 +57,17 @@ from dsec.edge.backends.api import (
     Started,
 )
 from dsec.edge.backends.container import cgroups
-from dsec.edge.backends.microvm import choice, disks, kernel, qemu, snapshot_copy, snapshots
+from dsec.edge.backends.microvm import (
+    choice,
+    disks,
+    kernel,
+    qemu,
+    snapshot_cache,
+    snapshot_copy,
+    snapshots,
+)
 from dsec.edge.backends.microvm.mux import GuestLink, HostMux
+from dsec.edge.backends.microvm.snapshot_cache import SnapshotCache
 from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig, Vmm, watched
 from dsec.edge.images.store import Image, ImageStore
 from dsec.edge.net.edgenet import EdgeNetwork
@@ -815,11 +824,52 @@ class MicrovmBackend:
         """Digests of the shared base files, kept across edge restarts."""
         return self.sandboxes_dir.parent / "vm-digests.json"
 
+    def export_paused(self, sandbox_id: str) -> snapshot_copy.Export:
+        """The transfer manifest of paused ``sandbox_id``'s pause snapshot (its RAM file,
+        device state, config disk and disk layer, all still while it is paused), to start
+        it on another edge (blocking)."""
+        sd = self.sandboxes_dir / sandbox_id
+        try:
+            meta = _load_meta(sd)
+        except (OSError, ValueError) as exc:
+            raise SandboxNotFound(f"no microVM for sandbox {sandbox_id}") from exc
+        if not meta.get("paused"):
+            raise InvalidState(f"microVM {sandbox_id} is not paused")
+        if _vmm_of(meta) != "qemu":
+            raise InvalidArgument("only QEMU microVMs can be moved to another edge")
+        cur = sd / "snapshots" / "current"
+        if not (cur / snapshots.MANIFEST).exists():
+            raise SnapshotNotFound(
+                f"the pause snapshot of {sandbox_id} is gone: it can only be killed"
+            )
+        mem = self.mem_file(sandbox_id, meta.get("mem_gen", ""))
+        snap = choice.new_vmm("qemu").saved_snapshot(cur, mem)
+        if not snap.ram_in_file:  # the RAM is in the state stream: send an empty file
+            mem = cur / "ram.empty"
+            mem.touch()
+        snapshot_copy.load_digests(self._digest_cache)
+        exp = snapshot_copy.export_manifest(cur, mem, self.templates_dir, meta, disk_dir=sd)
+        bases = [p for n, p in exp.paths.items() if n.startswith("base/")]
+        snapshot_copy.save_digests(self._digest_cache, bases)
+        return exp
+
+    @property
+    def snapshot_cache(self) -> SnapshotCache:
+        """Snapshot files taken in from other edges, kept for the next copy."""
+        cache_dir = self.sandboxes_dir.parent / "vm-cache"
+        return SnapshotCache(cache_dir, self.mem_dir, snapshot_cache.max_bytes_from_env())
+
+    def drop_copies(self, source_snapshot: str) -> int:
+        """Forget the cached files of ``source_snapshot`` (deleted on its edge)."""
+        return self.snapshot_cache.drop_source(source_snapshot)
+
     def snapshot_importer(
-        self, copy_id: str, manifest: dict[str, Any], image: str
-    ) -> snapshot_copy.Importer:
+        self, copy_id: str, manifest: dict[str, Any], image: str, *, source: str = "",
+        keep: bool = True,
+    ) -> snapshot_copy.Importer:  # fmt: skip
         """An importer of ``manifest`` as snapshot ``copy_id``, its wanted files decided
-        (blocking: hashes candidate files)."""
+        (blocking: hashes candidate files). ``source``: the snapshot it copies; ``keep``:
+        cache what is received for the next copy of it."""
         _check_id(copy_id)
         if (self.templates_dir / copy_id).exists():
             raise InvalidArgument(f"snapshot {copy_id} already exists on this edge")
@@ -832,6 +882,9 @@ class MicrovmBackend:
             mem_dir=self.mem_dir,
             bases_dir=self.sandboxes_dir.parent / "vm-bases",
             local_bases=self._local_bases(image),
+            cache=self.snapshot_cache,
+            keep=keep,
+            source=source,
         )
         imp.plan()
         _IMPORTS.add(imp)

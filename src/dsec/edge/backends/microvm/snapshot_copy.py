@@ -41,6 +41,8 @@ from typing import Any
 
 from dsec.core.errors import InvalidArgument
 from dsec.edge.backends.microvm import snapshots
+from dsec.edge.backends.microvm.disk_info import disk_info
+from dsec.edge.backends.microvm.snapshot_cache import SnapshotCache
 from dsec.edge.backends.microvm.snapshots import SnapshotCorrupt
 
 FORMAT = 1
@@ -93,12 +95,7 @@ def save_digests(cache: Path, paths: list[Path]) -> None:
 
 def qcow2_backing(path: Path) -> str:
     """The backing file ``path`` names ("" when it has none)."""
-    r = subprocess.run(["qemu-img", "info", "--output=json", "-U", str(path)],
-                       capture_output=True, text=True)  # fmt: skip
-    if r.returncode != 0:
-        raise SnapshotCorrupt(f"cannot read disk {path.name}: {r.stderr.strip()[-500:]}")
-    info: dict[str, Any] = json.loads(r.stdout)
-    return str(info.get("full-backing-filename") or info.get("backing-filename") or "")
+    return disk_info(path, SnapshotCorrupt, f"cannot read disk {path.name}", shared=True).backing
 
 
 def rebase(path: Path, backing: Path, backing_format: str) -> None:
@@ -151,11 +148,13 @@ class Export:
 
 
 def export_manifest(
-    tdir: Path, mem_file: Path, templates_dir: Path, meta: dict[str, Any]
-) -> Export:
+    tdir: Path, mem_file: Path, templates_dir: Path, meta: dict[str, Any], *,
+    disk_dir: Path | None = None,
+) -> Export:  # fmt: skip
     """The transfer manifest of the snapshot in template directory ``tdir`` (RAM file
     ``mem_file``, settings ``meta``); ``templates_dir`` holds the templates its disk may
-    stand on.
+    stand on. ``disk_dir``: where its ``config.img`` and ``scratch.qcow2`` are when not in
+    ``tdir`` (a paused sandbox's pause snapshot: the sandbox's own, still disks).
 
     Raises:
         InvalidArgument: a snapshot this edge cannot send (Firecracker, networked).
@@ -173,7 +172,8 @@ def export_manifest(
     paths: dict[str, Path] = {"ram": mem_file}
     files: dict[str, dict[str, Any]] = {}
     for name in SNAP_FILES:
-        paths[f"snap/{name}"] = tdir / name
+        on_disk = disk_dir is not None and name in ("config.img", "scratch.qcow2")
+        paths[f"snap/{name}"] = (disk_dir if on_disk and disk_dir else tdir) / name
     for name, p in paths.items():
         known = signed.get(name.removeprefix("snap/"))
         if isinstance(known, dict) and "sha256" in known:  # the digest taken with the snapshot
@@ -187,7 +187,7 @@ def export_manifest(
         paths[f"base/{role}"] = p
         files[f"base/{role}"] = entry(p, True)
     # the disk's backing chain: template scratch disks, down to the scratch base
-    disk, name = tdir / "scratch.qcow2", "snap/scratch.qcow2"
+    disk, name = paths["snap/scratch.qcow2"], "snap/scratch.qcow2"
     while True:
         backing = qcow2_backing(disk)
         if not backing:
@@ -226,7 +226,11 @@ class Importer:
     mem_dir: Path
     bases_dir: Path
     local_bases: dict[str, Path] = field(default_factory=dict)
+    cache: SnapshotCache | None = None  # files of snapshots received before, by digest
+    keep: bool = True  # add what is received to ``cache`` (a moved sandbox's are not)
+    source: str = ""  # the source snapshot's id (the cache forgets it when it is deleted)
     want: list[str] = field(default_factory=list)
+    cached: dict[str, Path] = field(default_factory=dict)  # name -> the cache's file
     resolved: dict[str, Path] = field(default_factory=dict)  # name -> final path on this edge
     _fds: dict[str, int] = field(default_factory=dict)
     _moved: list[Path] = field(default_factory=list)
@@ -267,8 +271,12 @@ class Importer:
 
     def plan(self) -> list[str]:
         """Decide which files to ask for (the rest this edge has by digest)."""
-        self.want = []
+        self.want, self.cached = [], {}
         for name, e in sorted(self.files.items()):
+            hit = self.cache.lookup(name, e) if self.cache is not None else None
+            if hit is not None:
+                self.cached[name] = hit
+                continue
             have = self._have(name, e)
             if have is None:
                 self.want.append(name)
@@ -348,9 +356,11 @@ class Importer:
         """Verify, rebase and move everything in; returns the snapshot's template directory
         and RAM file. On failure nothing of it stays (see :meth:`abort`)."""
         self.verify()
+        self._through_cache()
         tdir = self.templates_dir / self.copy_id
         tmem = self.mem_dir / f"tpl-{self.copy_id}.mem"
-        for name in self.want:  # where each file will live
+        local = [*self.want, *self.cached]  # the files this copy holds, staged
+        for name in local:  # where each file will live
             if name.startswith("tpl/"):
                 self.resolved[name] = self.templates_dir / name.split("/")[1] / "scratch.qcow2"
             elif name.startswith("base/"):
@@ -359,7 +369,7 @@ class Importer:
                 self.resolved[name] = tmem
             else:
                 self.resolved[name] = tdir / name.removeprefix("snap/")
-        for name in self.want:
+        for name in local:
             e = self.files[name]
             if e.get("backing"):
                 rebase(self.staged(name), self.resolved[e["backing"]], str(e["backing_format"]))
@@ -380,6 +390,20 @@ class Importer:
         self._move(sdir, tdir)
         shutil.rmtree(self.staging, ignore_errors=True)
         return tdir, tmem
+
+    def _through_cache(self) -> None:
+        """Keep the verified snapshot files received (before their disk is rebased), and
+        stage the ones the cache had."""
+        if self.cache is None:
+            return
+        for name in self.want:
+            if self.keep and self.cache.holds(name):
+                self.cache.put(name, self.files[name]["sha256"], self.staged(name), self.source)
+        for name, cached in self.cached.items():
+            self.cache.take(name, cached, self.staged(name))
+        if self.cached:
+            self.cache.used({n: self.files[n]["sha256"] for n in self.cached}, self.source)
+        self.cache.trim()
 
     def _meta(self, chain: list[str]) -> dict[str, Any]:
         meta = dict(self.manifest["meta"])

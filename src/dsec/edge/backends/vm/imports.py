@@ -44,6 +44,7 @@ from dsec.core.errors import (
     InvalidState,
     Unavailable,
 )
+from dsec.edge.backends.microvm.disk_info import disk_info
 from dsec.edge.backends.vm import image as vm_image
 
 # status, done, total (bytes or steps; total 0 when unknown)
@@ -252,20 +253,15 @@ def import_disk(
 
 def _probe(src: Path) -> tuple[str, int]:
     """The disk's format and virtual size, after checking a qcow2 whole."""
-    r = subprocess.run(
-        ["qemu-img", "info", "--output=json", str(src)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        raise InvalidArgument(f"not a disk image: {_tail(r.stderr)}")
-    info = json.loads(r.stdout)
-    fmt = str(info.get("format", ""))
+    info = disk_info(src, InvalidArgument, "not a disk image")
+    fmt = info.format
     if fmt not in FORMATS:
         raise InvalidArgument(
             f"disk format {fmt!r}: import raw or qcow2 (qemu-img convert -O qcow2 converts)"
         )
-    if info.get("backing-filename") or info.get("full-backing-filename"):
+    if info.backing:
         raise InvalidArgument("the qcow2 has a backing file: flatten it first (qemu-img convert)")
-    vsize = int(info.get("virtual-size", 0))
+    vsize = info.virtual_size
     if vsize < 1 << 20 or vsize % 512:
         raise InvalidArgument(f"not a disk image: {vsize} bytes (at least 1 MiB of sectors)")
     if vsize > MAX_VIRTUAL_SIZE:

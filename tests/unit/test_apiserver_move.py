@@ -1,0 +1,204 @@
+"""``POST /v1/sandboxes/{id}/resume`` onto another edge, the apiserver's orchestration with
+fake edges and iam (the copy itself is ``snapshot_copy``, run for real in
+``tests/integration/test_sandbox_move.py``): the allocation is renamed, never admitted
+twice; a source that refuses to end the sandbox (resumed there meanwhile) gets it back;
+the fallback when the sandbox's own edge is full."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from dsec.apiserver import sandboxes, snapshot_copy
+from dsec.apiserver.app import errors_and_auth
+from dsec.apiserver.auth import Authenticator, Principal
+from dsec.apiserver.context import CTX, Ctx
+from dsec.apiserver.upstream import Upstream
+from dsec.core.errors import DsecError, InvalidState, NodeFull, QuotaExceeded
+from dsec.obs import Metrics
+from dsec.rpc._gen import dsec_pb2 as pb
+
+ALICE = Principal(subject="alice", project="acme", role="member", key_id="k1")
+OLD = "sbx-e0a1-" + "a" * 20
+pytestmark = pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKeyWarning")
+
+
+@dataclass
+class FakeEdge:
+    edge_id: str
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    resume_error: DsecError | None = None
+    end_error: DsecError | None = None
+
+    def _info(self, sid: str, state: str) -> pb.SandboxInfo:
+        spec = pb.SandboxSpec(backend="microvm", memory_mb=256, cpu=1)
+        return pb.SandboxInfo(id=sid, project="acme", owner="alice", state=state,
+                              edge_id=self.edge_id, spec=spec)  # fmt: skip
+
+    async def GetSandbox(self, ref: pb.SandboxRef, **_: Any) -> pb.SandboxInfo:
+        return self._info(ref.sandbox_id, "paused")
+
+    async def ResumeSandbox(self, ref: pb.SandboxRef, **_: Any) -> pb.SandboxInfo:
+        self.calls.append(("resume", ref.sandbox_id))
+        if self.resume_error is not None:
+            raise self.resume_error
+        return self._info(ref.sandbox_id, "running")
+
+    async def CreateSandbox(self, req: pb.CreateSandboxRequest, **_: Any) -> pb.SandboxInfo:
+        self.calls.append(("create", req.sandbox_id))
+        assert req.from_snapshot == "snp-copy"
+        assert (req.project, req.owner, req.spec.backend) == ("acme", "alice", "microvm")
+        return self._info(req.sandbox_id, "running")
+
+    async def KillSandbox(self, ref: pb.SandboxRef, **_: Any) -> pb.SandboxInfo:
+        self.calls.append(("kill", ref.sandbox_id))
+        return self._info(ref.sandbox_id, "stopped")
+
+    async def EndMovedSandbox(self, req: pb.MovedSandbox, **_: Any) -> pb.SandboxInfo:
+        self.calls.append(("end", f"{req.sandbox_id}>{req.moved_to}"))
+        if self.end_error is not None:
+            raise self.end_error
+        return self._info(req.sandbox_id, "stopped")
+
+
+@dataclass
+class FakeIam:
+    allocations: set[str] = field(default_factory=lambda: {OLD})
+    error: DsecError | None = None
+
+    async def MoveAllocation(self, req: pb.MoveAllocationRequest, **_: Any) -> pb.Empty:
+        if self.error is not None:
+            raise self.error
+        self.allocations.remove(req.from_sandbox_id)
+        self.allocations.add(req.to_sandbox_id)
+        return pb.Empty()
+
+
+@dataclass
+class Entry:
+    edge_id: str
+    healthy: bool = True
+
+    @property
+    def view(self) -> Any:
+        return pb.EdgeView(status=pb.EdgeStatus(backends=["microvm"]))
+
+
+@dataclass
+class FakeIamBatch:  # the apiserver's queue to the iam: audit entries
+    audit_entries: list[pb.AuditEntry] = field(default_factory=list)
+
+    async def audit(self, entry: pb.AuditEntry) -> None:
+        self.audit_entries.append(entry)
+
+
+class Placement:
+    def order(self, edges: list[Entry], backend: str, memory_mb: int, limit: int) -> list[Entry]:
+        return edges[:limit]
+
+
+class FakeUpstream:
+    def __init__(self) -> None:
+        self.src, self.dst = FakeEdge("e0a1"), FakeEdge("f00d")
+        self.iam, self.placement, self.iam_batch = FakeIam(), Placement(), FakeIamBatch()
+
+    async def edge_for(self, sid: str) -> FakeEdge:
+        return self.src
+
+    async def edges(self, fresh: bool = False) -> list[Entry]:
+        return [Entry("e0a1"), Entry("f00d")]
+
+    def edge_stub(self, entry: Entry, *, plain: bool = False) -> FakeEdge:
+        return self.src if entry.edge_id == "e0a1" else self.dst
+
+
+class FakeAuth:
+    async def principal(self, request: web.Request) -> Principal:
+        return ALICE
+
+
+async def _on_edge(request: web.Request, snapshot_id: str, source: Entry, target: Entry,
+                   use: Callable[[str], Awaitable[Any]], **kw: Any) -> Any:  # fmt: skip
+    assert kw == {"sandbox_id": OLD}  # the pause snapshot of the sandbox itself
+    return await use("snp-copy")
+
+
+@pytest_asyncio.fixture
+async def setup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[tuple[FakeUpstream, TestClient[web.Request, web.Application]]]:
+    monkeypatch.setattr(snapshot_copy, "on_edge", _on_edge)
+    upstream = FakeUpstream()
+    app = web.Application(middlewares=[errors_and_auth])
+    app[CTX] = Ctx(upstream=cast(Upstream, upstream), auth=cast(Authenticator, FakeAuth()),
+                   metrics=Metrics("test"), components={})  # fmt: skip
+    app.router.add_post("/v1/sandboxes/{sandbox_id}/resume", sandboxes.resume)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    yield upstream, client
+    await client.close()
+
+
+@pytest.mark.asyncio
+async def test_a_move_renames_the_allocation_and_ends_the_source(
+    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+) -> None:
+    up, client = setup
+    resp = await client.post(f"/v1/sandboxes/{OLD}/resume", json={"edge": "f00d"})
+    assert resp.status == 200, await resp.text()
+    new = (await resp.json())["id"]
+    assert new.startswith("sbx-f00d-")
+    assert up.iam.allocations == {new}  # renamed: never one more, never one less
+    assert up.dst.calls == [("create", new)]
+    assert up.src.calls == [("end", f"{OLD}>{new}")]
+    bad = await client.post(f"/v1/sandboxes/{OLD}/resume", json={"edge": "f00d", "x": 1})
+    assert bad.status == 400
+
+
+@pytest.mark.asyncio
+async def test_a_sandbox_resumed_at_home_meanwhile_stays_there(
+    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+) -> None:
+    up, client = setup
+    up.src.end_error = InvalidState(f"sandbox {OLD} is running, not paused")
+    resp = await client.post(f"/v1/sandboxes/{OLD}/resume", json={"edge": "f00d"})
+    assert resp.status == 409
+    new = up.dst.calls[0][1]
+    assert up.dst.calls == [("create", new), ("kill", new)]
+    assert up.iam.allocations == {OLD}  # given back
+
+
+@pytest.mark.asyncio
+async def test_an_iam_refusal_kills_the_new_one_and_keeps_the_allocation(
+    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+) -> None:
+    up, client = setup
+    up.iam.error = QuotaExceeded("no")
+    resp = await client.post(f"/v1/sandboxes/{OLD}/resume", json={"edge": "f00d"})
+    assert resp.status == 429
+    new = up.dst.calls[0][1]
+    assert up.dst.calls == [("create", new), ("kill", new)]
+    assert up.src.calls == []  # the source was never asked to end it
+    assert up.iam.allocations == {OLD}
+
+
+@pytest.mark.asyncio
+async def test_its_own_edge_full_moves_it_and_otherwise_resumes_at_home(
+    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+) -> None:
+    up, client = setup
+    resp = await client.post(f"/v1/sandboxes/{OLD}/resume")
+    assert (await resp.json())["id"] == OLD
+    assert up.dst.calls == []
+    up.src.resume_error = NodeFull("node runs its maximum of 2 sandboxes")
+    resp = await client.post(f"/v1/sandboxes/{OLD}/resume")
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["edge_id"] == "f00d"
+    assert up.iam.allocations == {body["id"]}
