@@ -356,6 +356,9 @@ class SqliteStore(StoreHelpers):
         self._kicked = False  # (before draining: a txn queued after this is submitted again)
         with self._lock:
             done = self._commit_queued()
+            if self._inline and self._commits >= CHECKPOINT_COMMITS:
+                self._commits = 0  # (the loop's thread could not commit for a while)
+                self._checkpoint()
         if done is not None:
             self._loop.call_soon_threadsafe(self._settle, *done)
 
