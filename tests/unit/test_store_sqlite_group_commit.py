@@ -13,7 +13,7 @@ import pytest
 
 from dsec.core.errors import LeaseNotFound
 from dsec.store import sqlite as sqlite_store
-from dsec.store.api import Put, TxnResult
+from dsec.store.api import Delete, Put, TxnResult
 from dsec.store.sqlite import SqliteStore
 
 
@@ -122,4 +122,32 @@ async def test_normal_never_blocks_the_loop_on_another_writer(tmp_path: Path) ->
         assert kv.value == b"v"
     finally:
         other.close()
+        await store.aclose()
+
+
+@pytest.mark.asyncio
+async def test_normal_commits_large_transactions_on_the_store_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NORMAL: a range delete (or many keys, or much data) is not committed on the loop."""
+    store = await SqliteStore.open(tmp_path / "s.db", synchronous="NORMAL")
+    submitted = 0
+    group = store._txn_group
+
+    def counting() -> None:
+        nonlocal submitted
+        submitted += 1
+        group()
+
+    monkeypatch.setattr(store, "_txn_group", counting)
+    try:
+        await store.txn([], [Put(b"/p/%d" % i, b"v") for i in range(10)])
+        assert submitted == 0
+        await store.txn([], [Put(b"/q/%d" % i, b"v") for i in range(100)])
+        await store.txn([], [Delete(b"/p/", prefix=True)])
+        await store.txn([], [Put(b"/big", b"x" * (1 << 20))])
+        assert submitted == 3
+        assert (await store.range(b"/p/")).count == 0
+        assert (await store.range(b"/q/")).count == 100
+    finally:
         await store.aclose()

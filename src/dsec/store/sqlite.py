@@ -15,7 +15,8 @@ loop's thread when the connection is free, without the two thread hand-offs (the
 cost more than the commit); the connection is then shared by both threads under a lock, and
 the WAL is checkpointed on the store thread (not in a commit on the loop) every
 ``CHECKPOINT_COMMITS`` commits. When the store thread holds the connection (a lease, a
-compaction), the transaction is queued to it as with ``FULL``.
+compaction), or the transaction is large (a range delete, many keys, much data), it is
+queued to the store thread as with ``FULL``.
 
 One process should own the file. A second opener (another process, or a second store in
 this one) still gets serial, correct transactions, but its live watches see only its own
@@ -66,6 +67,8 @@ T = TypeVar("T")
 _Queued = tuple[Sequence[Compare], Sequence[TxnOp], Sequence[TxnOp], "asyncio.Future[TxnResult]"]
 REAP_INTERVAL_S = 0.1
 BUSY_TIMEOUT_S = 5.0
+INLINE_MAX_OPS = 16  # (NORMAL: larger transactions are committed on the store thread)
+INLINE_MAX_BYTES = 256 * 1024
 CHECKPOINT_COMMITS = 200  # (NORMAL: commits between WAL checkpoints, store thread)
 
 SCHEMA = """
@@ -96,6 +99,19 @@ _UPSERT = (
 
 def _kv(row: tuple[Any, ...]) -> KeyValue:
     return KeyValue(bytes(row[0]), bytes(row[1]), row[2], row[3], row[4], row[5])
+
+
+def _small(compare: Sequence[Compare], *branches: Sequence[TxnOp]) -> bool:
+    """Whether a transaction is short enough to commit on the loop's thread (inline mode):
+    no range (prefix) compare or delete, few operations, little data."""
+    if any(c.prefix for c in compare):
+        return False
+    ops = [op for b in branches for op in b]
+    if len(ops) > INLINE_MAX_OPS:
+        return False
+    if any(isinstance(op, Delete) and op.prefix for op in ops):
+        return False
+    return sum(len(op.value) for op in ops if isinstance(op, Put)) <= INLINE_MAX_BYTES
 
 
 def _where_range(col: str, start: bytes, prefix: bool) -> tuple[str, list[bytes]]:
@@ -530,10 +546,11 @@ class SqliteStore(StoreHelpers):
             raise StoreUnavailable("the store is closed")
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
-        if self._inline and self._commit_here():
+        if self._inline and _small(compare, success, failure) and self._commit_here():
             if self._commits >= CHECKPOINT_COMMITS and not self._checkpointing:
                 self._commits, self._checkpointing = 0, True
                 self._pool.submit(self._locked, self._checkpoint)
+            await asyncio.sleep(0)  # (as a commit on the store thread, let other tasks run)
         elif not self._kicked:
             # (not awaited: the group settles every future of the queue, this one included;
             # one hand-off back to the loop per commit instead of one per transaction, and
