@@ -19,7 +19,7 @@ from dsec.testing.store_checks import CHECKS, admit_many, check_state_store
 Factory = Callable[[], Awaitable[StateStore]]
 
 
-@pytest_asyncio.fixture(params=["memory", "sqlite"])
+@pytest_asyncio.fixture(params=["memory", "sqlite", "sqlite-normal"])
 async def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Factory]:
     made: list[StateStore] = []
     n = 0
@@ -30,8 +30,9 @@ async def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIte
         store: StateStore
         if request.param == "memory":
             store = MemoryStore()
-        else:
-            store = await SqliteStore.open(tmp_path / f"store-{n}.db")
+        else:  # (NORMAL: transactions commit on the loop's thread when they can)
+            sync = "NORMAL" if request.param == "sqlite-normal" else "FULL"
+            store = await SqliteStore.open(tmp_path / f"store-{n}.db", synchronous=sync)
         made.append(store)
         return store
 
@@ -56,9 +57,10 @@ async def test_check_state_store_runs_everything() -> None:
 
 
 @pytest.mark.asyncio
-async def test_sqlite_admission_is_exact_across_two_clients(tmp_path: Path) -> None:
-    a = await SqliteStore.open(tmp_path / "s.db")
-    b = await SqliteStore.open(tmp_path / "s.db")
+@pytest.mark.parametrize("sync", ["FULL", "NORMAL"])
+async def test_sqlite_admission_is_exact_across_two_clients(tmp_path: Path, sync: str) -> None:
+    a = await SqliteStore.open(tmp_path / "s.db", synchronous=sync)
+    b = await SqliteStore.open(tmp_path / "s.db", synchronous=sync)
     try:
         admitted = await admit_many([a, b], b"/q/", attempts=500, quota=310, used=10)
         assert admitted == 300

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from dsec.core.errors import LeaseNotFound
-from dsec.store.api import Put, TxnResult
+from dsec.store import sqlite as sqlite_store
+from dsec.store.api import Delete, Put, TxnResult
 from dsec.store.sqlite import SqliteStore
 
 
@@ -61,5 +62,92 @@ async def test_a_lone_failing_txn_leaves_nothing_and_takes_no_revision(tmp_path:
         kv = await store.get(b"a")
         assert kv is not None
         assert (kv.create_revision, kv.mod_revision, kv.version) == (before, before + 1, 2)
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.asyncio
+async def test_normal_commits_on_the_loop_and_checkpoints_the_wal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NORMAL: a transaction commits on the loop's thread (no group is submitted to the store
+    thread) and the WAL is checkpointed every CHECKPOINT_COMMITS commits, not grown."""
+    monkeypatch.setattr(sqlite_store, "CHECKPOINT_COMMITS", 20)
+    store = await SqliteStore.open(tmp_path / "s.db", synchronous="NORMAL")
+    submitted = 0
+    group = store._txn_group
+
+    def counting() -> None:
+        nonlocal submitted
+        submitted += 1
+        group()
+
+    monkeypatch.setattr(store, "_txn_group", counting)
+    try:
+        for i in range(200):
+            await store.txn([], [Put(b"k", b"x" * 3000 + b"%d" % i)])
+        await asyncio.sleep(0.2)  # (the last checkpoint, on the store thread)
+        # (those that arrive during a checkpoint, or a lease sweep, go to the store thread)
+        assert submitted < 40, f"{submitted} of 200 transactions went to the store thread"
+        wal = (tmp_path / "s.db-wal").stat().st_size
+        # (200 commits without checkpoints: ~6 MiB of WAL; the file keeps its largest size)
+        assert wal < 2 << 20, f"WAL of {wal} bytes: not checkpointed"
+        kv = await store.get(b"k")
+        assert kv is not None
+        assert kv.value.endswith(b"199")
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.asyncio
+async def test_normal_never_blocks_the_loop_on_another_writer(tmp_path: Path) -> None:
+    """NORMAL: while another connection holds the write lock, a transaction waits on the
+    store thread (the loop keeps running) and commits once the lock is free."""
+    store = await SqliteStore.open(tmp_path / "s.db", synchronous="NORMAL")
+    other = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        txn = asyncio.ensure_future(store.txn([], [Put(b"k", b"v")]))
+        ticks = 0
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not txn.done()
+        assert ticks == 10
+        other.execute("COMMIT")
+        res = await asyncio.wait_for(txn, 5)
+        assert res.succeeded
+        kv = await store.get(b"k")
+        assert kv is not None
+        assert kv.value == b"v"
+    finally:
+        other.close()
+        await store.aclose()
+
+
+@pytest.mark.asyncio
+async def test_normal_commits_large_transactions_on_the_store_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NORMAL: a range delete (or many keys, or much data) is not committed on the loop."""
+    store = await SqliteStore.open(tmp_path / "s.db", synchronous="NORMAL")
+    submitted = 0
+    group = store._txn_group
+
+    def counting() -> None:
+        nonlocal submitted
+        submitted += 1
+        group()
+
+    monkeypatch.setattr(store, "_txn_group", counting)
+    try:
+        await store.txn([], [Put(b"/p/%d" % i, b"v") for i in range(10)])
+        assert submitted == 0
+        await store.txn([], [Put(b"/q/%d" % i, b"v") for i in range(100)])
+        await store.txn([], [Delete(b"/p/", prefix=True)])
+        await store.txn([], [Put(b"/big", b"x" * (1 << 20))])
+        assert submitted == 3
+        assert (await store.range(b"/p/")).count == 0
+        assert (await store.range(b"/q/")).count == 100
     finally:
         await store.aclose()

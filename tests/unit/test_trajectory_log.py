@@ -25,12 +25,13 @@ from dsec.trajectory.log import TrajectoryLog, _Usage
 from dsec.trajectory.setup import open_log, open_store
 
 
-@pytest_asyncio.fixture(params=["memory", "sqlite"])
+@pytest_asyncio.fixture(params=["memory", "sqlite", "sqlite-normal"])
 async def tlog(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[TrajectoryLog]:
     if request.param == "memory":
         store: MemoryStore | SqliteStore = MemoryStore()
     else:
-        store = await SqliteStore.open(tmp_path / "log.db")
+        sync = "NORMAL" if request.param == "sqlite-normal" else "FULL"
+        store = await SqliteStore.open(tmp_path / "log.db", synchronous=sync)
     yield TrajectoryLog(store, FileBlobStore(tmp_path / "blobs"))
     await store.aclose()
 

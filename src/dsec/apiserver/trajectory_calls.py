@@ -198,7 +198,10 @@ async def record(
 
     t = b.t
     start = time.perf_counter()
-    step, now, kv = await c.trajectories.append_known(t.id, make, known=b.meta, record=t)
+    # (every caller checked the quota before the call ran: a call that ran is recorded)
+    step, now, kv = await c.trajectories.append_known(
+        t.id, make, known=b.meta, record=t, quota_checked=True
+    )
     c.metrics.observe("trajectory_append", time.perf_counter() - start)
     c.bindings.wrote(sandbox_id, now, kv)
     _set_headers(request, t, "diverged" if mode == "mismatch" else "recorded", step.n)

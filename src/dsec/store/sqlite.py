@@ -9,7 +9,14 @@ fed after each commit; a lease reaper task deletes the keys of expired leases.
 Transactions are committed in groups: those that arrive while a commit is in progress
 (its fsync, with ``synchronous=FULL``) are applied together, each in a savepoint of its
 own and at a revision of its own, and made durable by one commit: concurrent writers share
-the fsync instead of queueing one each.
+the fsync instead of queueing one each. With ``synchronous=NORMAL`` a commit never waits for
+the disk (the WAL is fsynced at checkpoints), so a transaction is committed on the event
+loop's thread when the connection is free, without the two thread hand-offs (their wake-ups
+cost more than the commit); the connection is then shared by both threads under a lock, and
+the WAL is checkpointed on the store thread (not in a commit on the loop) every
+``CHECKPOINT_COMMITS`` commits. When the store thread holds the connection (a lease, a
+compaction), or the transaction is large (a range delete, many keys, much data), it is
+queued to the store thread as with ``FULL``.
 
 One process should own the file. A second opener (another process, or a second store in
 this one) still gets serial, correct transactions, but its live watches see only its own
@@ -23,6 +30,7 @@ import collections
 import contextlib
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +66,10 @@ from .hub import WatchHub, group
 T = TypeVar("T")
 _Queued = tuple[Sequence[Compare], Sequence[TxnOp], Sequence[TxnOp], "asyncio.Future[TxnResult]"]
 REAP_INTERVAL_S = 0.1
+BUSY_TIMEOUT_S = 5.0
+INLINE_MAX_OPS = 16  # (NORMAL: larger transactions are committed on the store thread)
+INLINE_MAX_BYTES = 256 * 1024
+CHECKPOINT_COMMITS = 200  # (NORMAL: commits between WAL checkpoints, store thread)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (
@@ -87,6 +99,19 @@ _UPSERT = (
 
 def _kv(row: tuple[Any, ...]) -> KeyValue:
     return KeyValue(bytes(row[0]), bytes(row[1]), row[2], row[3], row[4], row[5])
+
+
+def _small(compare: Sequence[Compare], *branches: Sequence[TxnOp]) -> bool:
+    """Whether a transaction is short enough to commit on the loop's thread (inline mode):
+    no range (prefix) compare or delete, few operations, little data."""
+    if any(c.prefix for c in compare):
+        return False
+    ops = [op for b in branches for op in b]
+    if len(ops) > INLINE_MAX_OPS:
+        return False
+    if any(isinstance(op, Delete) and op.prefix for op in ops):
+        return False
+    return sum(len(op.value) for op in ops if isinstance(op, Put)) <= INLINE_MAX_BYTES
 
 
 def _where_range(col: str, start: bytes, prefix: bool) -> tuple[str, list[bytes]]:
@@ -120,8 +145,16 @@ class SqliteStore(StoreHelpers):
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
         self._pending: list[WatchBatch] = []  # committed batches to publish (store thread)
+        self._grouping = False  # (a group's batches are published with its results)
+        self._begun = False  # (the write transaction is begun already: inline mode)
         self._rev = 0  # the store revision inside a write (store thread)
         self._queued: collections.deque[_Queued] = collections.deque()  # txns to commit
+        self._kicked = False  # a group is submitted to the store thread and not started
+        # NORMAL: transactions commit on the loop's thread when the connection is free.
+        self._inline = synchronous == "NORMAL"
+        self._lock = threading.Lock()  # (held by whichever thread uses the connection)
+        self._commits = 0  # since the last WAL checkpoint (inline mode)
+        self._checkpointing = False
 
     @classmethod
     async def open(
@@ -147,9 +180,20 @@ class SqliteStore(StoreHelpers):
         return store
 
     def _connect(self) -> None:
-        db = sqlite3.connect(self._path, isolation_level=None, timeout=5.0)
+        # (check_same_thread off: in inline mode the loop's thread commits on it too, one
+        # thread at a time under ``_lock``)
+        # (inline: no busy wait in SQLite, which would block the loop while another
+        # process writes; :meth:`_begin` waits on the store thread and gives up on the loop)
+        db = sqlite3.connect(
+            self._path,
+            isolation_level=None,
+            timeout=0.0 if self._inline else BUSY_TIMEOUT_S,
+            check_same_thread=False,
+        )
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={self._synchronous}")
+        if self._inline:  # (checkpoints run on the store thread: :meth:`_checkpoint`)
+            db.execute("PRAGMA wal_autocheckpoint=0")
         db.executescript(SCHEMA)
         self._db = db
 
@@ -169,10 +213,25 @@ class SqliteStore(StoreHelpers):
         if self._closed:
             raise StoreUnavailable("the store is closed")
         try:
-            pool = self._read_pool if reader else self._pool
-            return await self._loop.run_in_executor(pool, fn, *args)
+            if reader:
+                return await self._loop.run_in_executor(self._read_pool, fn, *args)
+            return await self._loop.run_in_executor(self._pool, self._locked, fn, *args)
         except sqlite3.Error as exc:
             raise self._translate(exc) from exc
+
+    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        """(On the store thread: ``fn`` with the write connection to itself.)"""
+        with self._lock:
+            return fn(*args)
+
+    def _checkpoint(self) -> None:
+        """(Inline mode, on the store thread under ``_lock``: copy the WAL into the database,
+        so the next commit restarts it; commits meanwhile queue to the store thread.)"""
+        try:
+            if self._db is not None:
+                self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        finally:
+            self._checkpointing = False
 
     # all of the below runs on the store thread
 
@@ -188,7 +247,9 @@ class SqliteStore(StoreHelpers):
         db = self._db
         if db is None:
             raise StoreUnavailable("the store is closed")
-        db.execute("BEGIN IMMEDIATE")
+        if not self._begun:
+            self._begin(db, wait=True)
+        self._begun = False
         try:
             self._rev = start = self._meta("rev")
             out = body(db)
@@ -200,10 +261,27 @@ class SqliteStore(StoreHelpers):
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
-        for batch in self._pending:
-            self._loop.call_soon_threadsafe(self._hub.publish, batch)
-        self._pending.clear()
+        if not self._grouping:
+            for batch in self._pending:
+                self._loop.call_soon_threadsafe(self._hub.publish, batch)
+            self._pending.clear()
         return out
+
+    def _begin(self, db: sqlite3.Connection, *, wait: bool) -> bool:
+        """``BEGIN IMMEDIATE``; False if another process holds the write lock and not
+        ``wait`` (the loop's thread never waits for it), else wait up to BUSY_TIMEOUT_S."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                return True
+            except sqlite3.OperationalError as exc:
+                busy = "locked" in str(exc) or "busy" in str(exc)
+                if busy and not wait:
+                    return False
+                if not busy or not self._inline or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.002)
 
     def _get(self, key: bytes) -> KeyValue | None:
         assert self._db is not None
@@ -289,12 +367,29 @@ class SqliteStore(StoreHelpers):
         return rev, deleted
 
     def _txn_group(self) -> None:
-        """Commit every queued transaction in one write (see the module docstring)."""
+        """(On the store thread) commit every queued transaction in one write (see the
+        module docstring); publish and settle them in one hand-off back to the loop."""
+        self._kicked = False  # (before draining: a txn queued after this is submitted again)
+        with self._lock:
+            done = self._commit_queued()
+            if self._inline and self._commits >= CHECKPOINT_COMMITS:
+                self._commits = 0  # (the loop's thread could not commit for a while)
+                self._checkpoint()
+        if done is not None:
+            self._loop.call_soon_threadsafe(self._settle, *done)
+
+    def _commit_queued(
+        self,
+    ) -> (
+        tuple[list[asyncio.Future[TxnResult]], list[TxnResult | BaseException], list[WatchBatch]]
+        | None
+    ):
+        """Commit every queued transaction in one write (under ``_lock``); None if none."""
         items: list[_Queued] = []
         while self._queued:
             items.append(self._queued.popleft())
         if not items:
-            return  # an earlier call committed them
+            return None  # an earlier call committed them
         out: list[TxnResult | BaseException] = []
 
         def one(db: sqlite3.Connection, item: _Queued) -> TxnResult:
@@ -319,15 +414,26 @@ class SqliteStore(StoreHelpers):
                     out.append(exc)
                 db.execute("RELEASE txn")
 
+        self._grouping = True
         try:
             self._write(body)
         except BaseException as exc:
             out = [exc] * len(items)
-        self._loop.call_soon_threadsafe(self._settle, [q[3] for q in items], out)
+        finally:
+            self._grouping = False
+            published, self._pending = self._pending, []
+        self._commits += 1
+        return [q[3] for q in items], out, published
 
     def _settle(
-        self, futs: list[asyncio.Future[TxnResult]], out: list[TxnResult | BaseException]
+        self,
+        futs: list[asyncio.Future[TxnResult]],
+        out: list[TxnResult | BaseException],
+        published: list[WatchBatch],
     ) -> None:
+        """(On the loop) watchers see a group's changes before its writers' txns return."""
+        for batch in published:
+            self._hub.publish(batch)
         for fut, res in zip(futs, out, strict=True):
             if fut.done():
                 continue
@@ -440,10 +546,40 @@ class SqliteStore(StoreHelpers):
             raise StoreUnavailable("the store is closed")
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
-        # (not awaited: the group settles every future of the queue, this one included; one
-        # hand-off back to the loop per commit instead of one per transaction)
-        self._pool.submit(self._txn_group)
+        if self._inline and _small(compare, success, failure) and self._commit_here():
+            if self._commits >= CHECKPOINT_COMMITS and not self._checkpointing:
+                self._commits, self._checkpointing = 0, True
+                self._pool.submit(self._locked, self._checkpoint)
+            await asyncio.sleep(0)  # (as a commit on the store thread, let other tasks run)
+        elif not self._kicked:
+            # (not awaited: the group settles every future of the queue, this one included;
+            # one hand-off back to the loop per commit instead of one per transaction, and
+            # none submitted while a submitted group has not started draining the queue)
+            self._kicked = True
+            self._pool.submit(self._txn_group)
         return await fut
+
+    def _commit_here(self) -> bool:
+        """(Inline mode, on the loop) commit the queue now if the connection is free and
+        the write lock can be had without waiting; False: left to the store thread."""
+        if self._db is None or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._queued:  # (a group on the store thread took it already)
+                return True
+            try:
+                self._begun = self._begin(self._db, wait=False)
+            except sqlite3.Error:
+                self._begun = False
+            if not self._begun:
+                return False
+            done = self._commit_queued()
+        finally:
+            self._begun = False
+            self._lock.release()
+        if done is not None:
+            self._settle(*done)
+        return True
 
     async def lease_grant(self, ttl_s: int) -> int:
         if ttl_s <= 0:
@@ -466,6 +602,7 @@ class SqliteStore(StoreHelpers):
         return self._hub.stream(prefix, start_revision, self._history_async)
 
     def _auto_compact(self) -> None:
+        """(Under ``_lock``, from :meth:`_run`.)"""
         target = self._meta("rev") - self._retain
         if target > self._meta("compact_rev"):
             self._compact(target)
@@ -493,7 +630,7 @@ class SqliteStore(StoreHelpers):
         self._hub.close()
         db, self._db = self._db, None
         if db is not None:
-            await self._loop.run_in_executor(self._pool, db.close)
+            await self._loop.run_in_executor(self._pool, self._locked, db.close)
         reader, self._reader = self._reader, None
         if reader is not None:
             await self._loop.run_in_executor(self._read_pool, reader.close)

@@ -457,10 +457,13 @@ class TrajectoryLog:
         *,
         known: KeyValue | None = None,
         record: Trajectory | None = None,
+        quota_checked: bool = False,
     ) -> tuple[Step, Trajectory, KeyValue]:
         """:meth:`append`, answering the record as written too (the next call's ``known``
         and ``record``, so a writer that keeps them reads nothing per step); ``record``:
-        ``known`` decoded."""
+        ``known`` decoded. ``quota_checked``: the caller checked the quota before the call
+        it records ran (the apiserver): a call that ran is recorded even if a concurrent
+        step filled the quota meanwhile, and the check is not paid twice."""
         while True:
             if known is not None:
                 t = record or Trajectory.from_json(json.loads(known.value))
@@ -475,7 +478,8 @@ class TrajectoryLog:
             if size > INLINE_MAX:
                 digest = await self.blobs.put(raw)
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
-            await self.check_quota(t.project)
+            if not quota_checked:
+                await self.check_quota(t.project)
             new = replace(
                 t,
                 steps=t.steps + 1,

@@ -80,7 +80,7 @@ class Step:
         for k in ("data", "payload"):
             if d[k] is not None:
                 d[k] = base64.b64encode(d[k]).decode()
-        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        return _STEP_JSON.encode(d).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Step:
@@ -102,3 +102,5 @@ class Step:
 
 _TRAJECTORY_FIELDS = tuple(f.name for f in fields(Trajectory))
 _STEP_FIELDS = tuple(f.name for f in fields(Step))
+# (one encoder: json.dumps with options builds a new one per call)
+_STEP_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
