@@ -190,8 +190,8 @@ async def test_on_timeout_pause_is_refused_by_a_backend_that_cannot_pause(env: E
 async def test_a_dying_init_fails_the_sandbox_and_releases_it(env: Env) -> None:
     sid = await env.create()
     env.backend.inits[sid].kill()
-    for _ in range(200):
-        if env.manager.get(sid, ALICE).state is State.FAILED:
+    for _ in range(500):  # FAILED is recorded first, then the sandbox is destroyed and released
+        if env.ended and env.manager.get(sid, ALICE).state is State.FAILED:
             break
         await asyncio.sleep(0.01)
     rec = env.manager.get(sid, ALICE)
