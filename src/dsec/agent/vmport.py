@@ -40,6 +40,8 @@ import os
 import struct
 import time
 
+from dsec.agent.threads import run_in_thread
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -106,47 +108,6 @@ def window_of(payload: bytes) -> int:
     except (ValueError, AttributeError):
         return 0
     return min(n, WINDOW) if isinstance(n, int) and n >= CHUNK else 0
-
-
-IDLE_THREADS = 16  # threads kept waiting for the next channel's work
-
-
-class _Pool:
-    """Threads that stay for the next job when theirs ends.
-
-    A channel's threads used to start and end with it: a clone, and at its end the exit,
-    the stack freed and the joiners woken, in the guest kernel and libc. Under TCG a
-    restored or forked VM translates all that code again for its first call (and for the
-    threads its snapshot caught ending); kept threads just take the next job."""
-
-    def __init__(self) -> None:
-        self.jobs: Any = _queue.SimpleQueue()
-        self.lock = _thread.allocate_lock()
-        self.idle = 0
-
-    def run(self, fn: Callable[..., None], *args: Any) -> None:
-        with self.lock:
-            if self.idle > 0:
-                self.idle -= 1
-                self.jobs.put((fn, args))
-                return
-        _thread.start_new_thread(self._work, (fn, args))
-
-    def _work(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
-        while True:
-            try:
-                fn(*args)
-            except Exception as exc:  # a job's own failure; the thread goes on
-                os.write(2, f"vmport: {type(exc).__name__}: {exc}\n".encode())
-            with self.lock:
-                if self.idle >= IDLE_THREADS:
-                    return
-                self.idle += 1
-            fn, args = self.jobs.get()
-
-
-_pool = _Pool()
-run_in_thread = _pool.run
 
 
 class _Chan:
