@@ -8,8 +8,9 @@ Drives :class:`MicrovmBackend` directly in a temp node (no apiserver hop) and me
   channel's handshake, from the backend's "microvm resumed" log line; then the first exec);
 * fork of 1 and of 10 children -> every child answered an exec;
 * the CPU time each restored QEMU used until its first exec returned (all its threads:
-  mostly TCG translating the code the guest runs again), which load changes far less
-  than the wall times;
+  mostly TCG translating the code the guest runs again), and under TCG how many blocks
+  of guest code it translated by then (``info jit``), which load changes far less than
+  the wall times (neither at all, the block counts);
 * host memory (PSS from ``/proc/<qemu>/smaps_rollup``) of the parent and of each child right
   after the fork, and the children's growth after each writes 32 MiB in its guest.
 
@@ -26,6 +27,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -69,6 +71,16 @@ def cpu_ms(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
+async def tcg_blocks(be: MicrovmBackend, sid: str) -> int | None:
+    """Blocks of guest code the sandbox's QEMU translated so far (None: not QEMU TCG)."""
+    qmp = getattr(be._vms[sid].vmm, "_qmp", None)
+    if qmp is None:
+        return None
+    out = await qmp.cmd("human-monitor-command", {"command-line": "info jit"})
+    m = re.search(r"TB count\s+(\d+)", str(out))
+    return int(m.group(1)) if m else None
 
 
 def pss_mib(pid: int) -> float:
@@ -140,6 +152,7 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
         pause: list[float] = []
         first_exec: list[float] = []
         restore_cpu: list[float] = []
+        restore_tbs: list[int] = []
         for _ in range(runs):
             sid, p = node.sandbox()
             live.append((sid, p))
@@ -158,6 +171,8 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
             restore.append(time.perf_counter() - t0)
             first_exec.append(time.perf_counter() - t1)
             restore_cpu.append(cpu_ms(be._vms[sid].vmm.pid))
+            if (n := await tcg_blocks(be, sid)) is not None:
+                restore_tbs.append(n)
             loads.append(loadavg())
             await be.destroy(sid, p)
             live.clear()
@@ -170,10 +185,13 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
             "first_exec_ms": round(statistics.median(first_exec) * 1000, 1),
         }
         out["restore_to_first_exec_qemu_cpu_ms"] = statistics.median(restore_cpu)
+        if restore_tbs:
+            out["restore_to_first_exec_tcg_blocks"] = statistics.median(restore_tbs)
 
         for count in (1, 10):
             samples: list[float] = []
             child_cpu: list[float] = []
+            child_tbs: list[int] = []
             for _ in range(max(1, runs // 2)):
                 sid, p = node.sandbox()
                 live.append((sid, p))
@@ -186,6 +204,7 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
                 await asyncio.gather(*(exec_ok(kp.agent_socket) for _, kp in kids))
                 samples.append(time.perf_counter() - t0)
                 child_cpu += [cpu_ms(be._vms[k].vmm.pid) for k, _ in kids]
+                child_tbs += [n for k, _ in kids if (n := await tcg_blocks(be, k)) is not None]
                 if count == 10 and "pss" not in out:
                     out["pss"] = await measure_pss(be, sid, kids)
                 for s, sp in reversed(live):
@@ -193,6 +212,8 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
                 live.clear()
             out[f"fork_{count}_all_ready"] = summary(samples)
             out[f"fork_{count}_child_qemu_cpu_ms"] = statistics.median(child_cpu)
+            if child_tbs:
+                out[f"fork_{count}_child_tcg_blocks"] = statistics.median(child_tbs)
             loads.append(loadavg())
         one = out["fork_1_all_ready"]["p50_ms"]
         ten = out["fork_10_all_ready"]["p50_ms"]

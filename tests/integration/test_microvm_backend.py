@@ -99,11 +99,19 @@ async def test_lifecycle_pause_resume_fork_destroy(
         kids = await be.fork(sid, children)
         assert len(kids) == 2
         assert all(k.pid > 0 for k in kids)
+        machine_ids = {await _sh(sock, "cat /etc/machine-id")}
         for (cid, cp), i in zip(children, range(2), strict=True):
             assert (await _sh(cp.agent_socket, "cat /root/f")) == "hello\n"
             assert (await _sh(cp.agent_socket, "hostname")).strip() == cid
+            # the identity files (on a tmpfs in the guest) are the child's own too
+            assert (await _sh(cp.agent_socket, "cat /etc/hostname")) == f"{cid}\n"
+            assert f"127.0.1.1\t{cid}\n" in await _sh(cp.agent_socket, "cat /etc/hosts")
+            assert sid not in await _sh(cp.agent_socket, "cat /etc/hosts")
+            machine_ids.add(await _sh(cp.agent_socket, "cat /etc/machine-id"))
             await _sh(cp.agent_socket, f"echo child{i} > /root/f")
         assert (await _sh(sock, "cat /root/f")) == "hello\n"  # the parent is untouched
+        assert len(machine_ids) == 3
+        assert (await _sh(sock, "cat /etc/hostname")) == f"{sid}\n"
         assert (await _sh(children[1][1].agent_socket, "cat /root/f")) == "child1\n"
         assert (await _shell(children[0][1].agent_socket, "echo $KEEP"))["stdout"].strip() == "kept"
 

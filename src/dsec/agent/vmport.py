@@ -40,6 +40,8 @@ import os
 import struct
 import time
 
+from dsec.agent.threads import run_in_thread
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -173,9 +175,9 @@ class GuestMux:
                 return
             new = _Chan(sock, self.window)
             self.channels[chan] = new
-            _thread.start_new_thread(self.pump, (chan, new))
+            run_in_thread(self.pump, chan, new)
             if new.window:
-                _thread.start_new_thread(self.deliver, (chan, new))
+                run_in_thread(self.deliver, chan, new)
         elif kind == DATA:
             c = self.channels.get(chan)
             if c is None:
@@ -266,23 +268,26 @@ class GuestMux:
 
 
 def apply_identity(payload: bytes) -> None:
-    """Hostname, machine id and an RNG seed from the host (a fork child's own)."""
+    """Hostname, machine id and an RNG seed from the host (a fork child's own).
+
+    Files are read and written with ``os`` calls on bytes, not ``open()``: a fork child
+    runs this right after its restore, when every guest code path is translated again
+    under TCG, and the io and codec layers are a large part of the interpreter."""
     import json
 
     ident: dict[str, Any] = json.loads(payload)
     host = ident.get("hostname")
     if isinstance(host, str) and host and os.uname().nodename != host:
-        try:
-            _sethostname(host)
-            _write("/etc/hostname", host + "\n")
-            with open("/etc/hosts") as f:
-                lines = [ln for ln in f.read().splitlines() if not ln.startswith("127.0.1.1")]
-            _write("/etc/hosts", "\n".join([*lines, f"127.0.1.1\t{host}"]) + "\n")
-        except OSError:
-            pass
+        name = host.encode()
+        _write("/proc/sys/kernel/hostname", name)
+        _write("/etc/hostname", name + b"\n")
+        hosts = _read("/etc/hosts")
+        if hosts is not None:
+            lines = [ln for ln in hosts.splitlines() if not ln.startswith(b"127.0.1.1")]
+            _write("/etc/hosts", b"\n".join([*lines, b"127.0.1.1\t" + name]) + b"\n")
     mid = ident.get("machine_id")
     if isinstance(mid, str) and mid:
-        _write("/etc/machine-id", mid + "\n")
+        _write("/etc/machine-id", mid.encode() + b"\n")
     now = ident.get("time")
     if isinstance(now, int | float) and abs(time.time() - now) > 0.5:
         try:
@@ -291,20 +296,37 @@ def apply_identity(payload: bytes) -> None:
             pass
     seed = ident.get("seed")
     if isinstance(seed, str) and seed:
-        _write("/dev/urandom", seed)
+        _write("/dev/urandom", seed.encode())
 
 
-def _sethostname(name: str) -> None:
-    with open("/proc/sys/kernel/hostname", "w") as f:
-        f.write(name)
-
-
-def _write(path: str, text: str) -> None:
+def _read(path: str) -> bytes | None:
     try:
-        with open(path, "w") as f:
-            f.write(text)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _write(path: str, data: bytes) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
     except OSError:
         pass
+    finally:
+        os.close(fd)
 
 
 def vsock_present(driver_dir: str = VSOCK_DRIVER) -> bool:
