@@ -325,9 +325,10 @@ async def run_one(
             cpu[k] = cpu.get(k, 0.0) + v * 1000 / n
         cpu["bench client"] = result["client_cpu_ms_per_create"]  # the HTTP clients' share
         result["cpu_ms_per_create"] = {k: round(v, 2) for k, v in cpu.items()}
-        idle_ms: dict[str, float] = {"bench client": 0.0}
+        idle_ms: dict[str, float] = {}
         for k, v in zip(names, idle, strict=True):
             idle_ms[k] = idle_ms.get(k, 0.0) + v
+        idle_ms["bench client"] = 0.0  # it only runs during the load
         result["idle_cpu_ms_per_s"] = {k: round(v, 1) for k, v in idle_ms.items()}
         # what a create adds: the CPU of the run less what the processes spend idle (their
         # heartbeats and polling, which a low rate on a loaded machine inflates per create)
