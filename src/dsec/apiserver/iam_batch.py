@@ -19,27 +19,14 @@ from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.errors import error_from_rpc
 
 MAX_BATCH = 256  # items per call
-# After a call that carried several items, the next starts at least this far after it.
-# Sent as soon as the previous one answered, a busy apiserver on an idle machine makes a
-# call for every create or two (the iam answers in a few milliseconds; estimated from the
-# iam's CPU per create), and a call costs the two sides about 1 ms of CPU whatever it
-# carries; this bounds the calls to 125 a second. The price, under load only: a create waits
-# up to 8 ms for its admission and again for its audit entry. A lone caller's creates
-# (calls of one item) and a create after a quiet spell go at once.
-MIN_INTERVAL_S = 0.008
 _Item = pb.AdmitRequest | pb.AuditEntry
 
 
 class IamBatch:
-    def __init__(
-        self, iam: pb_grpc.IamAsyncStub, *, timeout_s: float = 10.0,
-        min_interval_s: float = MIN_INTERVAL_S,
-    ) -> None:  # fmt: skip
+    def __init__(self, iam: pb_grpc.IamAsyncStub, *, timeout_s: float = 10.0) -> None:
         self._iam = iam
         self._timeout = timeout_s
-        self._queue: Batcher[_Item, None] = Batcher(
-            self._send, max_batch=MAX_BATCH, min_interval_s=min_interval_s
-        )
+        self._queue: Batcher[_Item, None] = Batcher(self._send, max_batch=MAX_BATCH)
         self.calls = 0  # AdmitMany calls made, and the items they carried (for /metrics)
         self.items = 0
 

@@ -22,16 +22,9 @@ class Batcher(Generic[_T, _R]):
         run: Callable[[Sequence[_T]], Awaitable[Sequence[_R | Exception]]],
         *,
         max_batch: int = 0,
-        min_interval_s: float = 0.0,
     ) -> None:
         self._run = run
         self._max = max_batch or 1 << 30
-        # after a batch of several items the next starts at least this far after it, so that
-        # under a steady load the queue fills meanwhile; a lone caller (batches of one) and a
-        # request after a quiet spell go at once
-        self._interval = min_interval_s
-        self._last = float("-inf")
-        self._last_size = 0
         self._queue: list[tuple[_T, asyncio.Future[_R]]] = []
         self._drainer: asyncio.Task[None] | None = None
 
@@ -66,14 +59,7 @@ class Batcher(Generic[_T, _R]):
     async def _drain(self) -> None:
         try:
             while self._queue:
-                if self._interval:
-                    loop = asyncio.get_running_loop()
-                    wait = self._last + self._interval - loop.time()
-                    if wait > 0 and self._last_size > 1:
-                        await asyncio.sleep(wait)
-                    self._last = loop.time()
                 batch, self._queue = self._queue[: self._max], self._queue[self._max :]
-                self._last_size = len(batch)
                 try:
                     results: Sequence[_R | Exception] = await self._run([i for i, _ in batch])
                 except Exception as exc:  # the commit failed: none of the batch happened
