@@ -20,9 +20,12 @@ the project's quota, placement, the edge's create and the audit entry).
 would on an N-core host. ``--compare SRC`` runs each row first with the code in SRC (a
 ``src`` directory, e.g. from ``git archive REV src``) and then with this checkout's, for
 ``--rounds`` rounds, and reports the medians: on a shared machine only rows measured side
-by side compare. Each row also reports the CPU the processes spend idle (heartbeats,
-polling) and what a create adds beyond it. ``BENCH_PYSPY=DIR`` samples every process with
-py-spy during the run.
+by side compare. Each row reports the CPU time per create of every process on the path
+(``/proc/<pid>/stat`` before and after the run; the bench's own HTTP clients too), the CPU
+the processes spend idle (heartbeats, polling) and what a create adds beyond it, and how
+many ``AdmitMany`` calls the apiserver made per create (from its ``/metrics``; absent for
+code that does not count them). ``BENCH_PYSPY=DIR`` samples every process with py-spy
+during the run.
 
 Prints a Markdown table and writes ``bench/results/cluster.json``.
 """
@@ -130,6 +133,19 @@ def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _batch_counts(api: str) -> tuple[float, float] | None:
+    """The apiserver's ``AdmitMany`` calls and the items they carried so far (None: the
+    code measured does not count them)."""
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(f"{api}/metrics", timeout=10)).text
+    got = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("dsec_apiserver_iam_batch_calls", "dsec_apiserver_iam_batch_items"):
+            got[name.rpartition("_")[2]] = float(value)
+    return (got["calls"], got["items"]) if len(got) == 2 else None
 
 
 def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -291,19 +307,28 @@ async def run_one(
         await asyncio.sleep(IDLE_S)  # what each process spends with no creates (heartbeats)
         idle = [(_cpu_s(p.pid) - b) * 1000 / IDLE_S for p, b in zip(procs, idle0, strict=True)]
         spies = _profile(procs, names, seconds)
+        batches0 = await _batch_counts(api) if apiservers == 1 else None
         before = [_cpu_s(p.pid) for p in procs]
         result = await load(api, key, seconds, concurrency)
         for s in spies:
             s.wait()
         spent = [_cpu_s(p.pid) - b for p, b in zip(procs, before, strict=True)]
+        batches1 = await _batch_counts(api) if batches0 is not None else None
+        if batches0 is not None and batches1 is not None:
+            calls = max(1.0, batches1[0] - batches0[0])
+            made = max(1.0, result["creates"] * (seconds + 3.0) / seconds)  # and the warm-up's
+            result["iam_calls_per_create"] = round(calls / made, 3)
+            result["items_per_iam_call"] = round((batches1[1] - batches0[1]) / calls, 1)
         n = max(1, result["creates"])
         cpu: dict[str, float] = {}
         for k, v in zip(names, spent, strict=True):
             cpu[k] = cpu.get(k, 0.0) + v * 1000 / n
+        cpu["bench client"] = result["client_cpu_ms_per_create"]  # the HTTP clients' share
         result["cpu_ms_per_create"] = {k: round(v, 2) for k, v in cpu.items()}
         idle_ms: dict[str, float] = {}
         for k, v in zip(names, idle, strict=True):
             idle_ms[k] = idle_ms.get(k, 0.0) + v
+        idle_ms["bench client"] = 0.0  # it only runs during the load
         result["idle_cpu_ms_per_s"] = {k: round(v, 1) for k, v in idle_ms.items()}
         # what a create adds: the CPU of the run less what the processes spend idle (their
         # heartbeats and polling, which a low rate on a loaded machine inflates per create)
@@ -378,7 +403,10 @@ def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         for k, v in r["errors"].items():
             errors[k] = errors.get(k, 0) + v
+    batching = {k: med(k) for k in ("iam_calls_per_create", "items_per_iam_call")
+                if all(k in r for r in rows)}  # fmt: skip
     return {
+        **batching,
         "creates_per_s": med("creates_per_s"), "p50_ms": med("p50_ms"), "p99_ms": med("p99_ms"),
         "cpu_ms_per_create": {k: med("cpu_ms_per_create", k) for k in rows[0]["cpu_ms_per_create"]},
         "idle_cpu_ms_per_s": {k: med("idle_cpu_ms_per_s", k) for k in rows[0]["idle_cpu_ms_per_s"]},
@@ -408,8 +436,8 @@ def main() -> None:
           f"{args.seconds:g} s, load average at the end "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}\n")  # fmt: skip
     print("| iam state | creates/s | p50 ms | p99 ms | CPU ms per create | of it added by "
-          "the create | idle CPU ms/s | errors |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "the create | idle CPU ms/s | iam calls per create | errors |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def parts(d: dict[str, float]) -> str:
         return " / ".join(f"{v}" for v in d.values()) + f" = {sum(d.values()):.2f}"
@@ -417,7 +445,8 @@ def main() -> None:
     for name, r in results.items():
         print(f"| {name} | {r['creates_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
               f"{parts(r['cpu_ms_per_create'])} | {parts(r['added_cpu_ms_per_create'])} | "
-              f"{parts(r['idle_cpu_ms_per_s'])} | {r['errors'] or '-'} |")  # fmt: skip
+              f"{parts(r['idle_cpu_ms_per_s'])} | {r.get('iam_calls_per_create', '-')} | "
+              f"{r['errors'] or '-'} |")  # fmt: skip
     print(f"\n(CPU columns: {' / '.join(next(iter(results.values()))['cpu_ms_per_create'])})")
     out = Path(args.out or Path(__file__).parent / "results" / "cluster.json")
     out.write_text(json.dumps({"edges": EDGES, "inventory": INVENTORY,

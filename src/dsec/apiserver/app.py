@@ -62,7 +62,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus metrics of this apiserver."""
-    return web.Response(text=ctx(request).metrics.render(), content_type="text/plain")
+    c = ctx(request)
+    c.metrics.set("iam_batch_calls", c.upstream.iam_batch.calls)
+    c.metrics.set("iam_batch_items", c.upstream.iam_batch.items)
+    return web.Response(text=c.metrics.render(), content_type="text/plain")
 
 
 async def openapi_json(request: web.Request) -> web.Response:

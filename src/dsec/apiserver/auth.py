@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -60,9 +61,8 @@ class Principal:
     grants: tuple[tuple[str, str], ...] = ()  # (project or "*", role), besides the key's own
     _needed: list[int] = field(default_factory=list, compare=False, repr=False)
 
-    def _all(self) -> list[tuple[str, int]]:
-        pairs = [(self.project, self.role), *self.grants]
-        return [(p, _ROLES[r]) for p, r in pairs if r in _ROLES]
+    def _all(self) -> tuple[tuple[str, int], ...]:
+        return _ranked(self.project, self.role, self.grants)
 
     def rank_on(self, project: str) -> int:
         """The caller's role on ``project`` (inherited from above) as 0-2, -1 for none."""
@@ -73,7 +73,7 @@ class Principal:
 
     def scopes(self, role: str) -> list[str]:
         """The projects (roots of subtrees; ``*``: all) on which the caller has ``role``."""
-        return sorted({p for p, r in self._all() if r >= _ROLES[role]})
+        return list(_scopes(self._all(), _ROLES[role]))
 
     def require(self, role: str) -> None:
         """The caller must hold ``role`` somewhere (the edge checks where)."""
@@ -103,15 +103,35 @@ class Principal:
                          grants)  # fmt: skip
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        needed = max(self._needed, default=0)
-        role = next(r for r, n in _ROLES.items() if n == needed)
-        return (
-            ("x-dsec-project", self.project),
-            ("x-dsec-subject", self.subject),
-            ("x-dsec-role", "admin" if PLATFORM in self.scopes(role) else "scoped"),
-            ("x-dsec-scopes", ",".join(self.scopes(role))),
-            ("x-dsec-visible", ",".join(self.scopes("viewer"))),
-        )
+        return _metadata(self.project, self.subject, self._all(), max(self._needed, default=0))
+
+
+# A request's roles and the metadata they forward are worked out once per distinct caller
+# (the same key, grants and needed role give the same answer), not on every request.
+@functools.lru_cache(maxsize=4096)
+def _ranked(
+    project: str, role: str, grants: tuple[tuple[str, str], ...]
+) -> tuple[tuple[str, int], ...]:
+    return tuple((p, _ROLES[r]) for p, r in ((project, role), *grants) if r in _ROLES)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scopes(ranked: tuple[tuple[str, int], ...], rank: int) -> tuple[str, ...]:
+    return tuple(sorted({p for p, r in ranked if r >= rank}))
+
+
+@functools.lru_cache(maxsize=4096)
+def _metadata(
+    project: str, subject: str, ranked: tuple[tuple[str, int], ...], needed: int
+) -> tuple[tuple[str, str], ...]:
+    scopes = _scopes(ranked, needed)
+    return (
+        ("x-dsec-project", project),
+        ("x-dsec-subject", subject),
+        ("x-dsec-role", "admin" if PLATFORM in scopes else "scoped"),
+        ("x-dsec-scopes", ",".join(scopes)),
+        ("x-dsec-visible", ",".join(_scopes(ranked, 0))),
+    )
 
 
 def bearer(request: web.Request) -> str:

@@ -27,6 +27,8 @@ class IamBatch:
         self._iam = iam
         self._timeout = timeout_s
         self._queue: Batcher[_Item, None] = Batcher(self._send, max_batch=MAX_BATCH)
+        self.calls = 0  # AdmitMany calls made, and the items they carried (for /metrics)
+        self.items = 0
 
     async def admit(self, request: pb.AdmitRequest) -> None:
         """Admit one sandbox (raises the iam's error, e.g. QuotaExceeded)."""
@@ -41,6 +43,8 @@ class IamBatch:
             admissions=[i for i in items if isinstance(i, pb.AdmitRequest)],
             audit=[i for i in items if isinstance(i, pb.AuditEntry)],
         )
+        self.calls += 1
+        self.items += len(items)
         try:
             reply = await self._iam.AdmitMany(call, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:  # a channel without TranslateErrors (hot path)

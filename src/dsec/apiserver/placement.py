@@ -14,6 +14,7 @@ answers "node full".
 from __future__ import annotations
 
 import heapq
+import operator
 import random
 import time
 from collections import deque
@@ -30,6 +31,7 @@ MEMORY_OVERCOMMIT = 4.0
 _FORGET_S = 30.0
 SPREAD_SAMPLE = 16  # spread scores this many edges picked at random, not all of them
 _Scored = tuple[float, float, "EdgeEntry"]
+_SCORE = operator.itemgetter(0, 1)  # room, then the random tie-break
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +89,11 @@ class Placement:
 
     def _fit(self, offer: list[_Offer], memory_mb: int, now: float) -> list[_Scored]:
         out = []
-        recent = self._recent
+        recent, rnd = self._recent, random.random
         for o in offer:
-            room = (
-                o.room_mb - self._pending_mb(o, now) if recent.get(o.entry.edge_id) else o.room_mb
-            )
+            room = o.room_mb - self._pending_mb(o, now) if o.entry.edge_id in recent else o.room_mb
             if room >= memory_mb:
-                out.append((room, random.random(), o.entry))
+                out.append((room, rnd(), o.entry))
         return out
 
     def _sample(self, backend: str, offer: list[_Offer]) -> list[_Offer]:
@@ -129,5 +129,5 @@ class Placement:
         if not fit:
             raise NodeFull(f"no edge has {memory_mb} MiB free for this sandbox")
         pick = heapq.nlargest if self.policy == "spread" else heapq.nsmallest
-        best = pick(limit or len(fit), fit, key=lambda t: (t[0], t[1]))
+        best = pick(limit or len(fit), fit, key=_SCORE)
         return [e for _, _, e in best]

@@ -103,6 +103,8 @@ class NetworkPolicy:
     deny: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.allow == () and self.deny == ():  # the usual case: no rules to check
+            return
         for name in ("allow", "deny"):
             rules = getattr(self, name)
             if not isinstance(rules, tuple) or not all(isinstance(r, str) for r in rules):

@@ -128,7 +128,9 @@ async def run(pki: Path, edge_ids: list[str], watcher: str, preload: int,
         await server.start()
         e.address = f"127.0.0.1:{server_port(server)}"
         servers.append(server)
-    channels = [secure_channel(pki, e.edge_id, watcher) for e in edges]
+    # heartbeats' failures are ignored, so their channels skip the error-translating
+    # interceptor (a task and ~0.2 ms of CPU per call, 50 calls a second for 100 edges)
+    channels = [secure_channel(pki, e.edge_id, watcher, translate=False) for e in edges]
     stubs = [pb_grpc.WatcherStub(ch) for ch in channels]
 
     async def heartbeats() -> None:
