@@ -1,22 +1,21 @@
-"""The accept loop shared by aether and chronus: a thread per connection, one call each.
+"""The accept loop shared by aether and chronus: one thread per connection, one call each.
 
 A handler gets the connection and the decoded request. It either returns the result
 object (sent as the final frame) or answers itself through :class:`Conn` (streamed ops)
 and returns ``None``. Errors it raises are answered as error frames.
 
-The low-level ``_socket`` and ``_thread`` (in :mod:`dsec.agent.threads`) are used on
-purpose: ``socket`` and ``threading`` add milliseconds and hundreds of KiB to aether's
-startup for nothing it needs here.
+The low-level ``_socket`` and ``_thread`` are used on purpose: ``socket`` and ``threading``
+add milliseconds and hundreds of KiB to aether's startup for nothing it needs here.
 """
 
 from __future__ import annotations
 
 import _socket
+import _thread
 import os
 import sys
 import time
 
-from dsec.agent.threads import run_in_thread
 from dsec.agent.wire import AgentError, Conn, ProtocolError
 
 TYPE_CHECKING = False
@@ -40,8 +39,7 @@ def log(name: str, message: str) -> None:
 
 
 def serve(listener: _socket.socket, resolve: Resolver, name: str) -> None:
-    """Accept connections forever, handling each in a thread of its own (a waiting one
-    from the last calls when there is one: :mod:`dsec.agent.threads`)."""
+    """Accept connections forever, handling each in its own (daemon) thread."""
     while True:
         try:
             fd, _ = listener._accept()  # type: ignore[attr-defined]  # C-level accept
@@ -50,7 +48,7 @@ def serve(listener: _socket.socket, resolve: Resolver, name: str) -> None:
             time.sleep(0.1)
             continue
         sock = _socket.socket(listener.family, listener.type, listener.proto, fd)
-        run_in_thread(handle, sock, resolve, name)
+        _thread.start_new_thread(handle, (sock, resolve, name))
 
 
 def handle(sock: _socket.socket, resolve: Resolver, name: str) -> None:

@@ -1,4 +1,4 @@
-"""Threads that stay for the next job when theirs ends (aether's calls, vmport's channels).
+"""Threads that stay for the next job when theirs ends (vmport's channels in a microVM).
 
 A thread per call or channel used to start and end with it: a clone, and at its end the
 exit, the stack freed and the joiners woken, in the kernel and libc. In a microVM under
