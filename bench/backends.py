@@ -7,7 +7,12 @@ Starts the real platform in a temp home and measures, in the same run and throug
 * ``exec(["true"])`` round trip in one sandbox (sequential), and the call rate with one
   and with four callers in parallel;
 * host memory (PSS) per idle instance: containers count their own processes; function
-  sandboxes have none, so the pool and its warm workers are divided among them.
+  sandboxes have none, so the pool and its warm workers are divided among them. Idle
+  instances get 64 MiB, or the backend's advertised minimum if larger (vm: 128 MiB).
+
+A full VM boots systemd under TCG (~40 s idle), so the vm row creates at most
+``FULL_VM_SAMPLES`` sandboxes for create -> first exec and for idle memory; the table
+gives each row's n.
 
     .venv/bin/python -m bench.backends [--quick] [--backends function,container]
 
@@ -33,6 +38,8 @@ from dsec.sdk import Client, Sandbox
 from dsec.testing.platform import RunningPlatform, running_platform
 
 MEMORY_MB = 256
+IDLE_MEMORY_MB = 64
+FULL_VM_SAMPLES = 5
 
 
 def create_to_first_exec(backend: str, n: int) -> list[float]:
@@ -99,10 +106,12 @@ def _function_pool_pids(edge_pid: int) -> list[int]:
     return [p for pool in pools for p in (pool, *_children(pool))]
 
 
-def idle_memory(plat: RunningPlatform, backend: str, n: int) -> dict[str, Any]:
+def idle_memory(plat: RunningPlatform, backend: str, n: int, memory_mb: int) -> dict[str, Any]:
     with Client() as client:
         sbxs = [
-            Sandbox.create(backend=backend, memory_mb=64, cpu=0.25, timeout=600, client=client)
+            Sandbox.create(
+                backend=backend, memory_mb=memory_mb, cpu=0.25, timeout=600, client=client
+            )
             for _ in range(n)
         ]
         try:
@@ -132,7 +141,7 @@ def idle_memory(plat: RunningPlatform, backend: str, n: int) -> dict[str, Any]:
 
 
 def measure(
-    plat: RunningPlatform, name: str, n_create: int, n_calls: int, n_idle: int
+    plat: RunningPlatform, name: str, n_create: int, n_calls: int, n_idle: int, idle_mb: int
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["round_trip"] = round_trip(name, n_calls, callers=1)
@@ -141,7 +150,7 @@ def measure(
     settle(2)
     out["create_to_first_exec"] = summary(create_to_first_exec(name, n_create))
     settle(2)
-    out["idle"] = idle_memory(plat, name, n_idle)
+    out["idle"] = {**idle_memory(plat, name, n_idle, idle_mb), "memory_mb": idle_mb}
     return out
 
 
@@ -160,9 +169,11 @@ def table(res: dict[str, Any]) -> str:
             continue
         c, rt, par, mem = r["create_to_first_exec"], r["round_trip"], r["parallel"], r["idle"]
         rows.append(
-            f"| {name} | {c['p50_ms']} | {rt['p50_ms']} / {rt['p90_ms']} / {rt['p99_ms']} "
+            f"| {name} | {c['p50_ms']} (n={c['n']}) "
+            f"| {rt['p50_ms']} / {rt['p90_ms']} / {rt['p99_ms']} "
             f"| {rt['calls_per_s']} | {par['calls_per_s']} "
-            f"| {mem['pss_mib_per_instance']} MiB ({mem['instances']} instances) |"
+            f"| {mem['pss_mib_per_instance']} MiB ({mem['instances']} of "
+            f"{mem.get('memory_mb', IDLE_MEMORY_MB)} MiB instances) |"
         )
     return "\n".join(rows)
 
@@ -198,7 +209,12 @@ def main() -> None:
                 res["backends"][name] = {"skipped": b["reason"]}
                 continue
             try:
-                res["backends"][name] = measure(plat, name, n_create, n_calls, n_idle)
+                # idle instances get the least memory the backend boots with (64 MiB or more)
+                idle_mb = max(IDLE_MEMORY_MB, b["capabilities"].get("min_memory_mb") or 0)
+                # a full VM boots systemd under TCG (~40 s): fewer creates and idle VMs
+                few = min(n_create, FULL_VM_SAMPLES) if name == "vm" else n_create
+                idle = min(n_idle, FULL_VM_SAMPLES) if name == "vm" else n_idle
+                res["backends"][name] = measure(plat, name, few, n_calls, idle, idle_mb)
             except DsecError as exc:  # one backend failing must not hide the others
                 res["backends"][name] = {"failed": f"{type(exc).__name__}: {exc}"}
             settle(3)

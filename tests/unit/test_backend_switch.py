@@ -74,7 +74,12 @@ def test_cli_table_rows() -> None:
                     "reason": "cgroup v2",
                     "capabilities": {"pause": True, "pty": True, "max_vcpus": 2.0},
                 },
-                {"name": "vm", "available": False, "reason": "no kvm", "capabilities": {}},
+                {
+                    "name": "vm",
+                    "available": False,
+                    "reason": "no kvm",
+                    "capabilities": {"min_memory_mb": 128},
+                },
             ],
         },
         {"edge_id": "e2", "error": "down", "backends": []},
@@ -82,6 +87,7 @@ def test_cli_table_rows() -> None:
     rows = backend_rows(edges)
     assert rows[0] == ["e1", "container", "yes", "pause,pty", "2", "host", "cgroup v2"]
     assert rows[1][:3] == ["e1", "vm", "no"]
+    assert rows[1][5] == "128-host"
     assert rows[1][-1] == "no kvm"
     assert rows[2][0] == "e2"
     assert rows[2][-1] == "down"

@@ -25,6 +25,7 @@ _CAPS = (
     "network_policy",
     "max_vcpus",
     "max_memory_mb",
+    "min_memory_mb",
     "notes",
 )
 

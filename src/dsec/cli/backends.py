@@ -29,6 +29,7 @@ def backend_rows(edges: list[dict[str, Any]]) -> list[list[str]]:
             can = ",".join(label for key, label in _FLAGS if caps.get(key)) or "-"
             vcpus = caps.get("max_vcpus") or 0
             mem = caps.get("max_memory_mb") or 0
+            least = caps.get("min_memory_mb") or 0
             rows.append(
                 [
                     edge["edge_id"],
@@ -36,7 +37,7 @@ def backend_rows(edges: list[dict[str, Any]]) -> list[list[str]]:
                     "yes" if b["available"] else "no",
                     can,
                     f"{vcpus:g}" if vcpus else "host",
-                    f"{mem}" if mem else "host",
+                    f"{least}-" * bool(least) + (f"{mem}" if mem else "host"),
                     b.get("reason", ""),
                 ]
             )
@@ -51,5 +52,5 @@ def backends(as_json: bool) -> None:
     if as_json:
         print_json(edges)
         return
-    header = ["EDGE", "BACKEND", "AVAILABLE", "CAN", "MAX VCPUS", "MAX MEM MB", "NOTE"]
+    header = ["EDGE", "BACKEND", "AVAILABLE", "CAN", "MAX VCPUS", "MEM MB", "NOTE"]
     stdout().print(simple_table(header, backend_rows(edges)))

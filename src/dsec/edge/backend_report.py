@@ -51,6 +51,7 @@ def caps_to_pb(c: Capabilities) -> pb.BackendCapabilities:
         network_policy=c.network_policy,
         max_vcpus=c.max_vcpus,
         max_memory_mb=c.max_memory_mb,
+        min_memory_mb=c.min_memory_mb,
         notes=c.notes,
     )
 

@@ -52,7 +52,8 @@ class Availability:
 class Capabilities:
     """What a backend's sandboxes can do (the defaults describe a backend that can't).
 
-    ``max_vcpus``/``max_memory_mb`` of 0 mean "bounded by the host only".
+    ``max_vcpus``/``max_memory_mb`` of 0 mean "bounded by the host only"; ``min_memory_mb``
+    is the least memory a sandbox of the backend starts with (0: no minimum of its own).
     """
 
     pause: bool = False
@@ -64,6 +65,7 @@ class Capabilities:
     network_policy: bool = False
     max_vcpus: float = 0.0
     max_memory_mb: int = 0
+    min_memory_mb: int = 0
     notes: str = ""
 
     def to_dict(self) -> dict[str, object]:

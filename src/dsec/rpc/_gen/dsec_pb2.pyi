@@ -1280,6 +1280,7 @@ class BackendCapabilities(_message.Message):
     MAX_VCPUS_FIELD_NUMBER: _builtins.int
     MAX_MEMORY_MB_FIELD_NUMBER: _builtins.int
     NOTES_FIELD_NUMBER: _builtins.int
+    MIN_MEMORY_MB_FIELD_NUMBER: _builtins.int
     pause: _builtins.bool
     fork: _builtins.bool
     snapshot: _builtins.bool
@@ -1292,6 +1293,8 @@ class BackendCapabilities(_message.Message):
     max_memory_mb: _builtins.int
     """0: bounded by the host only"""
     notes: _builtins.str
+    min_memory_mb: _builtins.int
+    """0: no minimum beyond the platform's"""
     def __init__(
         self,
         *,
@@ -1305,10 +1308,11 @@ class BackendCapabilities(_message.Message):
         max_vcpus: _builtins.float = ...,
         max_memory_mb: _builtins.int = ...,
         notes: _builtins.str = ...,
+        min_memory_mb: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork", b"fork", "max_memory_mb", b"max_memory_mb", "max_vcpus", b"max_vcpus", "network_policy", b"network_policy", "notes", b"notes", "pause", b"pause", "persistent_filesystem", b"persistent_filesystem", "persistent_processes", b"persistent_processes", "pty", b"pty", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork", b"fork", "max_memory_mb", b"max_memory_mb", "max_vcpus", b"max_vcpus", "min_memory_mb", b"min_memory_mb", "network_policy", b"network_policy", "notes", b"notes", "pause", b"pause", "persistent_filesystem", b"persistent_filesystem", "persistent_processes", b"persistent_processes", "pty", b"pty", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

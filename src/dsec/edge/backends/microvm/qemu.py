@@ -247,7 +247,14 @@ class QemuVmm:
             err = (self.run_dir / "qemu.log").read_text(errors="replace")[-1500:].strip()
         except OSError:
             err = ""
-        return SandboxFailed(f"{what}: {err}\nconsole:\n{self.console()}")
+        code = self._proc.poll() if self._proc is not None else None
+        if code is not None and code < 0:
+            oom = " (the memory limit?)" if -code == signal.SIGKILL else ""
+            err = f"killed by signal {-code}{oom} {err}"
+        console = self.console()
+        if code == 0 and not console.strip():
+            err = f"the guest reset before its first console line (too little memory?) {err}"
+        return SandboxFailed(f"{what}: {err.strip()}\nconsole:\n{console}")
 
     async def boot(self, config: VmConfig, timeout_s: float) -> None:
         self.mem_file = config.mem_file

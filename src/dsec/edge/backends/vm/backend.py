@@ -52,6 +52,9 @@ from dsec.obs import log
 _log = logging.getLogger(__name__)
 IMAGES = ("base",)
 VM_BOOT_TIMEOUT_S = 480.0  # systemd under TCG: ~10 s idle, minutes on a 2-core host at load 8
+# Debian's kernel and initramfs do not boot in 64 MiB (the guest resets before its first
+# console line); systemd, aether and a shell run in 128 MiB (measured under TCG).
+MIN_MEMORY_MB = 128
 CMDLINE_MAX = 2000  # x86 COMMAND_LINE_SIZE is 2048; the driver adds console/tsc arguments
 _UNQUOTABLE = ('"', "\n", "\\")
 
@@ -85,6 +88,7 @@ class VmBackend(MicrovmBackend):
         caps = super().capabilities()
         return replace(
             caps,
+            min_memory_mb=MIN_MEMORY_MB,
             notes=(
                 f"QEMU q35 + Debian with systemd, accel {qemu.accelerator()}; images: base "
                 "and imported ones (dsec image import-vm)"
@@ -99,6 +103,11 @@ class VmBackend(MicrovmBackend):
         keeps the one vCPU busy (chronus's start then missed its 10 s under TCG). Running
         means booted: ``systemctl is-system-running --wait`` (``degraded`` counts).
         """
+        if spec.memory_mb < MIN_MEMORY_MB:
+            raise InvalidArgument(
+                f"the vm backend needs memory_mb >= {MIN_MEMORY_MB}: a Debian system with "
+                f"systemd does not boot in {spec.memory_mb} MiB"
+            )
         t0 = time.monotonic()
         started = await super().create(sandbox_id, spec, paths)
         left = max(5.0, self.boot_timeout_s - (time.monotonic() - t0))
