@@ -232,3 +232,20 @@ def test_overlays_on_a_template_disk_run_qemu_img_once(
         ["qemu-img", "info", "--output=json", str(kids[1])], capture_output=True, text=True
     )
     assert json.loads(info.stdout)["backing-filename"] == str(base.resolve())
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["true"], "reset before its first console line"),
+        (["sh", "-c", "kill -9 $$"], "killed by signal 9 (the memory limit?)"),
+        (["sh", "-c", "echo 'qemu: bad option' >&2; exit 1"], "qemu exited: qemu: bad option"),
+    ],
+)
+def test_a_qemu_that_exits_says_how(tmp_path: Path, argv: list[str], expected: str) -> None:
+    vmm = qemu.QemuVmm(accel="tcg")
+    vmm.run_dir = tmp_path
+    with open(tmp_path / "qemu.log", "wb") as log:
+        vmm._proc = subprocess.Popen(argv, stderr=log)
+        vmm._proc.wait()
+    assert expected in str(vmm.failure("qemu exited"))
