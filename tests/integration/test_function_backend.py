@@ -371,7 +371,15 @@ async def test_the_next_sandbox_of_an_image_finds_its_workers_warm(
         await backend.destroy(first, first_paths)
         assert backend.leaked(first, first_paths) == []
         await backend.create(second, spec, second_paths)
-        ready = {w["pid"] for w in (await backend.stats())["workers"] if w["state"] == "ready"}
+        # A worker prepares its next call's process after answering: under load it may
+        # still be doing so now, so wait for it (the same pid) to be ready.
+        ready: set[int] = set()
+        for _ in range(200):
+            workers = (await backend.stats())["workers"]
+            ready = {w["pid"] for w in workers if w["state"] == "ready"}
+            if ready:
+                break
+            await asyncio.sleep(0.05)
         assert ready
         assert ready <= before  # no new worker had to start
         res = await agent_client.call(second_paths.agent_socket, {"op": "exec", "cmd": "true"})
