@@ -8,7 +8,7 @@ Starts the real platform in a temp home and measures, in the same run and throug
   and with four callers in parallel;
 * host memory (PSS) per idle instance: containers count their own processes; function
   sandboxes have none, so the pool and its warm workers are divided among them. Idle
-  instances get 64 MiB, or the backend's advertised minimum if larger (vm: 128 MiB).
+  instances get 64 MiB, or the backend's advertised minimum if larger (vm: 256 MiB).
 
 A full VM boots systemd under TCG (~40 s idle), so the vm row creates at most
 ``FULL_VM_SAMPLES`` sandboxes for create -> first exec and for idle memory; the table

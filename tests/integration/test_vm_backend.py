@@ -135,9 +135,9 @@ async def test_bad_requests_leave_nothing(env: Env) -> None:
     with pytest.raises(InvalidArgument, match="quotes"):
         await be.create(sid, SandboxSpec(backend="vm", env={"A": 'say "hi"'}), paths)
     # Less memory than a Debian system boots in: refused up front, named and advertised.
-    with pytest.raises(InvalidArgument, match="memory_mb >= 128"):
+    with pytest.raises(InvalidArgument, match="memory_mb >= 256"):
         await be.create(sid, SandboxSpec(backend="vm", memory_mb=64), paths)
-    assert be.capabilities().min_memory_mb == 128
+    assert be.capabilities().min_memory_mb == 256
     assert not paths.state_dir.exists()
     assert _qemu_pids_under(be.sandboxes_dir) == []
     assert cgroups.list_children(cgroups.detect(), env.cgroup_parent) == []
