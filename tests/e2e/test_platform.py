@@ -285,8 +285,10 @@ def test_huge_and_aborted_uploads_leave_nothing(sbx: Sandbox, platform: RunningP
 
 def test_pause_freezes_and_resume_thaws(sbx: Sandbox, platform: RunningPlatform) -> None:
     sbx.processes.start(
-        ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done"]
-    )
+        # a rename, so a read never sees the file between its truncation and the write
+        ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/m; mv /tmp/m /tmp/n; "
+         "sleep 0.05; done"]
+    )  # fmt: skip
     time.sleep(0.5)
     assert sbx.pause().state == "paused"
     with pytest.raises(errors.InvalidState, match="paused"):
