@@ -11,7 +11,9 @@ create():  image layers -> erofs images (shared) + bundle image + writable disk 
 pause():   snapshot to ``snapshots/current`` (QEMU: RAM stays in its file) and quit the
            VMM; resume(): restore it (the snapshot is refused if a digest differs)
 fork():    snapshot the parent into a template, then restore the parent and N children
-           from it, RAM mapped privately, each with its own scratch overlay and identity
+           from it, RAM mapped privately, each with its own scratch overlay and identity;
+           a VM whose RAM is so mapped first moves onto a RAM file of its own before any
+           snapshot (fork, pause, named snapshot), so no snapshot writes guest RAM
 destroy(): kill the VMM by its pid, the mux, cgroups, files. Idempotent.
 
 The edge watches one pid per sandbox; the VMM's pid changes on every pause/resume, so the
@@ -450,7 +452,10 @@ class MicrovmBackend:
         if phases is None:
             return
         meta["mem_gen"], meta["shared_ram"] = gen, True
+        old = meta.pop("ram_template", None)
         await asyncio.to_thread(_save_meta, sd, meta)
+        if old:
+            await asyncio.to_thread(self._drop_unused_ram, [old])
         log(_log, "microvm has its own RAM file", logging.INFO, sandbox_id=sandbox_id, **phases)
 
     def _move_memory_cgroup(self, pid: int, cgroup_path: str) -> bool:
@@ -529,6 +534,8 @@ class MicrovmBackend:
             self._vms[sandbox_id] = vm
             return vm
         mem = self.mem_file(sandbox_id, meta.get("mem_gen", ""))
+        if not meta.get("shared_ram", True) and meta.get("ram_template"):
+            mem = self.mem_dir / f"tpl-{meta['ram_template']}.mem"  # mapped copy-on-write
         if not await vm.vmm.adopt(self.run_dir(sandbox_id), mem, meta.get("shared_ram", True)):
             await asyncio.to_thread(_kill_pid, keeper)
             return None
@@ -612,6 +619,8 @@ class MicrovmBackend:
             phases = await self._restore(sandbox_id, vm, paths, config, snap, private=False)
             meta["paused"] = False
             meta["shared_ram"] = vm.vmm.shared_ram
+            if vm.vmm.shared_ram:
+                meta.pop("ram_template", None)
             await asyncio.to_thread(_save_meta, sd, meta)
             await asyncio.to_thread(disks.remove, dest)
             log(_log, "microvm resumed", logging.INFO, sandbox_id=sandbox_id, **phases)
@@ -746,6 +755,7 @@ class MicrovmBackend:
             raise
         meta["mem_gen"] = f".{secrets.token_hex(3)}"
         meta["shared_ram"] = False
+        meta["ram_template"] = tid  # the RAM file it maps copy-on-write from now on
         await asyncio.to_thread(_save_meta, sd, meta)
         await asyncio.to_thread(_save_meta, tdir, meta)  # what a sandbox made from it gets
         return paths, meta, tsnap
@@ -782,7 +792,8 @@ class MicrovmBackend:
         self._vms[cid] = vm
         try:
             meta = {**pmeta, "agent_socket": str(cp.agent_socket), "mem_gen": "",
-                    "parent": parent, "shared_ram": False}  # fmt: skip
+                    "parent": parent, "shared_ram": False,
+                    "ram_template": tsnap.dir.name}  # fmt: skip
             # one thread hop for the child's files, cgroup and keeper: many children start
             # at once and the default executor has few threads
             vm.keeper = await asyncio.to_thread(self._prepare_child, cid, cp.state_dir, tsnap, meta)
@@ -1039,6 +1050,7 @@ class MicrovmBackend:
             templates = []
         await asyncio.to_thread(self._remove_files, sandbox_id, paths)
         await asyncio.to_thread(self._drop_unused_templates, templates)
+        await asyncio.to_thread(self._drop_unused_ram, templates)
         for d in (self.mem_dir, self.templates_dir, self.paths.run / "vm"):
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(d.rmdir)  # only when empty
@@ -1071,6 +1083,19 @@ class MicrovmBackend:
                 shutil.rmtree(self.templates_dir / tid, ignore_errors=True)
                 (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
         self._drop_unused_bases()
+
+    def _drop_unused_ram(self, templates: list[str]) -> None:
+        """Remove the RAM files of fork templates no running sandbox maps any more: a
+        template whose disk is still needed (under a parent's or child's overlay) keeps its
+        directory, but its RAM is only read by the VMs restored from it, and a VM that
+        moved onto a RAM file of its own (``_own_ram``) no longer does."""
+        mapped: set[str] = set()
+        for sd in self.sandboxes_dir.iterdir() if self.sandboxes_dir.exists() else ():
+            with contextlib.suppress(OSError, ValueError):
+                mapped.add(str(_load_meta(sd).get("ram_template", "")))
+        for tid in templates:
+            if tid not in mapped and not (self.templates_dir / tid / PINNED).exists():
+                (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
 
     def _drop_unused_bases(self) -> None:
         """Remove base files taken in from other edges (``vm-bases``) that no sandbox or

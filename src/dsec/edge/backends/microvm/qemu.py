@@ -4,7 +4,8 @@ One ``qemu-system-x86_64 -M microvm`` per guest, in its own session (so the whol
 group can be killed by the pid we started), control over QMP, the agent channel on a
 virtio-serial port whose host end is a unix socket QEMU serves. Guest RAM is a
 ``memory-backend-file``: snapshots skip it (``x-ignore-shared``) and fork children map the
-same file privately. Under TCG the kernel gets ``tsc_early_khz`` (it hangs at random in TSC
+same file privately; a guest so mapped moves onto a file of its own before its next snapshot
+(:meth:`QemuVmm.own_ram`), since ``x-ignore-shared`` skips shared RAM only. Under TCG the kernel gets ``tsc_early_khz`` (it hangs at random in TSC
 calibration without it) and ``norandmaps`` (see TCG_KERNEL_ARGS); under KVM it gets neither.
 
 Files in ``run_dir``: ``qmp.sock``, ``serial.sock`` (agent channel), ``console.log`` (the
@@ -351,7 +352,8 @@ class QemuVmm:
         template, rd = self.mem_file, self.run_dir
         t0 = time.perf_counter()
         await old.cmd("stop")
-        holes = await asyncio.to_thread(ramfile.holes, template)
+        # (an edge from before ``ram_template`` was recorded re-adopts without the path)
+        holes = await asyncio.to_thread(ramfile.holes, template) if template.exists() else []
         # beside this QEMU's sockets until it quits (a bound socket keeps working renamed)
         sub = rd / OWN_RAM_DIR
         c = replace(config, run_dir=sub, agent_socket=self.channel_socket(sub))
@@ -376,7 +378,9 @@ class QemuVmm:
         t2 = time.perf_counter()
         # the guest is stopped: no page of the new file changes while it is scanned
         freed = await asyncio.to_thread(ramfile.punch_zero_pages, config.mem_file, holes)
-        refilled = await asyncio.to_thread(ramfile.punch_zero_pages, template, holes)
+        refilled = 0
+        with contextlib.suppress(FileNotFoundError):  # dropped meanwhile: nothing to give back
+            refilled = await asyncio.to_thread(ramfile.punch_zero_pages, template, holes)
         phases = {"migrate_ms": _ms(t0, t1), "switch_ms": _ms(t1, t2), "punch_ms": _ms(t2),
                   "freed_mib": round((freed + refilled) / 2**20, 1)}  # fmt: skip
         return phases
