@@ -5,8 +5,9 @@ group can be killed by the pid we started), control over QMP, the agent channel 
 virtio-serial port whose host end is a unix socket QEMU serves. Guest RAM is a
 ``memory-backend-file``: snapshots skip it (``x-ignore-shared``) and fork children map the
 same file privately; a guest so mapped moves onto a file of its own before its next snapshot
-(:meth:`QemuVmm.own_ram`), since ``x-ignore-shared`` skips shared RAM only. Under TCG the kernel gets ``tsc_early_khz`` (it hangs at random in TSC
-calibration without it) and ``norandmaps`` (see TCG_KERNEL_ARGS); under KVM it gets neither.
+(:meth:`QemuVmm.own_ram`), since ``x-ignore-shared`` skips shared RAM only. Under TCG the
+kernel gets ``tsc_early_khz`` (it hangs at random in TSC calibration without it) and
+``norandmaps`` (see TCG_KERNEL_ARGS); under KVM it gets neither.
 
 Files in ``run_dir``: ``qmp.sock``, ``serial.sock`` (agent channel), ``console.log`` (the
 guest's serial console), ``qemu.log`` (QEMU's stderr), ``qemu.pid`` (pid + start time, for
