@@ -438,8 +438,14 @@ class MicrovmBackend:
             moved = False
         cgs = ":".join(self._cgroup_dirs(sandbox_id, tpl if moved else None))
         config = replace(config, extra={**config.extra, "cgroups": cgs})
+        # A named snapshot's RAM file keeps its stamp (else every sandbox started from it
+        # would hash it again): only zero pages the move filled are punched in it.
+        named = self._ram_snapshot(meta)
+        fresh = named is not None and await asyncio.to_thread(snapshots.ram_unchanged, named)
         try:
             phases = await vm.vmm.own_ram(config, RESTORE_TIMEOUT_S)
+            if named is not None and fresh:
+                await asyncio.to_thread(snapshots.restamp_ram, named)
         finally:
             if moved:
                 if vm.vmm.alive():
@@ -457,6 +463,15 @@ class MicrovmBackend:
         if old:
             await asyncio.to_thread(self._drop_unused_ram, [old])
         log(_log, "microvm has its own RAM file", logging.INFO, sandbox_id=sandbox_id, **phases)
+
+    def _ram_snapshot(self, meta: dict[str, Any]) -> Snapshot | None:
+        """The named snapshot whose RAM file a VM maps copy-on-write, if it does."""
+        tid = meta.get("ram_template")
+        if meta.get("shared_ram", True) or not tid:
+            return None
+        with contextlib.suppress(DsecError):
+            return self._named(str(tid))
+        return None
 
     def _move_memory_cgroup(self, pid: int, cgroup_path: str) -> bool:
         """Put ``pid`` (all its threads) in ``cgroup_path``'s memory cgroup (made if need
