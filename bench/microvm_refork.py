@@ -3,9 +3,10 @@
 One parent (``--memory-mb``, 64 MiB of the guest's tmpfs written first) is forked
 ``--forks`` times, one child each time; then the first child is forked (a grandchild) and
 the parent paused and resumed. For each step: wall time of ``fork()`` until the new child
-answered an exec, the template's device-state stream in bytes (RAM that went into it shows
-here), the new child's and the parent's PSS (``/proc/<qemu>/smaps_rollup``), the RAM files
-on tmpfs (allocated bytes) and the templates on disk.
+answered an exec, of the parent's snapshot into the template (``template_s``), the
+template's device-state stream in bytes (RAM that went into it shows here), the new child's
+and the parent's PSS (``/proc/<qemu>/smaps_rollup``), the RAM files on tmpfs (allocated
+bytes) and the templates on disk.
 
     .venv/bin/python -m bench.microvm_refork [--forks 3] [--memory-mb 512] [--out NAME]
 
@@ -49,14 +50,29 @@ async def step(
     """Fork ``sid`` into one new child (added to ``kids``); what it cost."""
     kid = node.sandbox()
     kids.append(kid)
+    template_s: list[float] = []
+    make = be._make_template
+
+    async def timed(*args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await make(*args)
+        finally:
+            template_s.append(time.perf_counter() - t)
+
+    be._make_template = timed  # type: ignore[method-assign,assignment]
     t0 = time.perf_counter()
-    await be.fork(sid, [kid])
+    try:
+        await be.fork(sid, [kid])
+    finally:
+        be._make_template = make  # type: ignore[method-assign]
     await exec_ok(kid[1].agent_socket)
     wall = time.perf_counter() - t0
     tid = _load_meta(be.sandboxes_dir / sid)["templates"][-1]
     await asyncio.sleep(1)
     return {
         "wall_s": round(wall, 2),
+        "template_s": round(template_s[0], 2),  # snapshot (and RAM move) of the parent
         "state_mib": round((be.templates_dir / tid / "state").stat().st_size / MiB, 2),
         "child_pss_mib": round(pss_mib(be._vms[kid[0]].vmm.pid), 1),
         "parent_pss_mib": round(pss_mib(be._vms[sid].vmm.pid), 1),
