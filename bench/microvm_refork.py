@@ -113,7 +113,7 @@ async def run(forks: int, memory_mb: int, out: dict[str, Any]) -> None:
         for k, kp in reversed(kids):
             await be.destroy(k, kp)
         await be.destroy(sid, p)
-        out["left_after_destroy"] = [str(x) for x in mem.iterdir()]
+        out["left_after_destroy"] = [str(x) for x in mem.iterdir()] if mem.exists() else []
         cgroups.remove(cgroups.detect(), "/" + node.cgroup_parent)
         for d in (root, run_dir, mem):
             shutil.rmtree(d, ignore_errors=True)

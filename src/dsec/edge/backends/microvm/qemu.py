@@ -353,8 +353,15 @@ class QemuVmm:
         template, rd = self.mem_file, self.run_dir
         t0 = time.perf_counter()
         await old.cmd("stop")
-        # (an edge from before ``ram_template`` was recorded re-adopts without the path)
-        holes = await asyncio.to_thread(ramfile.holes, template) if template.exists() else []
+        # Pages never touched (holes of the template) the guest did not write since are
+        # zero: after the move they are punched in both files without reading them. (An
+        # edge from before ``ram_template`` was recorded re-adopts without the path.)
+        holes: list[tuple[int, int]] = []
+        written: set[int] = set()
+        with contextlib.suppress(OSError):
+            holes = await asyncio.to_thread(ramfile.holes, template)
+            written = await asyncio.to_thread(ramfile.private_pages, self._pid, template, holes)
+        cpu0 = _cpu_ms(self._pid)
         # beside this QEMU's sockets until it quits (a bound socket keeps working renamed)
         sub = rd / OWN_RAM_DIR
         c = replace(config, run_dir=sub, agent_socket=self.channel_socket(sub))
@@ -370,6 +377,7 @@ class QemuVmm:
             config.mem_file.unlink(missing_ok=True)
             raise
         t1 = time.perf_counter()
+        cpu = _cpu_ms(self._pid) - cpu0 + _cpu_ms(nxt._pid)
         await self._quit_process()
         for name in ("qmp.sock", c.agent_socket.name, "console.log", "qemu.log", "qemu.pid"):
             await asyncio.to_thread(os.replace, sub / name, rd / name)
@@ -377,13 +385,13 @@ class QemuVmm:
         self._proc, self._pid, self._qmp = nxt._proc, nxt._pid, nxt._qmp
         self.mem_file, self.shared_ram = config.mem_file, True
         t2 = time.perf_counter()
-        # the guest is stopped: no page of the new file changes while it is scanned
-        freed = await asyncio.to_thread(ramfile.punch_zero_pages, config.mem_file, holes)
-        refilled = 0
+        # the guest is stopped: no page of the new file changes meanwhile
+        freed = await asyncio.to_thread(ramfile.punch_except, config.mem_file, holes, written)
         with contextlib.suppress(FileNotFoundError):  # dropped meanwhile: nothing to give back
-            refilled = await asyncio.to_thread(ramfile.punch_zero_pages, template, holes)
+            freed += await asyncio.to_thread(ramfile.punch_except, template, holes, set())
         phases = {"migrate_ms": _ms(t0, t1), "switch_ms": _ms(t1, t2), "punch_ms": _ms(t2),
-                  "freed_mib": round((freed + refilled) / 2**20, 1)}  # fmt: skip
+                  "qemu_cpu_ms": cpu, "written_mib": round(len(written) * 4096 / 2**20, 1),
+                  "freed_mib": round(freed / 2**20, 1)}  # fmt: skip
         return phases
 
     async def _migrate_to(self, nxt: QemuVmm) -> None:
@@ -508,6 +516,16 @@ class QemuVmm:
 
 def _noop() -> None:
     pass
+
+
+def _cpu_ms(pid: int) -> float:
+    """CPU time (user + system, all threads) process ``pid`` used so far (0 when gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
 def _ms(t0: float, t1: float | None = None) -> float:
