@@ -9,6 +9,7 @@ those pages the VMM wrote (``/proc/<pid>/pagemap``), before, and punches the res
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 from pathlib import Path
@@ -70,16 +71,16 @@ def punch_except(path: Path, ranges: list[tuple[int, int]], keep: set[int]) -> i
     """Punch ``ranges`` of ``path`` except the pages at offsets ``keep`` (no page is
     read); returns the bytes punched."""
     freed = 0
+    kept = sorted(keep)
     fd = os.open(path, os.O_RDWR)
     try:
         for start, end in ranges:
             run = start
-            for off in range(start, end, PAGE):
-                if off in keep:
-                    if off > run:
-                        punch(fd, run, off - run)
-                        freed += off - run
-                    run = off + PAGE
+            for off in kept[bisect.bisect_left(kept, start) : bisect.bisect_left(kept, end)]:
+                if off > run:
+                    punch(fd, run, off - run)
+                    freed += off - run
+                run = off + PAGE
             if end > run:
                 punch(fd, run, end - run)
                 freed += end - run
