@@ -11,7 +11,9 @@ create():  image layers -> erofs images (shared) + bundle image + writable disk 
 pause():   snapshot to ``snapshots/current`` (QEMU: RAM stays in its file) and quit the
            VMM; resume(): restore it (the snapshot is refused if a digest differs)
 fork():    snapshot the parent into a template, then restore the parent and N children
-           from it, RAM mapped privately, each with its own scratch overlay and identity
+           from it, RAM mapped privately, each with its own scratch overlay and identity;
+           a VM whose RAM is so mapped first moves onto a RAM file of its own before any
+           snapshot (fork, pause, named snapshot), so no snapshot writes guest RAM
 destroy(): kill the VMM by its pid, the mux, cgroups, files. Idempotent.
 
 The edge watches one pid per sandbox; the VMM's pid changes on every pause/resume, so the
@@ -350,11 +352,14 @@ class MicrovmBackend:
         )
         return _with_net(config, meta.get("net") or {})
 
-    def _cgroup_dirs(self, sandbox_id: str) -> list[str]:
+    def _cgroup_dirs(self, sandbox_id: str, memory: str | None = None) -> list[str]:
+        """The VM's cgroup directories (one per hierarchy); ``memory``: another memory
+        cgroup instead of the VM's (last, so it wins where all share one hierarchy)."""
         lay = self.layout()
         seen: dict[str, str] = {}
-        for ctl in ("memory", "cpu", "pids"):
-            d = lay.controller_dir(ctl, self.cgroup_path(sandbox_id))
+        for ctl in ("cpu", "pids", "memory"):
+            d = lay.controller_dir(ctl, memory if memory and ctl == "memory" else
+                                   self.cgroup_path(sandbox_id))  # fmt: skip
             if d is not None:
                 seen.setdefault(os.path.realpath(d), str(d))
         return list(seen.values())
@@ -408,6 +413,65 @@ class MicrovmBackend:
                         )
                 with contextlib.suppress(OSError, DsecError):
                     await asyncio.to_thread(cgroups.remove_if_empty, self.layout(), tpl)
+
+    async def _own_ram(self, sandbox_id: str, vm: _Vm, meta: dict[str, Any]) -> None:
+        """Before a snapshot of a QEMU whose RAM is copy-on-write from a template (a fork
+        child, or a parent since it forked): move the guest onto a RAM file of its own, so
+        the snapshot skips the RAM as the first fork's did instead of writing all of it into
+        the state stream (see ``QemuVmm.own_ram``); records the file in ``meta``. Both QEMUs
+        run in the edge's template memory cgroup meanwhile: reading all guest RAM fills the
+        template's holes and, until they are punched again, the new file's, which would
+        count twice against the VM's limit (the new file's pages stay charged there).
+        Called with ``vm.lock`` held and the mux detached; the guest is left stopped."""
+        if vm.vmm.shared_ram or not vm.vmm.alive():
+            return
+        sd = self.sandboxes_dir / sandbox_id
+        gen = f".{secrets.token_hex(3)}"
+        paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
+        config = self._config(sandbox_id, paths, {**meta, "mem_gen": gen})
+        tpl = f"/{self.cgroup_parent}/vm-templates"
+        try:
+            moved = await asyncio.to_thread(self._move_memory_cgroup, vm.vmm.pid, tpl)
+        except OSError as exc:  # accounting only: the move goes on where QEMU is
+            log(_log, "template cgroup refused the VMM", logging.WARNING, sandbox_id=sandbox_id,
+                error=str(exc))  # fmt: skip
+            moved = False
+        cgs = ":".join(self._cgroup_dirs(sandbox_id, tpl if moved else None))
+        config = replace(config, extra={**config.extra, "cgroups": cgs})
+        # A named snapshot's RAM file keeps its stamp (else every sandbox started from it
+        # would hash it again): only zero pages the move filled are punched in it.
+        named = self._ram_snapshot(meta)
+        fresh = named is not None and await asyncio.to_thread(snapshots.ram_unchanged, named)
+        try:
+            phases = await vm.vmm.own_ram(config, RESTORE_TIMEOUT_S)
+            if named is not None and fresh:
+                await asyncio.to_thread(snapshots.restamp_ram, named)
+        finally:
+            if moved:
+                if vm.vmm.alive():
+                    with contextlib.suppress(OSError):
+                        await asyncio.to_thread(
+                            self._move_memory_cgroup, vm.vmm.pid, self.cgroup_path(sandbox_id)
+                        )
+                with contextlib.suppress(OSError, DsecError):
+                    await asyncio.to_thread(cgroups.remove_if_empty, self.layout(), tpl)
+        if phases is None:
+            return
+        meta["mem_gen"], meta["shared_ram"] = gen, True
+        old = meta.pop("ram_template", None)
+        await asyncio.to_thread(_save_meta, sd, meta)
+        if old:
+            await asyncio.to_thread(self._drop_unused_ram, [old])
+        log(_log, "microvm has its own RAM file", logging.INFO, sandbox_id=sandbox_id, **phases)
+
+    def _ram_snapshot(self, meta: dict[str, Any]) -> Snapshot | None:
+        """The named snapshot whose RAM file a VM maps copy-on-write, if it does."""
+        tid = meta.get("ram_template")
+        if meta.get("shared_ram", True) or not tid:
+            return None
+        with contextlib.suppress(DsecError):
+            return self._named(str(tid))
+        return None
 
     def _move_memory_cgroup(self, pid: int, cgroup_path: str) -> bool:
         """Put ``pid`` (all its threads) in ``cgroup_path``'s memory cgroup (made if need
@@ -485,6 +549,8 @@ class MicrovmBackend:
             self._vms[sandbox_id] = vm
             return vm
         mem = self.mem_file(sandbox_id, meta.get("mem_gen", ""))
+        if not meta.get("shared_ram", True) and meta.get("ram_template"):
+            mem = self.mem_dir / f"tpl-{meta['ram_template']}.mem"  # mapped copy-on-write
         if not await vm.vmm.adopt(self.run_dir(sandbox_id), mem, meta.get("shared_ram", True)):
             await asyncio.to_thread(_kill_pid, keeper)
             return None
@@ -526,6 +592,11 @@ class MicrovmBackend:
             if not vm.vmm.alive():
                 raise InvalidState(f"microVM {sandbox_id} is not running")
             await self._detach(vm)
+            try:
+                await self._own_ram(sandbox_id, vm, meta)
+            except BaseException:
+                await self._go_on(sandbox_id, vm, meta)
+                raise
             dest = sd / "snapshots" / "current"
             await asyncio.to_thread(disks.remove, dest)
             snap = await vm.vmm.snapshot(dest)
@@ -534,6 +605,17 @@ class MicrovmBackend:
             meta["paused"] = True
             await asyncio.to_thread(_save_meta, sd, meta)
             log(_log, "microvm paused", sandbox_id=sandbox_id)
+
+    async def _go_on(self, sandbox_id: str, vm: _Vm, meta: dict[str, Any]) -> None:
+        """Let a guest stopped for a snapshot that did not happen run on (mux attached)."""
+        if not vm.vmm.alive():
+            return
+        with contextlib.suppress(DsecError, OSError, TimeoutError):
+            await vm.vmm.resume()
+            sd = self.sandboxes_dir / sandbox_id
+            paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
+            link = vm.vmm.link(self._config(sandbox_id, paths, meta))
+            await self._attach(sandbox_id, vm, paths, link, RESTORE_TIMEOUT_S)
 
     async def resume(self, sandbox_id: str) -> None:
         """Restore the paused guest from its snapshot (verified by digest first)."""
@@ -552,6 +634,8 @@ class MicrovmBackend:
             phases = await self._restore(sandbox_id, vm, paths, config, snap, private=False)
             meta["paused"] = False
             meta["shared_ram"] = vm.vmm.shared_ram
+            if vm.vmm.shared_ram:
+                meta.pop("ram_template", None)
             await asyncio.to_thread(_save_meta, sd, meta)
             await asyncio.to_thread(disks.remove, dest)
             log(_log, "microvm resumed", logging.INFO, sandbox_id=sandbox_id, **phases)
@@ -661,6 +745,7 @@ class MicrovmBackend:
         paths = SandboxPaths(state_dir=sd, agent_socket=Path(meta["agent_socket"]))
         try:
             await self._detach(vm)
+            await self._own_ram(sandbox_id, vm, meta)
             async with self._charged_to_templates(sandbox_id, vm.vmm):
                 snap = await vm.vmm.snapshot(tdir)
             await vm.vmm.kill()
@@ -685,6 +770,7 @@ class MicrovmBackend:
             raise
         meta["mem_gen"] = f".{secrets.token_hex(3)}"
         meta["shared_ram"] = False
+        meta["ram_template"] = tid  # the RAM file it maps copy-on-write from now on
         await asyncio.to_thread(_save_meta, sd, meta)
         await asyncio.to_thread(_save_meta, tdir, meta)  # what a sandbox made from it gets
         return paths, meta, tsnap
@@ -721,7 +807,8 @@ class MicrovmBackend:
         self._vms[cid] = vm
         try:
             meta = {**pmeta, "agent_socket": str(cp.agent_socket), "mem_gen": "",
-                    "parent": parent}  # fmt: skip
+                    "parent": parent, "shared_ram": False,
+                    "ram_template": tsnap.dir.name}  # fmt: skip
             # one thread hop for the child's files, cgroup and keeper: many children start
             # at once and the default executor has few threads
             vm.keeper = await asyncio.to_thread(self._prepare_child, cid, cp.state_dir, tsnap, meta)
@@ -759,15 +846,21 @@ class MicrovmBackend:
             tmem = self.mem_dir / f"tpl-{snapshot_id}.mem"
             # Sandboxes made from it keep it and the templates its disk stands on.
             tmeta = {**meta, "templates": [*meta.get("templates", []), snapshot_id]}
+            moving = not vm.vmm.shared_ram  # onto a RAM file of its own: another QEMU
             try:
                 try:
+                    if moving:
+                        await self._detach(vm)
+                        await self._own_ram(sandbox_id, vm, meta)
                     async with self._charged_to_templates(sandbox_id, vm.vmm):
                         snap = await vm.vmm.snapshot(tdir)  # stops the guest
                     await asyncio.to_thread(
                         _copy_template, snap, tmem, sd, tdir, _scratch(_vmm_of(meta))
                     )
                 finally:
-                    if vm.vmm.alive():
+                    if moving:
+                        await self._go_on(sandbox_id, vm, meta)
+                    elif vm.vmm.alive():
                         await vm.vmm.resume()
                 tsnap = replace(snap, mem_file=tmem)
                 await asyncio.to_thread(snapshots.write_manifest, tsnap)
@@ -972,6 +1065,7 @@ class MicrovmBackend:
             templates = []
         await asyncio.to_thread(self._remove_files, sandbox_id, paths)
         await asyncio.to_thread(self._drop_unused_templates, templates)
+        await asyncio.to_thread(self._drop_unused_ram, templates)
         for d in (self.mem_dir, self.templates_dir, self.paths.run / "vm"):
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(d.rmdir)  # only when empty
@@ -1004,6 +1098,19 @@ class MicrovmBackend:
                 shutil.rmtree(self.templates_dir / tid, ignore_errors=True)
                 (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
         self._drop_unused_bases()
+
+    def _drop_unused_ram(self, templates: list[str]) -> None:
+        """Remove the RAM files of fork templates no running sandbox maps any more: a
+        template whose disk is still needed (under a parent's or child's overlay) keeps its
+        directory, but its RAM is only read by the VMs restored from it, and a VM that
+        moved onto a RAM file of its own (``_own_ram``) no longer does."""
+        mapped: set[str] = set()
+        for sd in self.sandboxes_dir.iterdir() if self.sandboxes_dir.exists() else ():
+            with contextlib.suppress(OSError, ValueError):
+                mapped.add(str(_load_meta(sd).get("ram_template", "")))
+        for tid in templates:
+            if tid not in mapped and not (self.templates_dir / tid / PINNED).exists():
+                (self.mem_dir / f"tpl-{tid}.mem").unlink(missing_ok=True)
 
     def _drop_unused_bases(self) -> None:
         """Remove base files taken in from other edges (``vm-bases``) that no sandbox or

@@ -136,6 +136,10 @@ class FirecrackerVmm:
         _collect_snapshot(inner, snap)
         return snap
 
+    async def own_ram(self, config: VmConfig, timeout_s: float) -> dict[str, float] | None:
+        """Nothing: a Firecracker snapshot always writes the RAM file (a Full snapshot)."""
+        return None
+
     async def restore(
         self,
         config: VmConfig,

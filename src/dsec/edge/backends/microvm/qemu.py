@@ -4,8 +4,10 @@ One ``qemu-system-x86_64 -M microvm`` per guest, in its own session (so the whol
 group can be killed by the pid we started), control over QMP, the agent channel on a
 virtio-serial port whose host end is a unix socket QEMU serves. Guest RAM is a
 ``memory-backend-file``: snapshots skip it (``x-ignore-shared``) and fork children map the
-same file privately. Under TCG the kernel gets ``tsc_early_khz`` (it hangs at random in TSC
-calibration without it) and ``norandmaps`` (see TCG_KERNEL_ARGS); under KVM it gets neither.
+same file privately; a guest so mapped moves onto a file of its own before its next snapshot
+(:meth:`QemuVmm.own_ram`), since ``x-ignore-shared`` skips shared RAM only. Under TCG the
+kernel gets ``tsc_early_khz`` (it hangs at random in TSC calibration without it) and
+``norandmaps`` (see TCG_KERNEL_ARGS); under KVM it gets neither.
 
 Files in ``run_dir``: ``qmp.sock``, ``serial.sock`` (agent channel), ``console.log`` (the
 guest's serial console), ``qemu.log`` (QEMU's stderr), ``qemu.pid`` (pid + start time, for
@@ -22,12 +24,16 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
 from dsec.core.errors import SandboxFailed
+from dsec.edge.backends.microvm import ramfile
 from dsec.edge.backends.microvm.mux import SerialLink
 from dsec.edge.backends.microvm.qmp import Qmp
 from dsec.edge.backends.microvm.vmm import Snapshot, VmConfig, netns_path, watched
@@ -37,6 +43,9 @@ NSENTER = "nsenter"  # util-linux
 PANIC_MARKERS = ("Kernel panic", "end Kernel panic")
 AGENT_PORT = "dsec.agent"
 MIGRATION_FD = "dsec-state"  # the name QEMU knows the snapshot state file's fd by
+# A migration between two QEMUs on this host is not throttled (QEMU's default is 128 MiB/s).
+LOCAL_BANDWIDTH = 1 << 36
+OWN_RAM_DIR = "own-ram"  # in run_dir: the QEMU taking a guest onto its own RAM file, at first
 T = TypeVar("T")
 
 
@@ -323,6 +332,112 @@ class QemuVmm:
         (dest / "qemu.json").write_text(json.dumps({"ignore_shared": self.shared_ram}))
         return Snapshot(dir=dest, mem_file=self.mem_file, state=state, ram_in_file=self.shared_ram)
 
+    async def own_ram(self, config: VmConfig, timeout_s: float) -> dict[str, float] | None:
+        """Move a guest whose RAM is mapped copy-on-write from a template (a fork child, a
+        parent that forked) onto a RAM file of its own, ``config.mem_file``, mapped shared:
+        its snapshots skip the RAM again (``x-ignore-shared`` skips shared RAM only) instead
+        of writing all of it into the state stream, and fork children map it copy-on-write.
+
+        A second QEMU on the new file takes the stopped guest in over a socket pair (memory
+        to memory, nothing on disk); then this one quits and the new one is this driver's
+        VMM, its guest still stopped. Both read every page of guest RAM, which fills the
+        holes of the template (never-touched pages) and of the new file with zero pages:
+        they are punched back to holes. Returns the phases (ms), or None when the RAM is
+        already shared. On failure the new QEMU is gone and this one is left as it was
+        (stopped)."""
+        if self.shared_ram:
+            return None
+        old = self._need_qmp()
+        assert self.mem_file is not None
+        assert self.run_dir is not None
+        template, rd = self.mem_file, self.run_dir
+        t0 = time.perf_counter()
+        await old.cmd("stop")
+        # Pages never touched (holes of the template) the guest did not write since are
+        # zero: after the move they are punched in both files without reading them. (An
+        # edge from before ``ram_template`` was recorded re-adopts without the path.)
+        holes: list[tuple[int, int]] = []
+        written: set[int] = set()
+        with contextlib.suppress(OSError):
+            holes = await asyncio.to_thread(ramfile.holes, template)
+            written = await asyncio.to_thread(ramfile.private_pages, self._pid, template, holes)
+        cpu0 = _cpu_ms(self._pid)
+        # beside this QEMU's sockets until it quits (a bound socket keeps working renamed)
+        sub = rd / OWN_RAM_DIR
+        c = replace(config, run_dir=sub, agent_socket=self.channel_socket(sub))
+        nxt = QemuVmm(accel=self.accel)
+        nxt.mem_file, nxt.shared_ram = config.mem_file, True
+        argv = nxt.argv(c, mem_path=config.mem_file, share=True, incoming=True)
+        try:
+            await nxt._spawn(c, argv, timeout_s)
+            await nxt._with_watchdog(self._migrate_to(nxt), timeout_s)
+        except BaseException:
+            await nxt.kill()
+            await asyncio.to_thread(shutil.rmtree, sub, True)
+            config.mem_file.unlink(missing_ok=True)
+            raise
+        t1 = time.perf_counter()
+        cpu = _cpu_ms(self._pid) - cpu0 + _cpu_ms(nxt._pid)
+        await self._quit_process()
+        for name in ("qmp.sock", c.agent_socket.name, "console.log", "qemu.log", "qemu.pid"):
+            await asyncio.to_thread(os.replace, sub / name, rd / name)
+        await asyncio.to_thread(shutil.rmtree, sub, True)
+        self._proc, self._pid, self._qmp = nxt._proc, nxt._pid, nxt._qmp
+        self.mem_file, self.shared_ram = config.mem_file, True
+        t2 = time.perf_counter()
+        # the guest is stopped: no page of the new file changes meanwhile
+        freed = await asyncio.to_thread(ramfile.punch_except, config.mem_file, holes, written)
+        with contextlib.suppress(FileNotFoundError):  # dropped meanwhile: nothing to give back
+            freed += await asyncio.to_thread(ramfile.punch_except, template, holes, set())
+        phases = {"migrate_ms": _ms(t0, t1), "switch_ms": _ms(t1, t2), "punch_ms": _ms(t2),
+                  "qemu_cpu_ms": cpu, "written_mib": round(len(written) * 4096 / 2**20, 1),
+                  "freed_mib": round(freed / 2**20, 1)}  # fmt: skip
+        return phases
+
+    async def _migrate_to(self, nxt: QemuVmm) -> None:
+        """Send this (stopped) guest to ``nxt``, waiting for it, over a socket pair."""
+        old, new = self._need_qmp(), nxt._need_qmp()
+        off = {"capabilities": [{"capability": "x-ignore-shared", "state": False}]}
+        mine, theirs = socket.socketpair()
+        try:
+            await new.cmd("migrate-set-capabilities", off)
+            await new.cmd("getfd", {"fdname": MIGRATION_FD}, fd=theirs.fileno())
+            await new.cmd("migrate-incoming", {"uri": f"fd:{MIGRATION_FD}"})
+            await old.cmd("migrate-set-capabilities", off)
+            await old.cmd("migrate-set-parameters", {"max-bandwidth": LOCAL_BANDWIDTH})
+            await old.cmd("getfd", {"fdname": MIGRATION_FD}, fd=mine.fileno())
+            await old.cmd("migrate", {"uri": f"fd:{MIGRATION_FD}"})
+        finally:
+            mine.close()
+            theirs.close()
+        while True:
+            info = await old.cmd("query-migrate")
+            st = info.get("status")
+            if st in ("failed", "cancelled"):
+                raise SandboxFailed(f"moving the guest RAM failed: {info.get('error-desc', st)}")
+            if st == "completed" and (await nxt.status()) != "inmigrate":
+                return
+            await asyncio.sleep(0.005)
+
+    async def _quit_process(self) -> None:
+        """Kill this driver's QEMU process, leaving the files in ``run_dir`` alone."""
+        if self._qmp is not None:
+            self._qmp.close()
+            self._qmp = None
+        pid = self._pid
+        if pid > 0 and self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if self._proc is not None:
+            await asyncio.to_thread(self._proc.wait)
+            self._proc = None
+        elif pid > 0:
+            for _ in range(500):
+                if _start_time(pid) is None:
+                    break
+                await asyncio.sleep(0.01)
+        self._pid = 0
+
     def saved_snapshot(self, dest: Path, mem_file: Path) -> Snapshot:
         try:
             in_file = bool(json.loads((dest / "qemu.json").read_text()).get("ignore_shared"))
@@ -393,22 +508,7 @@ class QemuVmm:
             raise
 
     async def kill(self) -> None:
-        if self._qmp is not None:
-            self._qmp.close()
-            self._qmp = None
-        pid = self._pid
-        if pid > 0 and self.alive():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-        if self._proc is not None:
-            await asyncio.to_thread(self._proc.wait)
-            self._proc = None
-        elif pid > 0:
-            for _ in range(500):
-                if _start_time(pid) is None:
-                    break
-                await asyncio.sleep(0.01)
-        self._pid = 0
+        await self._quit_process()
         if self.run_dir is not None:
             for name in ("qmp.sock", "qemu.pid"):
                 (self.run_dir / name).unlink(missing_ok=True)
@@ -416,6 +516,20 @@ class QemuVmm:
 
 def _noop() -> None:
     pass
+
+
+def _cpu_ms(pid: int) -> float:
+    """CPU time (user + system, all threads) process ``pid`` used so far (0 when gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def _ms(t0: float, t1: float | None = None) -> float:
+    return round(((time.perf_counter() if t1 is None else t1) - t0) * 1000, 1)
 
 
 def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:

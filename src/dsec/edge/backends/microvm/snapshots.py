@@ -165,6 +165,24 @@ def verify(snap: Snapshot, *, trust_stamps: bool = True) -> None:
             raise SnapshotCorrupt(f"snapshot {snap.dir.name}: {name} digest mismatch")
 
 
+def ram_unchanged(snap: Snapshot) -> bool:
+    """The RAM file's stamp is still the one its manifest holds."""
+    try:
+        ram = json.loads((snap.dir / MANIFEST).read_text()).get("ram")
+        return isinstance(ram, dict) and ram.get("stamp") == stamp(snap.mem_file)
+    except (OSError, ValueError):
+        return False
+
+
+def restamp_ram(snap: Snapshot) -> None:
+    """Record the RAM file's stamp as it is now: after zero pages were punched to holes,
+    which its digest does not see (see :func:`sparse_digest`)."""
+    manifest = json.loads((snap.dir / MANIFEST).read_text())
+    if isinstance(manifest.get("ram"), dict):
+        manifest["ram"]["stamp"] = stamp(snap.mem_file)
+        _save(snap, manifest)
+
+
 def restamp(snap: Snapshot, *, keep: bool = True) -> None:
     """Record the files' stamps as they are now (after a full :func:`verify`), or
     (``keep=False``) drop them, so the next :func:`verify` hashes every file: for a

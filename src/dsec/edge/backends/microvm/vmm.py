@@ -109,6 +109,13 @@ class Vmm(Protocol):
         """Pause the guest and write its snapshot under ``dest`` (the VMM stays paused)."""
         ...
 
+    async def own_ram(self, config: VmConfig, timeout_s: float) -> dict[str, float] | None:
+        """Give a guest whose RAM is mapped copy-on-write a RAM file of its own
+        (``config.mem_file``, ``shared_ram`` from then on) so a snapshot need not write its
+        RAM; the guest is left stopped. Returns how long it took (phases, ms), or None
+        when there is nothing to do (RAM already shared, or the VMM cannot)."""
+        ...
+
     def saved_snapshot(self, dest: Path, mem_file: Path) -> Snapshot:
         """The snapshot ``snapshot(dest)`` wrote, for a VMM that has quit since
         (``mem_file``: the guest RAM file of the VM it was taken of)."""
