@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,25 +47,27 @@ async def call(
     deadline_s: float = 3600,
     unbound: bool = False,
     trajectory_epoch: str = "",
+    meanwhile: Callable[[], object] | None = None,
 ) -> Reply:
     """``unbound``: refuse (TrajectoryBound) if the sandbox is bound to a trajectory;
-    ``trajectory_epoch``: unless it is bound at that epoch (``trajectory_bindings.py``)."""
+    ``trajectory_epoch``: unless it is bound at that epoch (``trajectory_bindings.py``);
+    ``meanwhile``: run on the loop once the call is sent, while it runs."""
     stub = await c.upstream.edge_for(sandbox_id)
-    reply = await rpc(
-        "edge",
-        stub.Call(
-            pb.RuntimeCall(
-                sandbox_id=sandbox_id,
-                request=json.dumps(request).encode(),
-                stdin=stdin or b"",
-                has_stdin=stdin is not None,
-                unbound=unbound,
-                trajectory_epoch=trajectory_epoch,
-            ),
-            metadata=p.metadata(),
-            timeout=deadline_s,
+    call = stub.Call(
+        pb.RuntimeCall(
+            sandbox_id=sandbox_id,
+            request=json.dumps(request).encode(),
+            stdin=stdin or b"",
+            has_stdin=stdin is not None,
+            unbound=unbound,
+            trajectory_epoch=trajectory_epoch,
         ),
+        metadata=p.metadata(),
+        timeout=deadline_s,
     )
+    if meanwhile is not None:  # (after the call's own first step, which sends it)
+        asyncio.get_running_loop().call_soon(meanwhile)
+    reply = await rpc("edge", call)
     final = json.loads(reply.final)
     return Reply(
         result=raise_for_final(final) if "error" in final else final.get("result", {}),

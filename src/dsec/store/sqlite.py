@@ -84,7 +84,7 @@ BUSY_TIMEOUT_S = 5.0
 INLINE_MAX_OPS = 16  # (NORMAL: larger transactions are committed on the store thread)
 INLINE_MAX_BYTES = 256 * 1024
 CHECKPOINT_COMMITS = 200  # (commits between WAL checkpoints, on the checkpoint thread)
-WAL_RESTART_FRAMES = 1000  # (a WAL this long after a checkpoint: the next one blocks writers)
+WAL_RESTART_FRAMES = 4000  # (a WAL this long after a checkpoint: the next one blocks writers)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (
@@ -293,7 +293,7 @@ class SqliteStore(StoreHelpers):
 
     def _write(self, body: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``body`` in one write transaction. The store revision is read once at its
-        start (``self._rev``; :meth:`_apply` advances it) and written once at its end."""
+        start (``self._rev``; :meth:`_apply` advances it)."""
         db = self._db
         if db is None:
             raise StoreUnavailable("the store is closed")
@@ -301,9 +301,14 @@ class SqliteStore(StoreHelpers):
             self._begin(db, wait=True)
         self._begun = False
         try:
-            self._rev = start = self._meta("rev")
+            # (one statement for the usual write, one revision: read the revision and take
+            # the next; written again only if the write took none, or several)
+            rows = db.execute(
+                "UPDATE meta SET value = value + 1 WHERE name = 'rev' RETURNING value"
+            ).fetchall()
+            self._rev = start = int(rows[0][0]) - 1
             out = body(db)
-            if self._rev != start:
+            if self._rev != start + 1:
                 db.execute("UPDATE meta SET value = ? WHERE name = 'rev'", (self._rev,))
             db.execute("COMMIT")
         except BaseException:
