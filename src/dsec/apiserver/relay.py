@@ -65,8 +65,11 @@ async def call(
         metadata=p.metadata(),
         timeout=deadline_s,
     )
-    if meanwhile is not None:  # (after the call's own first step, which sends it)
-        asyncio.get_running_loop().call_soon(meanwhile)
+    if meanwhile is not None:
+        # (two hops: the call's interceptor task runs first and starts the task that sends
+        # it; ``meanwhile`` then runs after that one's first step, the send)
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, meanwhile)
     reply = await rpc("edge", call)
     final = json.loads(reply.final)
     return Reply(
