@@ -179,6 +179,7 @@ class SqliteStore(StoreHelpers):
         self._commits = 0  # since the last WAL checkpoint
         self._checkpointing = False
         self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="dsec-store-ckpt")
+        self._ckpt_db: sqlite3.Connection | None = None  # (the checkpoint thread's)
 
     @classmethod
     async def open(
@@ -266,16 +267,22 @@ class SqliteStore(StoreHelpers):
         """(On the checkpoint thread, its own connection: a ``PASSIVE`` checkpoint takes no
         write lock, so commits go on meanwhile; it syncs the WAL, then the database.)"""
         try:
-            db = sqlite3.connect(self._path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
-            try:
+            if self._ckpt_db is None:
+                db = sqlite3.connect(self._path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
                 db.execute(f"PRAGMA synchronous={self._synchronous}")
-                _, frames, _ = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                self._ckpt_db = db
+            while True:
+                ((_, frames, _),) = self._ckpt_db.execute(
+                    "PRAGMA wal_checkpoint(PASSIVE)"
+                ).fetchall()
                 if frames > WAL_RESTART_FRAMES:
                     # (writers kept it from ever being copied whole, and only a WAL copied
                     # whole starts over: have them wait for one copy)
-                    db.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
-            finally:
-                db.close()
+                    self._ckpt_db.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+                # (commits that asked for a checkpoint while this one ran get another)
+                if self._commits < CHECKPOINT_COMMITS or self._closed:
+                    break
+                self._commits = 0
         except sqlite3.Error:
             pass  # (the next one copies what this one did not)
         finally:
@@ -680,4 +687,7 @@ class SqliteStore(StoreHelpers):
         self._closed = True
         self._pool.shutdown(wait=True)
         self._read_pool.shutdown(wait=True)
+        ckpt, self._ckpt_db = self._ckpt_db, None
+        if ckpt is not None:
+            self._checkpointer.submit(ckpt.close)
         self._checkpointer.shutdown(wait=True)
