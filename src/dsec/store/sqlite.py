@@ -22,10 +22,11 @@ commit at all: a commit on the loop saves the hand-offs but blocks every other r
 its duration, which is fine for a small transaction without an fsync and not for an fsync
 (``FULL``), a range delete of a long trajectory or a compaction.
 
-The WAL is checkpointed every ``CHECKPOINT_COMMITS`` commits on a connection and thread of
-its own (``PASSIVE``: it takes no write lock), in both modes: no commit waits for one,
-unless commits kept the WAL from being copied whole for ``WAL_RESTART_FRAMES`` pages (then
-one ``RESTART`` checkpoint makes them wait, so the WAL starts over and stays small).
+The WAL is checkpointed every ``CHECKPOINT_COMMITS`` commits, in both modes, asked for in
+one place (:meth:`_committed`) and run on the store thread with the connection to itself:
+commits meanwhile wait on the store thread. (On a connection of its own, a checkpoint let
+commits go on, but it was then rarely whole, so the WAL seldom started over: it grew to
+~20 MiB, and commits to a growing WAL cost more CPU.)
 
 One process should own the file. A second opener (another process, or a second store in
 this one) still gets serial, correct transactions, but its live watches see only its own
@@ -83,8 +84,7 @@ REAP_INTERVAL_S = 0.1
 BUSY_TIMEOUT_S = 5.0
 INLINE_MAX_OPS = 16  # (NORMAL: larger transactions are committed on the store thread)
 INLINE_MAX_BYTES = 256 * 1024
-CHECKPOINT_COMMITS = 200  # (commits between WAL checkpoints, on the checkpoint thread)
-WAL_RESTART_FRAMES = 4000  # (a WAL this long after a checkpoint: the next one blocks writers)
+CHECKPOINT_COMMITS = 200  # (commits between WAL checkpoints, on the store thread)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (
@@ -178,8 +178,6 @@ class SqliteStore(StoreHelpers):
         self._lock = threading.Lock()  # (held by whichever thread uses the connection)
         self._commits = 0  # since the last WAL checkpoint
         self._checkpointing = False
-        self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="dsec-store-ckpt")
-        self._ckpt_db: sqlite3.Connection | None = None  # (the checkpoint thread's)
 
     @classmethod
     async def open(
@@ -257,32 +255,18 @@ class SqliteStore(StoreHelpers):
 
     def _committed(self) -> None:
         """(Under ``_lock``, after each commit) every ``CHECKPOINT_COMMITS``, copy the WAL into
-        the database on the checkpoint thread, so a later commit restarts it."""
+        the database on the store thread, so the next commit starts it over."""
         self._commits += 1
         if self._commits >= CHECKPOINT_COMMITS and not self._checkpointing and not self._closed:
             self._commits, self._checkpointing = 0, True
-            self._checkpointer.submit(self._checkpoint)
+            self._pool.submit(self._locked, self._checkpoint)
 
     def _checkpoint(self) -> None:
-        """(On the checkpoint thread, its own connection: a ``PASSIVE`` checkpoint takes no
-        write lock, so commits go on meanwhile; it syncs the WAL, then the database.)"""
+        """(On the store thread, under ``_lock``: no commit runs meanwhile, so the copy is
+        whole and the next commit restarts the WAL.)"""
         try:
-            if self._ckpt_db is None:
-                db = sqlite3.connect(self._path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
-                db.execute(f"PRAGMA synchronous={self._synchronous}")
-                self._ckpt_db = db
-            while True:
-                ((_, frames, _),) = self._ckpt_db.execute(
-                    "PRAGMA wal_checkpoint(PASSIVE)"
-                ).fetchall()
-                if frames > WAL_RESTART_FRAMES:
-                    # (writers kept it from ever being copied whole, and only a WAL copied
-                    # whole starts over: have them wait for one copy)
-                    self._ckpt_db.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
-                # (commits that asked for a checkpoint while this one ran get another)
-                if self._commits < CHECKPOINT_COMMITS or self._closed:
-                    break
-                self._commits = 0
+            if self._db is not None:
+                self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         except sqlite3.Error:
             pass  # (the next one copies what this one did not)
         finally:
@@ -687,7 +671,3 @@ class SqliteStore(StoreHelpers):
         self._closed = True
         self._pool.shutdown(wait=True)
         self._read_pool.shutdown(wait=True)
-        ckpt, self._ckpt_db = self._ckpt_db, None
-        if ckpt is not None:
-            self._checkpointer.submit(ckpt.close)
-        self._checkpointer.shutdown(wait=True)
