@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,30 +45,25 @@ async def call(
     deadline_s: float = 3600,
     unbound: bool = False,
     trajectory_epoch: str = "",
-    meanwhile: Callable[[], object] | None = None,
 ) -> Reply:
     """``unbound``: refuse (TrajectoryBound) if the sandbox is bound to a trajectory;
-    ``trajectory_epoch``: unless it is bound at that epoch (``trajectory_bindings.py``);
-    ``meanwhile``: run on the loop once the call is sent, while it runs."""
+    ``trajectory_epoch``: unless it is bound at that epoch (``trajectory_bindings.py``)."""
     stub = await c.upstream.edge_for(sandbox_id)
-    call = stub.Call(
-        pb.RuntimeCall(
-            sandbox_id=sandbox_id,
-            request=json.dumps(request).encode(),
-            stdin=stdin or b"",
-            has_stdin=stdin is not None,
-            unbound=unbound,
-            trajectory_epoch=trajectory_epoch,
+    reply = await rpc(
+        "edge",
+        stub.Call(
+            pb.RuntimeCall(
+                sandbox_id=sandbox_id,
+                request=json.dumps(request).encode(),
+                stdin=stdin or b"",
+                has_stdin=stdin is not None,
+                unbound=unbound,
+                trajectory_epoch=trajectory_epoch,
+            ),
+            metadata=p.metadata(),
+            timeout=deadline_s,
         ),
-        metadata=p.metadata(),
-        timeout=deadline_s,
     )
-    if meanwhile is not None:
-        # (two hops: the call's interceptor task runs first and starts the task that sends
-        # it; ``meanwhile`` then runs after that one's first step, the send)
-        loop = asyncio.get_running_loop()
-        loop.call_soon(loop.call_soon, meanwhile)
-    reply = await rpc("edge", call)
     final = json.loads(reply.final)
     return Reply(
         result=raise_for_final(final) if "error" in final else final.get("result", {}),

@@ -43,7 +43,7 @@ from dsec.core.errors import (
 from dsec.obs import log
 from dsec.store.api import KeyValue
 from dsec.trajectory.canon import canonical, field_at, first_difference
-from dsec.trajectory.log import Draft, Step, Trajectory, TrajectoryLog
+from dsec.trajectory.log import Step, Trajectory, TrajectoryLog
 
 _log = logging.getLogger("dsec.apiserver.trajectory")
 
@@ -176,21 +176,31 @@ async def record(
     *,
     data: bytes | None = None,
     payload: bytes | None = None,
-    draft: Draft | None = None,
 ) -> Step:
-    """Append the call's step (``draft``: its :meth:`TrajectoryLog.draft`, made while the
-    call ran)."""
     assert c.trajectories is not None
+    idem = idempotent(request)
     mode = request.get(HEADERS, {}).get("X-Dsec-Trajectory-Mode", "recorded")
 
     def make(n: int) -> Step:
-        return _step(request, sandbox_id, req, canon, payload, n, status, result, data)
+        return Step(
+            n=n,
+            op=str(req.get("op", "")),
+            request=canon,
+            status=status,
+            result=result,
+            at=time.time(),
+            sandbox_id=sandbox_id,
+            idempotent=idem,
+            data=data,
+            payload=payload,
+            raw_request=req,
+        )
 
     t = b.t
     start = time.perf_counter()
     # (every caller checked the quota before the call ran: a call that ran is recorded)
     step, now, kv = await c.trajectories.append_known(
-        t.id, make, known=b.meta, record=t, quota_checked=True, draft=draft
+        t.id, make, known=b.meta, record=t, quota_checked=True
     )
     c.metrics.observe("trajectory_append", time.perf_counter() - start)
     c.bindings.wrote(sandbox_id, now, kv)
@@ -199,32 +209,6 @@ async def record(
     if t.checkpoint_every and (step.n + 1) % t.checkpoint_every == 0:
         await checkpoint(c, p, t.id, sandbox_id)
     return step
-
-
-def _step(
-    request: web.Request,
-    sandbox_id: str,
-    req: dict[str, Any],
-    canon: dict[str, Any],
-    payload: bytes | None,
-    n: int,
-    status: int = 0,
-    result: dict[str, Any] | None = None,
-    data: bytes | None = None,
-) -> Step:
-    return Step(
-        n=n,
-        op=str(req.get("op", "")),
-        request=canon,
-        status=status,
-        result=result or {},
-        at=time.time(),
-        sandbox_id=sandbox_id,
-        idempotent=idempotent(request),
-        data=data,
-        payload=payload,
-        raw_request=req,
-    )
 
 
 # -- unary calls ------------------------------------------------------------------------
@@ -315,25 +299,11 @@ async def _recorded(
     edge runs it only if the sandbox is still bound at that epoch, else refuses it
     (TrajectoryBound) before it runs; "": no such check (the record was just read)."""
     epoch = b.t.epoch if epoch is None else epoch
-    tlog = c.trajectories
-    assert tlog is not None
-    drafts: list[Draft] = []
-
-    def prepare() -> None:  # (while the call runs: all of the append but its answer)
-        step = _step(request, sandbox_id, req, canon, stdin, b.t.steps)
-        drafts.append(tlog.draft(b.t, b.meta, step))
 
     async def run() -> relay.Reply:
         try:
             reply = await relay.call(
-                c,
-                p,
-                sandbox_id,
-                req,
-                stdin,
-                deadline_s=deadline_s,
-                trajectory_epoch=epoch,
-                meanwhile=prepare,
+                c, p, sandbox_id, req, stdin, deadline_s=deadline_s, trajectory_epoch=epoch
             )
         except TrajectoryBound:
             raise  # refused before it ran: nothing to record
@@ -345,11 +315,7 @@ async def _recorded(
                 request, c, p, b, sandbox_id, req, canon, exc.http_status, error, payload=stdin
             )
             raise
-        draft = drafts[0] if drafts else None
-        result = _pack(reply)
-        await record(
-            request, c, p, b, sandbox_id, req, canon, 200, result, payload=stdin, draft=draft
-        )
+        await record(request, c, p, b, sandbox_id, req, canon, 200, _pack(reply), payload=stdin)
         return reply
 
     # A client that goes away mid-call must not leave a call that ran but was not recorded.

@@ -226,42 +226,6 @@ async def check_append_known(tlog: TrajectoryLog, project: str) -> None:
 
 
 @check
-async def check_append_from_a_draft(tlog: TrajectoryLog, project: str) -> None:
-    """An append from a draft (its encodings made before the answer) stores what one without
-    stores; a draft made from a stale record is not used (the store numbers the step)."""
-    t, _ = await tlog.open(project, "draft", spec={"image": "base", "env": {"A": "1"}})
-    plain, _ = await tlog.open(project, "nodraft", spec={"image": "base", "env": {"A": "1"}})
-    kv, pkv = await tlog.store.get(_meta(t.id)), await tlog.store.get(_meta(plain.id))
-    assert kv is not None
-    assert pkv is not None
-    rec, prec = t, plain
-    for i in range(3):
-        make = step(f"d{i}", f"{i}\n")
-        pre = tlog.draft(rec, kv, replace(make(rec.steps), result={}, status=0))
-        s, rec, kv = await tlog.append_known(t.id, make, known=kv, record=rec, draft=pre)
-        p, prec, pkv = await tlog.append_known(plain.id, make, known=pkv, record=prec)
-        assert s == p
-        assert await tlog.step(t.id, i) == await tlog.step(plain.id, i) == p
-        assert (rec.steps, rec.bytes, rec.cursor) == (prec.steps, prec.bytes, prec.cursor)
-        assert await tlog.store.get(kv.key) == kv
-        own = {"id", "name", "created_at", "updated_at"}
-        assert {k: v for k, v in json.loads(kv.value).items() if k not in own} == {
-            k: v for k, v in json.loads(pkv.value).items() if k not in own
-        }
-        assert rec == await tlog.get(t.id)
-    stale = tlog.draft(rec, kv, step("late")(rec.steps))
-    await tlog.append(t.id, step("elsewhere"))  # another writer: the draft is stale now
-    s, rec, kv = await tlog.append_known(t.id, step("late"), known=kv, record=rec, draft=stale)
-    assert (s.n, rec.steps) == (4, 5)
-    assert await tlog.step(t.id, 4) == s
-    assert await tlog.store.get(kv.key) == kv
-
-
-def _meta(tid: str) -> bytes:
-    return PREFIX + b"t/" + tid.encode()
-
-
-@check
 async def check_concurrent_appends(tlog: TrajectoryLog, project: str) -> None:
     t, _ = await tlog.open(project, "par", spec={})
     got = await asyncio.gather(*(tlog.append(t.id, step(f"c{i}")) for i in range(12)))

@@ -35,7 +35,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from dsec.core import projects
@@ -73,7 +73,6 @@ __all__ = [
     "MAX_NAME",
     "MISMATCH_POLICIES",
     "PREFIX",
-    "Draft",
     "Step",
     "Trajectory",
     "TrajectoryLog",
@@ -109,25 +108,6 @@ def _quota_key(project: str) -> bytes:
 
 def _record_put(t: Trajectory) -> Put:
     return Put(_meta_key(t.id), json.dumps(t.to_json()).encode())
-
-
-@dataclass(frozen=True, slots=True)
-class Draft:
-    """An append prepared before the call's answer (:meth:`TrajectoryLog.draft`): the
-    step's encoding up to the answer's fields, and the record after the append with its
-    encoding up to ``bytes`` and ``updated_at``."""
-
-    t: Trajectory
-    meta: KeyValue
-    n: int
-    head: str
-    record: Trajectory
-    record_head: str
-
-    def finish(self, size: int, now: float) -> tuple[Trajectory, bytes]:
-        """The record as written, and its encoding, holding ``size`` bytes at ``now``."""
-        new = replace(self.record, bytes=size, updated_at=now)
-        return new, f'{self.record_head}"bytes": {size}, "updated_at": {json.dumps(now)}}}'.encode()
 
 
 def _levels(project: str) -> list[str]:
@@ -470,14 +450,6 @@ class TrajectoryLog:
         ``known``: the record as last read, tried first."""
         return (await self.append_known(tid, make, known=known))[0]
 
-    def draft(self, t: Trajectory, meta: KeyValue, step: Step) -> Draft:
-        """Encode what :meth:`append_known` writes for ``step`` on the record ``t`` (as
-        ``meta``), all but the fields the call's answer sets: made while the call runs."""
-        new = replace(t, steps=t.steps + 1, cursor=t.steps + 1, mode="record")
-        d = new.to_json()
-        del d["bytes"], d["updated_at"]
-        return Draft(t, meta, step.n, step.head(), new, json.dumps(d)[:-1] + ", ")
-
     async def append_known(
         self,
         tid: str,
@@ -486,27 +458,21 @@ class TrajectoryLog:
         known: KeyValue | None = None,
         record: Trajectory | None = None,
         quota_checked: bool = False,
-        draft: Draft | None = None,
     ) -> tuple[Step, Trajectory, KeyValue]:
         """:meth:`append`, answering the record as written too (the next call's ``known``
         and ``record``, so a writer that keeps them reads nothing per step); ``record``:
         ``known`` decoded. ``quota_checked``: the caller checked the quota before the call
         it records ran (the apiserver): a call that ran is recorded even if a concurrent
-        step filled the quota meanwhile, and the check is not paid twice. ``draft``:
-        :meth:`draft` of this step on ``known``, made earlier (tried first)."""
+        step filled the quota meanwhile, and the check is not paid twice."""
         while True:
-            if draft is not None:
-                t, meta = draft.t, draft.meta
-            elif known is not None:
+            if known is not None:
                 t = record or Trajectory.from_json(json.loads(known.value))
                 meta = known
             else:
                 t, meta = await self._read(tid)
-            pre, draft, known, record = draft, None, None, None
+            known = record = None
             step = make(t.steps)
-            if pre is None or pre.n != step.n:
-                pre = self.draft(t, meta, step)
-            raw = step.encode(pre.head)
+            raw = step.encode()
             size = len(raw)
             stored = raw
             if size > INLINE_MAX:
@@ -514,15 +480,23 @@ class TrajectoryLog:
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
             if not quota_checked:
                 await self.check_quota(t.project)
-            new, value = pre.finish(t.bytes + size, self.clock())
-            key = meta.key
+            new = replace(
+                t,
+                steps=t.steps + 1,
+                bytes=t.bytes + size,
+                cursor=t.steps + 1,
+                mode="record",
+                updated_at=self.clock(),
+            )
+            put = _record_put(new)
             res = await self.store.txn(
-                [_guard(key, meta)], [Put(_step_key(tid, step.n), stored), Put(key, value)]
+                [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), put]
             )
             if res.succeeded:
-                self._usage.note(key, res.revision, new.project, new.bytes)
+                self._usage.note(meta.key, res.revision, new.project, new.bytes)
                 # (every key a transaction puts gets its revision: etcd's rule, kept by all)
-                kv = KeyValue(key, value, meta.create_revision, res.revision, meta.version + 1)
+                version = meta.version + 1
+                kv = KeyValue(put.key, put.value, meta.create_revision, res.revision, version)
                 return step, new, kv
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:

@@ -75,22 +75,12 @@ class Step:
         """The step's fields, nested values shared (no deep copy on the call path)."""
         return {name: getattr(self, name) for name in _STEP_FIELDS}
 
-    def head(self) -> str:
-        """The encoded step up to the fields the call's answer sets (``_ANSWER_FIELDS``):
-        known before the call ends, so it can be encoded while the call runs."""
-        d = {name: getattr(self, name) for name in _HEAD_FIELDS}
-        if d["payload"] is not None:
-            d["payload"] = base64.b64encode(d["payload"]).decode()
-        return _STEP_JSON.encode(d)[:-1] + ","
-
-    def encode(self, head: str = "") -> bytes:
-        """One JSON object (``head``: this step's :meth:`head`, encoded earlier)."""
-        data = None if self.data is None else base64.b64encode(self.data).decode()
-        enc = _STEP_JSON.encode
-        return (
-            f'{head or self.head()}"at":{enc(self.at)},"data":{enc(data)},'
-            f'"result":{enc(self.result)},"status":{enc(self.status)}}}'
-        ).encode()
+    def encode(self) -> bytes:
+        d = self._fields()
+        for k in ("data", "payload"):
+            if d[k] is not None:
+                d[k] = base64.b64encode(d[k]).decode()
+        return _STEP_JSON.encode(d).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Step:
@@ -112,7 +102,5 @@ class Step:
 
 _TRAJECTORY_FIELDS = tuple(f.name for f in fields(Trajectory))
 _STEP_FIELDS = tuple(f.name for f in fields(Step))
-_ANSWER_FIELDS = ("at", "data", "result", "status")  # (encoded last, in this order)
-_HEAD_FIELDS = tuple(sorted(set(_STEP_FIELDS) - set(_ANSWER_FIELDS)))
 # (one encoder: json.dumps with options builds a new one per call)
 _STEP_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
