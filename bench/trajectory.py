@@ -1,11 +1,15 @@
-"""Trajectory log benchmark on the real platform (SQLite log), run twice: with
+"""Trajectory log benchmark on the real platform (SQLite log), once per ``--modes`` entry:
 ``--trajectory-sync FULL`` (each step fsynced before it is answered) and ``NORMAL`` (each
 step in the WAL before it is answered; fsynced at WAL checkpoints).
 
 * recording overhead: ``exec("true")`` round trip in a sandbox bound to a trajectory (each
   call appended to the log before it is answered) against the same in an unbound sandbox,
-  alternating call by call so load drift hits both alike; then the same with ``--parallel``
-  sandboxes on each side calling at once (RL rollouts: their appends share commits);
+  alternating in blocks of ``--block`` calls so load drift hits both alike; around each
+  block the CPU time (user + system, ``/proc/<pid>/task/*/stat``) of every process on the
+  path is read (the client, the apiserver by thread, the edge, iam, watcher), so the
+  CPU a recorded call adds shows per process (it moves less with the machine's load than
+  wall time); then the same with ``--parallel`` sandboxes on each side calling at once (RL
+  rollouts: their appends share commits);
 * where the time of a recorded call goes: the log alone (no platform), per step: the append
   transaction (from the record the previous append answered, as the apiserver does; its
   wall time and the CPU time of the whole process, every thread, it took) and,
@@ -19,8 +23,18 @@ step in the WAL before it is answered; fsynced at WAL checkpoints).
   sandbox (create + 200 real calls).
 
     .venv/bin/python -m bench.trajectory [--steps 200] [--calls 400] [--parallel 8]
+        [--modes FULL,NORMAL] [--only overhead,parallel,resume,log] [--label NAME --json FILE]
 
-Prints JSON and writes ``bench/results/trajectory.json``.
+Prints JSON and writes ``bench/results/trajectory.json`` (unless ``--json``: then one line,
+labelled with ``--label`` and the ``dsec`` that ran, is appended to FILE). The daemons
+inherit ``PYTHONPATH``, so two versions compare side by side under the same load when their
+runs alternate:
+
+    for i in 1 2 3; do
+      PYTHONPATH=<other checkout>/src .venv/bin/python -m bench.trajectory --only overhead \
+        --label main --json ab.jsonl
+      .venv/bin/python -m bench.trajectory --only overhead --label branch --json ab.jsonl
+    done
 """
 
 from __future__ import annotations
@@ -39,40 +53,74 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import dsec
+from bench.call_cpu import _cpu
 from bench.foundation import settle, summary
 from dsec.sdk import Client, Sandbox
 from dsec.store.sqlite import SqliteStore
-from dsec.testing.platform import running_platform
+from dsec.testing.platform import RunningPlatform, running_platform
 from dsec.trajectory.blobs import FileBlobStore
 from dsec.trajectory.log import Step, TrajectoryLog
-
-BLOCK = 1  # alternate call by call, so load drift hits both sides alike
 
 
 def step_cmd(i: int) -> str:
     return f"echo step-{i} >> /tmp/log && wc -l < /tmp/log"
 
 
-def overhead(client: Client, calls: int) -> dict[str, Any]:
+COMPONENTS = ("apiserver", "edge", "iam", "watcher")
+
+
+def cpu_snapshot(plat: RunningPlatform) -> dict[str, float]:
+    """CPU seconds so far of this process (the client) and each component, the apiserver's
+    by thread."""
+    out: dict[str, float] = {}
+    _cpu(os.getpid(), "client", False, out)
+    for component in COMPONENTS:
+        _cpu(plat.pid(component), component, component == "apiserver", out)
+    return {k: v for k, v in out.items() if not k.endswith(":children")}
+
+
+def overhead(client: Client, plat: RunningPlatform, calls: int, block: int) -> dict[str, Any]:
     plain = Sandbox.create(memory_mb=256, timeout=900, client=client)
     bound = Sandbox.create(
         memory_mb=256, timeout=900, trajectory=f"bench/{uuid.uuid4().hex}", client=client
     )
+    sides = (("unbound", plain), ("recorded", bound))
     try:
         for s in (plain, bound):
-            for _ in range(5):
+            for _ in range(20):
                 s.exec("true")
         samples: dict[str, list[float]] = {"unbound": [], "recorded": []}
-        for _ in range(calls // BLOCK):
-            for name, s in (("unbound", plain), ("recorded", bound)):
-                for _ in range(BLOCK):
+        cpu: dict[str, dict[str, float]] = {"unbound": {}, "recorded": {}}
+        for _ in range(calls // block):
+            for name, s in sides:
+                before = cpu_snapshot(plat)
+                for _ in range(block):
                     t0 = time.perf_counter()
                     s.exec("true")
                     samples[name].append(time.perf_counter() - t0)
-        out: dict[str, Any] = {k: summary(v) for k, v in samples.items()}
+                for k, v in cpu_snapshot(plat).items():
+                    cpu[name][k] = cpu[name].get(k, 0.0) + v - before.get(k, 0.0)
+        out: dict[str, Any] = {}
+        n = calls // block * block
+        for name, _ in sides:
+            per = {k: v / n * 1000 for k, v in sorted(cpu[name].items())}
+            by_process: dict[str, float] = {}
+            for k, v in per.items():
+                by_process[k.split(":")[0]] = by_process.get(k.split(":")[0], 0.0) + v
+            out[name] = summary(samples[name]) | {
+                "cpu_ms_per_call": {k: round(v, 3) for k, v in by_process.items()},
+                "apiserver_cpu_ms_by_thread": {
+                    k.removeprefix("apiserver:"): round(v, 3)
+                    for k, v in per.items()
+                    if k.startswith("apiserver:") and v >= 0.005
+                },
+            }
         base, rec = out["unbound"]["p50_ms"], out["recorded"]["p50_ms"]
         out["overhead_p50_ms"] = round(rec - base, 2)
         out["overhead_p50_pct"] = round(100 * (rec - base) / base, 1)
+        u, r = out["unbound"]["cpu_ms_per_call"], out["recorded"]["cpu_ms_per_call"]
+        out["cpu_overhead_ms_per_call"] = {k: round(r[k] - u.get(k, 0.0), 3) for k in r}
         return out
     finally:
         plain.kill()
@@ -232,32 +280,48 @@ def resume(client: Client, steps: int) -> dict[str, Any]:
 
 def run(sync: str, args: argparse.Namespace) -> dict[str, Any]:
     os.environ["DSEC_TRAJECTORY_SYNC"] = sync
+    only = set(args.only.split(","))
+    out: dict[str, Any] = {"load_average_at_mode_start": os.getloadavg()}
     with running_platform() as p:
         client = Client(api_url=p.api_url, api_key=p.admin_key)
         settle(3)
         try:
-            return {
-                "load_average_at_mode_start": os.getloadavg(),
-                "recording_overhead": overhead(client, args.calls),
-                "recording_overhead_parallel": overhead_parallel(
+            if "overhead" in only:
+                out["recording_overhead"] = overhead(client, p, args.calls, args.block)
+            if "parallel" in only:
+                out["recording_overhead_parallel"] = overhead_parallel(
                     client, args.calls // args.parallel, args.parallel
-                ),
-                f"resume_{args.steps}": resume(client, args.steps),
-                "log_alone": log_costs(sync, args.calls, args.parallel),
-            }
+                )
+            if "resume" in only:
+                out[f"resume_{args.steps}"] = resume(client, args.steps)
         finally:
             client.close()
+    if "log" in only:
+        out["log_alone"] = log_costs(sync, args.calls, args.parallel)
+    out["load_average_at_mode_end"] = os.getloadavg()
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--calls", type=int, default=400, help="exec calls per side (overhead)")
+    ap.add_argument("--block", type=int, default=20, help="calls per side between CPU reads")
     ap.add_argument("--parallel", type=int, default=8, help="sandboxes per side calling at once")
+    ap.add_argument("--modes", default="FULL,NORMAL", help="--trajectory-sync modes to run")
+    ap.add_argument("--only", default="overhead,parallel,resume,log", help="parts to run")
+    ap.add_argument("--label", default="this", help="names this run's code (with --json)")
+    ap.add_argument("--json", help="append one JSON line to this file instead")
     args = ap.parse_args()
-    results: dict[str, Any] = {"load_average_at_start": os.getloadavg()}
-    results |= {f"sync_{mode.lower()}": run(mode, args) for mode in ("FULL", "NORMAL")}
+    results: dict[str, Any] = {"label": args.label, "dsec": os.path.dirname(dsec.__file__)}
+    results["load_average_at_start"] = os.getloadavg()
+    results |= {f"sync_{mode.lower()}": run(mode, args) for mode in args.modes.split(",")}
     results["load_average_at_end"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(results) + "\n")
+        print(json.dumps(results))
+        return
     text = json.dumps(results, indent=2)
     print(text)
     out = Path(__file__).parent / "results" / "trajectory.json"

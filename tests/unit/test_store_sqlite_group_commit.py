@@ -151,3 +151,38 @@ async def test_normal_commits_large_transactions_on_the_store_thread(
         assert (await store.range(b"/q/")).count == 100
     finally:
         await store.aclose()
+
+
+@pytest.mark.asyncio
+async def test_normal_watchers_see_every_commit_of_both_threads_in_order(tmp_path: Path) -> None:
+    """NORMAL: large transactions commit on the store thread, small ones on the loop; a
+    watcher still gets every revision once, in order (one settlement, in commit order)."""
+    store = await SqliteStore.open(tmp_path / "s.db", synchronous="NORMAL")
+    seen: list[int] = []
+    start = await store.put(b"/w/start", b"")
+
+    async def watch() -> None:
+        async for batch in store.watch(b"/w/", start_revision=start + 1):
+            seen.append(batch.revision)  # noqa: PERF401 (the watch runs until cancelled)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.sleep(0.05)
+        revs: list[int] = []
+
+        async def writer(name: bytes, keys: int, rounds: int) -> None:
+            for r in range(rounds):
+                ops = [Put(b"/w/%s/%d/%d" % (name, r, i), b"v") for i in range(keys)]
+                revs.append((await store.txn([], ops)).revision)
+
+        # (writers on the loop keep committing while the store thread commits the big ones)
+        await asyncio.gather(
+            writer(b"big", 40, 40), *(writer(b"s%d" % w, 1, 100) for w in range(4))
+        )
+        await asyncio.sleep(0.1)
+        assert sorted(revs) == list(range(start + 1, start + 1 + len(revs)))
+        assert seen == sorted(revs), "a watcher missed or reordered a revision"
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await store.aclose()

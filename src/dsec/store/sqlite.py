@@ -12,11 +12,21 @@ own and at a revision of its own, and made durable by one commit: concurrent wri
 the fsync instead of queueing one each. With ``synchronous=NORMAL`` a commit never waits for
 the disk (the WAL is fsynced at checkpoints), so a transaction is committed on the event
 loop's thread when the connection is free, without the two thread hand-offs (their wake-ups
-cost more than the commit); the connection is then shared by both threads under a lock, and
-the WAL is checkpointed on the store thread (not in a commit on the loop) every
-``CHECKPOINT_COMMITS`` commits. When the store thread holds the connection (a lease, a
-compaction), or the transaction is large (a range delete, many keys, much data), it is
-queued to the store thread as with ``FULL``.
+cost more than the commit); the connection is then shared by both threads under a lock.
+When the store thread holds the connection (a lease, a compaction), or the transaction is
+large (a range delete, many keys, much data), it is queued to the store thread as with
+``FULL``. Both ways go through one commit (:meth:`_commit_queued`, under the lock) and one
+settlement on the loop (:meth:`_settle`: committed batches are published, and their
+transactions answered, in commit order, whichever thread committed them). Why two threads
+commit at all: a commit on the loop saves the hand-offs but blocks every other request for
+its duration, which is fine for a small transaction without an fsync and not for an fsync
+(``FULL``), a range delete of a long trajectory or a compaction.
+
+The WAL is checkpointed every ``CHECKPOINT_COMMITS`` commits, in both modes, asked for in
+one place (:meth:`_committed`) and run on the store thread with the connection to itself:
+commits meanwhile wait on the store thread. (On a connection of its own, a checkpoint let
+commits go on, but it was then rarely whole, so the WAL seldom started over: it grew to
+~20 MiB, and commits to a growing WAL cost more CPU.)
 
 One process should own the file. A second opener (another process, or a second store in
 this one) still gets serial, correct transactions, but its live watches see only its own
@@ -28,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import secrets
 import sqlite3
 import threading
@@ -65,11 +76,15 @@ from .hub import WatchHub, group
 
 T = TypeVar("T")
 _Queued = tuple[Sequence[Compare], Sequence[TxnOp], Sequence[TxnOp], "asyncio.Future[TxnResult]"]
+# (a commit's watch batches, then its transactions' futures and results)
+_Settled = tuple[
+    list[WatchBatch], list["asyncio.Future[TxnResult]"], list["TxnResult | BaseException"]
+]
 REAP_INTERVAL_S = 0.1
 BUSY_TIMEOUT_S = 5.0
 INLINE_MAX_OPS = 16  # (NORMAL: larger transactions are committed on the store thread)
 INLINE_MAX_BYTES = 256 * 1024
-CHECKPOINT_COMMITS = 200  # (NORMAL: commits between WAL checkpoints, store thread)
+CHECKPOINT_COMMITS = 200  # (commits between WAL checkpoints, on the store thread)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (
@@ -90,11 +105,18 @@ INSERT OR IGNORE INTO meta VALUES ('rev', 1), ('compact_rev', 0);
 """
 
 _KV_COLS = "key, value, create_rev, mod_rev, version, lease"
-_UPSERT = (
-    f"INSERT INTO kv ({_KV_COLS}) VALUES (?, ?, ?, ?, 1, ?) ON CONFLICT (key) DO UPDATE SET "
-    "value = excluded.value, mod_rev = excluded.mod_rev, version = version + 1, "
-    "lease = excluded.lease RETURNING create_rev, version"
-)
+
+
+@functools.cache
+def _upsert(n: int) -> str:
+    """One statement putting ``n`` keys (a transaction puts each key at most once):
+    insert, or update keeping create_rev and counting version."""
+    rows = ", ".join(["(?, ?, ?, ?, 1, ?)"] * n)
+    return (
+        f"INSERT INTO kv ({_KV_COLS}) VALUES {rows} ON CONFLICT (key) DO UPDATE SET "
+        "value = excluded.value, mod_rev = excluded.mod_rev, version = version + 1, "
+        "lease = excluded.lease RETURNING key, create_rev, version"
+    )
 
 
 def _kv(row: tuple[Any, ...]) -> KeyValue:
@@ -144,8 +166,9 @@ class SqliteStore(StoreHelpers):
         self._loop = asyncio.get_running_loop()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
-        self._pending: list[WatchBatch] = []  # committed batches to publish (store thread)
-        self._grouping = False  # (a group's batches are published with its results)
+        self._pending: list[WatchBatch] = []  # batches of the write under way
+        # Committed, to publish and answer on the loop in commit order (under ``_lock``):
+        self._outbox: collections.deque[_Settled] = collections.deque()
         self._begun = False  # (the write transaction is begun already: inline mode)
         self._rev = 0  # the store revision inside a write (store thread)
         self._queued: collections.deque[_Queued] = collections.deque()  # txns to commit
@@ -153,7 +176,7 @@ class SqliteStore(StoreHelpers):
         # NORMAL: transactions commit on the loop's thread when the connection is free.
         self._inline = synchronous == "NORMAL"
         self._lock = threading.Lock()  # (held by whichever thread uses the connection)
-        self._commits = 0  # since the last WAL checkpoint (inline mode)
+        self._commits = 0  # since the last WAL checkpoint
         self._checkpointing = False
 
     @classmethod
@@ -192,8 +215,7 @@ class SqliteStore(StoreHelpers):
         )
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={self._synchronous}")
-        if self._inline:  # (checkpoints run on the store thread: :meth:`_checkpoint`)
-            db.execute("PRAGMA wal_autocheckpoint=0")
+        db.execute("PRAGMA wal_autocheckpoint=0")  # (:meth:`_checkpoint` does them)
         db.executescript(SCHEMA)
         self._db = db
 
@@ -220,16 +242,33 @@ class SqliteStore(StoreHelpers):
             raise self._translate(exc) from exc
 
     def _locked(self, fn: Callable[..., T], *args: Any) -> T:
-        """(On the store thread: ``fn`` with the write connection to itself.)"""
+        """(On the store thread: ``fn`` with the write connection to itself; what it
+        committed is published on the loop, in commit order.)"""
         with self._lock:
-            return fn(*args)
+            try:
+                return fn(*args)
+            finally:
+                if self._pending:
+                    self._outbox.append((self._pending, [], []))
+                    self._pending = []
+                    self._loop.call_soon_threadsafe(self._settle)
+
+    def _committed(self) -> None:
+        """(Under ``_lock``, after each commit) every ``CHECKPOINT_COMMITS``, copy the WAL into
+        the database on the store thread, so the next commit starts it over."""
+        self._commits += 1
+        if self._commits >= CHECKPOINT_COMMITS and not self._checkpointing and not self._closed:
+            self._commits, self._checkpointing = 0, True
+            self._pool.submit(self._locked, self._checkpoint)
 
     def _checkpoint(self) -> None:
-        """(Inline mode, on the store thread under ``_lock``: copy the WAL into the database,
-        so the next commit restarts it; commits meanwhile queue to the store thread.)"""
+        """(On the store thread, under ``_lock``: no commit runs meanwhile, so the copy is
+        whole and the next commit restarts the WAL.)"""
         try:
             if self._db is not None:
                 self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error:
+            pass  # (the next one copies what this one did not)
         finally:
             self._checkpointing = False
 
@@ -238,12 +277,14 @@ class SqliteStore(StoreHelpers):
     def _meta(self, name: str, db: sqlite3.Connection | None = None) -> int:
         db = db or self._db
         assert db is not None
-        row = db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
-        return int(row[0])
+        # (fetchall: a statement left unfinished keeps its connection's read snapshot, and
+        # so the WAL from starting over after a checkpoint on another connection)
+        rows = db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchall()
+        return int(rows[0][0])
 
     def _write(self, body: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``body`` in one write transaction. The store revision is read once at its
-        start (``self._rev``; :meth:`_apply` advances it) and written once at its end."""
+        start (``self._rev``; :meth:`_apply` advances it)."""
         db = self._db
         if db is None:
             raise StoreUnavailable("the store is closed")
@@ -251,9 +292,14 @@ class SqliteStore(StoreHelpers):
             self._begin(db, wait=True)
         self._begun = False
         try:
-            self._rev = start = self._meta("rev")
+            # (one statement for the usual write, one revision: read the revision and take
+            # the next; written again only if the write took none, or several)
+            rows = db.execute(
+                "UPDATE meta SET value = value + 1 WHERE name = 'rev' RETURNING value"
+            ).fetchall()
+            self._rev = start = int(rows[0][0]) - 1
             out = body(db)
-            if self._rev != start:
+            if self._rev != start + 1:
                 db.execute("UPDATE meta SET value = ? WHERE name = 'rev'", (self._rev,))
             db.execute("COMMIT")
         except BaseException:
@@ -261,10 +307,7 @@ class SqliteStore(StoreHelpers):
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise
-        if not self._grouping:
-            for batch in self._pending:
-                self._loop.call_soon_threadsafe(self._hub.publish, batch)
-            self._pending.clear()
+        self._committed()
         return out
 
     def _begin(self, db: sqlite3.Connection, *, wait: bool) -> bool:
@@ -285,8 +328,8 @@ class SqliteStore(StoreHelpers):
 
     def _get(self, key: bytes) -> KeyValue | None:
         assert self._db is not None
-        row = self._db.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchone()
-        return _kv(row) if row else None
+        rows = self._db.execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,)).fetchall()
+        return _kv(rows[0]) if rows else None
 
     def _range(self, prefix: bytes, revision: int, limit: int, start: bytes) -> RangeResult:
         """(On the reading thread: a long range never holds up commits. Its transaction
@@ -330,19 +373,15 @@ class SqliteStore(StoreHelpers):
         rev = self._rev + 1
         changed: list[tuple[int, Event]] = []
         deleted: list[int] = []
+        puts: list[Put] = []
         for op in ops:
             if isinstance(op, Put):
                 if (
                     op.lease
-                    and not db.execute("SELECT 1 FROM leases WHERE id = ?", (op.lease,)).fetchone()
+                    and not db.execute("SELECT 1 FROM leases WHERE id = ?", (op.lease,)).fetchall()
                 ):
                     raise LeaseNotFound(f"lease {op.lease:x} not found")
-                # One statement: insert, or update keeping create_rev and counting version.
-                create, version = db.execute(
-                    _UPSERT, (op.key, op.value, rev, rev, op.lease)
-                ).fetchone()
-                kv = KeyValue(op.key, op.value, create, rev, version, op.lease)
-                changed.append((rev, Event(EventType.PUT, kv)))
+                puts.append(op)
             else:
                 where, args = _where_range("key", op.key, op.prefix)
                 gone = [bytes(r[0]) for r in db.execute(f"SELECT key FROM kv WHERE {where}", args)]
@@ -351,6 +390,15 @@ class SqliteStore(StoreHelpers):
                     (rev, Event(EventType.DELETE, KeyValue(k, b"", 0, rev, 0))) for k in gone
                 )
                 deleted.append(len(gone))
+        if puts:  # (after the deletes: check_txn allows no key both put and deleted)
+            row: list[Any] = []
+            for op in puts:
+                row += (op.key, op.value, rev, rev, op.lease)
+            stored = {bytes(k): (c, v) for k, c, v in db.execute(_upsert(len(puts)), row)}
+            for op in puts:
+                create, version = stored[op.key]
+                kv = KeyValue(op.key, op.value, create, rev, version, op.lease)
+                changed.append((rev, Event(EventType.PUT, kv)))
         if not changed:
             return rev - 1, deleted
         changed.sort(key=lambda p: p[1].kv.key)
@@ -371,25 +419,18 @@ class SqliteStore(StoreHelpers):
         module docstring); publish and settle them in one hand-off back to the loop."""
         self._kicked = False  # (before draining: a txn queued after this is submitted again)
         with self._lock:
-            done = self._commit_queued()
-            if self._inline and self._commits >= CHECKPOINT_COMMITS:
-                self._commits = 0  # (the loop's thread could not commit for a while)
-                self._checkpoint()
-        if done is not None:
-            self._loop.call_soon_threadsafe(self._settle, *done)
+            committed = self._commit_queued()
+        if committed:
+            self._loop.call_soon_threadsafe(self._settle)
 
-    def _commit_queued(
-        self,
-    ) -> (
-        tuple[list[asyncio.Future[TxnResult]], list[TxnResult | BaseException], list[WatchBatch]]
-        | None
-    ):
-        """Commit every queued transaction in one write (under ``_lock``); None if none."""
+    def _commit_queued(self) -> bool:
+        """Commit every queued transaction in one write (under ``_lock``) and put it in the
+        outbox; False if none was queued."""
         items: list[_Queued] = []
         while self._queued:
             items.append(self._queued.popleft())
         if not items:
-            return None  # an earlier call committed them
+            return False  # an earlier call committed them
         out: list[TxnResult | BaseException] = []
 
         def one(db: sqlite3.Connection, item: _Queued) -> TxnResult:
@@ -414,33 +455,29 @@ class SqliteStore(StoreHelpers):
                     out.append(exc)
                 db.execute("RELEASE txn")
 
-        self._grouping = True
         try:
             self._write(body)
         except BaseException as exc:
             out = [exc] * len(items)
-        finally:
-            self._grouping = False
-            published, self._pending = self._pending, []
-        self._commits += 1
-        return [q[3] for q in items], out, published
+        self._outbox.append((self._pending, [q[3] for q in items], out))
+        self._pending = []
+        return True
 
-    def _settle(
-        self,
-        futs: list[asyncio.Future[TxnResult]],
-        out: list[TxnResult | BaseException],
-        published: list[WatchBatch],
-    ) -> None:
-        """(On the loop) watchers see a group's changes before its writers' txns return."""
-        for batch in published:
-            self._hub.publish(batch)
-        for fut, res in zip(futs, out, strict=True):
-            if fut.done():
-                continue
-            if isinstance(res, TxnResult):
-                fut.set_result(res)
-            else:
-                fut.set_exception(self._translate(res))
+    def _settle(self) -> None:
+        """(On the loop) publish what was committed and answer its transactions, in commit
+        order whichever thread committed it: watchers see a commit's changes before its
+        writers' txns return, and never a later revision before an earlier one."""
+        while self._outbox:
+            published, futs, out = self._outbox.popleft()
+            for batch in published:
+                self._hub.publish(batch)
+            for fut, res in zip(futs, out, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(res, TxnResult):
+                    fut.set_result(res)
+                else:
+                    fut.set_exception(self._translate(res))
 
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, DsecError):
@@ -462,7 +499,8 @@ class SqliteStore(StoreHelpers):
 
     def _keepalive(self, lease: int) -> int:
         def body(db: sqlite3.Connection) -> int:
-            row = db.execute("SELECT ttl FROM leases WHERE id = ?", (lease,)).fetchone()
+            rows = db.execute("SELECT ttl FROM leases WHERE id = ?", (lease,)).fetchall()
+            row = rows[0] if rows else None
             if row is None:
                 raise LeaseNotFound(f"lease {lease:x} not found")
             db.execute(
@@ -547,9 +585,6 @@ class SqliteStore(StoreHelpers):
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
         if self._inline and _small(compare, success, failure) and self._commit_here():
-            if self._commits >= CHECKPOINT_COMMITS and not self._checkpointing:
-                self._commits, self._checkpointing = 0, True
-                self._pool.submit(self._locked, self._checkpoint)
             await asyncio.sleep(0)  # (as a commit on the store thread, let other tasks run)
         elif not self._kicked:
             # (not awaited: the group settles every future of the queue, this one included;
@@ -573,12 +608,11 @@ class SqliteStore(StoreHelpers):
                 self._begun = False
             if not self._begun:
                 return False
-            done = self._commit_queued()
+            self._commit_queued()
         finally:
             self._begun = False
             self._lock.release()
-        if done is not None:
-            self._settle(*done)
+        self._settle()
         return True
 
     async def lease_grant(self, ttl_s: int) -> int:
