@@ -45,6 +45,7 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
         "error": info.error,
         "spec": spec_json(info.spec),
         "network_stats": dict(info.network_stats),
+        "moved_to": info.moved_to,
     }
 
 

@@ -51,7 +51,6 @@ AGENT_READY_TIMEOUT_S = 15.0
 TERMINAL_RETENTION_S = 3600.0
 # A paused sandbox of ``on_timeout="pause"`` is kept this long (then ended), not its timeout.
 PAUSED_KEEP_S = float(MAX_TIMEOUT_S)
-MOVED_TO = "moved to another edge as "  # the error of a sandbox resumed on another edge
 TRAJECTORY_MARK = "dsec.trajectory"  # spec metadata: the trajectory the sandbox is bound to
 TRAJECTORY_EPOCH = "dsec.trajectory.epoch"  # ... and the epoch of that binding
 
@@ -133,10 +132,9 @@ class SandboxManager:
         if rec is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}")
         caller.check(rec)
-        if not rec.live and rec.error.startswith(MOVED_TO):  # the tombstone of a move
+        if not rec.live and rec.moved_to:  # the tombstone of a move
             raise SandboxNotFound(
-                f"sandbox {sandbox_id} was {MOVED_TO}{rec.error.removeprefix(MOVED_TO)}: "
-                "use that id"
+                f"sandbox {sandbox_id} was moved to another edge as {rec.moved_to}: use that id"
             )
         return rec
 
@@ -312,13 +310,16 @@ class SandboxManager:
         Raises:
             InvalidState: it is not paused any more (resumed here meanwhile): not ended.
         """
+        done = self._records.get(sandbox_id)
+        if done and not done.live and done.moved_to == moved_to and caller.covers(done.project):
+            return done  # ended by an earlier call (a retry, or the reconcile of the move)
         rec = self.get(sandbox_id, caller)
         if rec.state is not State.PAUSED or sandbox_id in self._resuming:
             what = "resuming" if rec.state is State.PAUSED else rec.state.value
             raise InvalidState(f"sandbox {sandbox_id} is {what}, not paused: "
                                "it stays on this edge")  # fmt: skip
-        rec = self._move(rec, Event.STOP)
-        rec = await self._finish_stop(rec, f"{MOVED_TO}{moved_to}")
+        rec = self._move(rec, Event.STOP, moved_to=moved_to)
+        rec = await self._finish_stop(rec, f"moved to another edge as {moved_to}")
         self._metrics.inc("sandboxes_moved_away")
         return rec
 
@@ -557,7 +558,8 @@ class SandboxManager:
             rec = self._move(rec, Event.FAILED, error=f"teardown failed: {exc.message}")
             log(_log, "sandbox teardown failed", logging.ERROR, sandbox=rec.id, error=exc.message)
         else:
-            rec = self._move(rec, Event.STOPPED, error="" if reason == "killed" else reason)
+            quiet = reason == "killed" or rec.moved_to  # a move's tombstone names it: moved_to
+            rec = self._move(rec, Event.STOPPED, error="" if quiet else reason)
             log(_log, "sandbox stopped", sandbox=rec.id, reason=reason)
         await self._ended(rec.id)
         return rec

@@ -68,6 +68,7 @@ def info_to_pb(
         started_at=rec.started_at,
         expires_at=rec.expires_at,
         error=rec.error,
+        moved_to=rec.moved_to,
     )
 
 

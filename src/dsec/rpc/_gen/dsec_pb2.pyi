@@ -213,6 +213,7 @@ class SandboxInfo(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     NETWORK_STATS_FIELD_NUMBER: _builtins.int
+    MOVED_TO_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     project: _builtins.str
     owner: _builtins.str
@@ -222,6 +223,8 @@ class SandboxInfo(_message.Message):
     started_at: _builtins.float
     expires_at: _builtins.float
     error: _builtins.str
+    moved_to: _builtins.str
+    """ended because it resumed on another edge: its id there"""
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
     @_builtins.property
@@ -242,10 +245,11 @@ class SandboxInfo(_message.Message):
         expires_at: _builtins.float = ...,
         error: _builtins.str = ...,
         network_stats: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        moved_to: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "error", b"error", "expires_at", b"expires_at", "id", b"id", "network_stats", b"network_stats", "owner", b"owner", "project", b"project", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "error", b"error", "expires_at", b"expires_at", "id", b"id", "moved_to", b"moved_to", "network_stats", b"network_stats", "owner", b"owner", "project", b"project", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
