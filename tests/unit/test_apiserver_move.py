@@ -53,6 +53,8 @@ class FakeEdge:
     async def CreateSandbox(self, req: pb.CreateSandboxRequest, **_: Any) -> pb.SandboxInfo:
         self.calls.append(("create", req.sandbox_id))
         assert req.from_snapshot == "snp-copy"
+        assert req.moved_from  # its edge kills it if the apiserver dies before the rename
+        assert req.moved_from in FakeIam().allocations | {OLD2}
         assert (req.project, req.owner, req.spec.backend) == ("acme", "alice", "microvm")
         return self._info(req.sandbox_id, "running")
 

@@ -18,6 +18,13 @@ keeps no routing table. The steps, each undone if a later one fails:
 A failure before step 4 leaves the paused sandbox as it was on its own edge, resumable
 there: the target's sandbox is killed and its copy and staging files removed, and the
 allocation is given back to the old id.
+
+If this apiserver dies mid-move, the edges finish it from the iam's reconcile answer
+(``ReconcileReply``): the target was created with ``moved_from``, so if it still holds no
+allocation ``MOVE_GRACE_S`` after it started (died before step 3) its edge kills it and the
+sandbox stays paused at home; if the allocation was renamed (died before step 4), the iam
+remembers the move and after ``MOVE_SETTLE_S`` the source edge ends the paused sandbox as
+moved, leaving the same tombstone.
 """
 
 from __future__ import annotations
@@ -70,7 +77,8 @@ async def resume_on(
 
     async def start(copy_id: str) -> pb.SandboxInfo:
         create = pb.CreateSandboxRequest(spec=info.spec, project=info.project, owner=info.owner,
-                                         sandbox_id=new_id, from_snapshot=copy_id)  # fmt: skip
+                                         sandbox_id=new_id, from_snapshot=copy_id,
+                                         moved_from=info.id)  # fmt: skip
         deadline = create_deadline_s(info.spec.backend)
         call = c.upstream.edge_stub(target, plain=True).CreateSandbox(
             create, metadata=md, timeout=deadline
