@@ -237,13 +237,14 @@ class QuotasMixin:
         validate_edge_id(edge_id)
         keep = set(live)
         cutoff = self._clock() - grace_s
-        with self._write() as db:
-            held = {str(r[0]) for r in db.execute(
-                "SELECT sandbox_id FROM allocations WHERE edge_id = ?", (edge_id,))}  # fmt: skip
-            moves = {str(r[0]): (str(r[1]), float(r[2])) for r in db.execute(
-                "SELECT old, new, at FROM moves WHERE edge_id = ?", (edge_id,))}  # fmt: skip
-            done = [(o,) for o, (_, at) in moves.items() if o not in keep and at <= cutoff]
-            db.executemany("DELETE FROM moves WHERE old = ?", done)
+        held = {str(r[0]) for r in self._read(
+            "SELECT sandbox_id FROM allocations WHERE edge_id = ?", (edge_id,))}  # fmt: skip
+        moves = {str(r[0]): (str(r[1]), float(r[2])) for r in self._read(
+            "SELECT old, new, at FROM moves WHERE edge_id = ?", (edge_id,))}  # fmt: skip
+        done = [(o, cutoff) for o, (_, at) in moves.items() if o not in keep and at <= cutoff]
+        if done:  # no write (nor its disk sync) on the usual reconcile
+            with self._write() as db:
+                db.executemany("DELETE FROM moves WHERE old = ? AND at <= ?", done)
         moved, unallocated, back = settled(live, held, moves, cutoff, running)
         for old, new in back:
             with contextlib.suppress(NotFound):  # the new one is gone too: nothing to give
