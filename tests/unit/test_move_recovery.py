@@ -1,17 +1,27 @@
 """A move (resume on another edge) whose apiserver dies half way is finished by the edges'
 reconcile with the iam: the real edge SandboxManager (fake backend) on two edges and the
-real iam tables, driven through the steps ``dsec.apiserver.sandbox_move`` takes and stopped
-where the apiserver would die."""
+real iam tables, driven by the apiserver's own resume handler (which dies at a chosen
+step) or through the steps ``dsec.apiserver.sandbox_move`` takes."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
+import aiohttp
 import pytest
 import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
+from dsec.apiserver import sandbox_move, sandboxes, snapshot_copy
+from dsec.apiserver.app import errors_and_auth
+from dsec.apiserver.auth import Authenticator, Principal
+from dsec.apiserver.context import CTX, Ctx
+from dsec.apiserver.upstream import Upstream
 from dsec.core import errors
 from dsec.core.admission import NodeCapacity
 from dsec.core.ids import new_sandbox_id
@@ -19,13 +29,18 @@ from dsec.core.lifecycle import State
 from dsec.core.spec import SandboxSpec
 from dsec.edge.manager import MOVE_GRACE_S, Caller, SandboxManager
 from dsec.edge.records import RecordStore
+from dsec.edge.service import caller_of, info_to_pb
 from dsec.iam.db import IamDb, Project
 from dsec.iam.service import DEFAULT_RECONCILE_GRACE_S, MOVE_SETTLE_S
 from dsec.obs import Metrics
+from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc.convert import spec_from_pb
 from dsec.testing.fake_backend import FakeBackend
 
 ALICE = Caller(project="alice", subject="alice", admin=False)
-SPEC = SandboxSpec(memory_mb=64, timeout_s=3600)
+ALICE_KEY = Principal(subject="alice", project="alice", role="member", key_id="k1")
+pytestmark = pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKeyWarning")
+SPEC = SandboxSpec(backend="microvm", memory_mb=256, timeout_s=3600)
 
 
 class World:
@@ -40,7 +55,7 @@ class World:
                 edge_id=e,
                 state_root=tmp / e / "state",
                 socket_root=tmp / e / "s",
-                backends={"container": b},
+                backends={"microvm": b},
                 records=self.records[e],
                 capacity=NodeCapacity(cpu_total=2, memory_total_mb=4096, max_sandboxes=10),
                 metrics=Metrics("test"),
@@ -145,4 +160,132 @@ async def test_a_sandbox_resumed_at_home_mid_move_keeps_it_and_the_new_one_goes(
     assert [a.sandbox_id for a in world.iam.allocations()] == [old]
     await world.reconcile()
     assert world.state(new) is State.STOPPED
+    assert world.iam.usage("alice").sandboxes == 1
+
+
+class Died(BaseException):
+    """The apiserver process ends here: nothing after this step runs, not even its undo."""
+
+
+class EdgeStub:
+    """The edge's gRPC methods the apiserver calls for a move, on the real manager."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self.m = manager
+
+    @staticmethod
+    def _caller(metadata: Any) -> Caller:
+        class Context:
+            def invocation_metadata(self) -> Any:
+                return metadata
+
+        return caller_of(cast(Any, Context()))
+
+    async def GetSandbox(self, ref: pb.SandboxRef, metadata: Any, **_: Any) -> pb.SandboxInfo:
+        return info_to_pb(self.m.get(ref.sandbox_id, self._caller(metadata)), self.m.edge_id)
+
+    async def ResumeSandbox(self, ref: pb.SandboxRef, metadata: Any, **_: Any) -> pb.SandboxInfo:
+        rec = await self.m.resume(ref.sandbox_id, self._caller(metadata))
+        return info_to_pb(rec, self.m.edge_id)
+
+    async def CreateSandbox(
+        self, req: pb.CreateSandboxRequest, metadata: Any, **_: Any
+    ) -> pb.SandboxInfo:
+        assert req.from_snapshot == "snp-copy"  # (the copy itself runs in tests/integration)
+        rec = await self.m.create(req.sandbox_id, spec_from_pb(req.spec), project=req.project,
+                                  owner=req.owner, caller=self._caller(metadata),
+                                  moved_from=req.moved_from)  # fmt: skip
+        return info_to_pb(rec, self.m.edge_id)
+
+    async def KillSandbox(self, ref: pb.SandboxRef, metadata: Any, **_: Any) -> pb.SandboxInfo:
+        rec = await self.m.kill(ref.sandbox_id, self._caller(metadata))
+        return info_to_pb(rec, self.m.edge_id)
+
+    async def EndMovedSandbox(self, req: pb.MovedSandbox, metadata: Any, **_: Any) -> Any:
+        rec = await self.m.end_moved(req.sandbox_id, req.moved_to, self._caller(metadata))
+        return info_to_pb(rec, self.m.edge_id)
+
+
+@dataclass
+class Entry:
+    edge_id: str
+    healthy: bool = True
+
+    @property
+    def view(self) -> Any:
+        return pb.EdgeView(status=pb.EdgeStatus(backends=["microvm"]))
+
+
+class Apiserver:
+    """The apiserver's upstream (iam and edges) on the world, dying at ``dies_at``."""
+
+    def __init__(self, world: World) -> None:
+        self.world, self.dies_at = world, ""
+        self.stubs = {e: EdgeStub(m) for e, m in world.edges.items()}
+        self.iam = self
+
+    async def MoveAllocation(self, req: pb.MoveAllocationRequest, **_: Any) -> pb.Empty:
+        if self.dies_at == "rename":
+            raise Died
+        self.world.iam.move_allocation(req.from_sandbox_id, req.to_sandbox_id)
+        if self.dies_at == "end":
+            raise Died
+        return pb.Empty()
+
+    async def edge_for(self, sid: str) -> EdgeStub:
+        return self.stubs[sid.split("-")[1]]
+
+    async def edges(self, fresh: bool = False) -> list[Entry]:
+        return [Entry(e) for e in self.stubs]
+
+    def edge_stub(self, entry: Entry, *, plain: bool = False) -> EdgeStub:
+        return self.stubs[entry.edge_id]
+
+
+class Auth:
+    async def principal(self, request: web.Request) -> Principal:
+        return ALICE_KEY
+
+
+async def _copied(request: web.Request, snapshot_id: str, source: Entry, target: Entry,
+                  use: Callable[[str], Awaitable[Any]], **_: Any) -> Any:  # fmt: skip
+    return await use("snp-copy")
+
+
+async def _no_undo(*_: Any, **__: Any) -> None:
+    return None  # a dead apiserver undoes nothing
+
+
+@pytest.mark.parametrize("dies_at", ["rename", "end"])
+@pytest.mark.asyncio
+async def test_an_apiserver_dying_in_its_resume_handler(
+    world: World, monkeypatch: pytest.MonkeyPatch, dies_at: str
+) -> None:
+    monkeypatch.setattr(snapshot_copy, "on_edge", _copied)
+    monkeypatch.setattr(sandbox_move, "_undo", _no_undo)
+    up = Apiserver(world)
+    app = web.Application(middlewares=[errors_and_auth])
+    app[CTX] = Ctx(upstream=cast(Upstream, up), auth=cast(Authenticator, Auth()),
+                   metrics=Metrics("test"), components={})  # fmt: skip
+    app.router.add_post("/v1/sandboxes/{sandbox_id}/resume", sandboxes.resume)
+    old = await world.create("e0a1")
+    await world.edges["e0a1"].pause(old, ALICE)
+    up.dies_at = dies_at
+    async with TestClient(TestServer(app)) as client:
+        with pytest.raises(aiohttp.ServerDisconnectedError):  # the caller sees it die
+            await client.post(f"/v1/sandboxes/{old}/resume", json={"edge": "f00d"})
+    [new] = [r.id for r in world.edges["f00d"].live_records()]
+    assert world.edges["f00d"].get(new, ALICE).moved_from == old
+    world.now += max(MOVE_GRACE_S, MOVE_SETTLE_S) + 1
+    await world.reconcile()
+    await world.reconcile()
+    if dies_at == "rename":  # the move did not happen: it is paused at home, counted there
+        assert (world.state(old), world.state(new)) == (State.PAUSED, State.STOPPED)
+        assert [a.sandbox_id for a in world.iam.allocations()] == [old]
+        await world.edges["e0a1"].resume(old, ALICE)
+    else:  # the move happened: the old id is a tombstone naming the new one
+        assert (world.state(old), world.state(new)) == (State.STOPPED, State.RUNNING)
+        assert [a.sandbox_id for a in world.iam.allocations()] == [new]
+        with pytest.raises(errors.SandboxNotFound, match=new):
+            world.edges["e0a1"].get(old, ALICE)
     assert world.iam.usage("alice").sandboxes == 1
