@@ -15,12 +15,13 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from dsec.apiserver import sandboxes, snapshot_copy
+from dsec.apiserver import sandbox_move, sandboxes, snapshot_copy
 from dsec.apiserver.app import errors_and_auth
 from dsec.apiserver.auth import Authenticator, Principal
 from dsec.apiserver.context import CTX, Ctx
 from dsec.apiserver.upstream import Upstream
 from dsec.core.errors import DsecError, InvalidState, NodeFull, QuotaExceeded, Unavailable
+from dsec.core.spec import MOVE_GRACE_S
 from dsec.obs import Metrics
 from dsec.rpc._gen import dsec_pb2 as pb
 
@@ -247,4 +248,23 @@ async def test_a_batch_resume_with_no_edge_to_move_to_says_node_full_per_sandbox
     assert (result["ok"], result["error"]["code"]) == (False, "node_full")
     assert "maximum of 2" in result["error"]["message"]
     assert up.dst.calls == []
+    assert up.iam.allocations == {OLD}
+
+
+@pytest.mark.asyncio
+async def test_a_move_too_slow_to_rename_in_time_is_given_up(
+    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its new sandbox's edge kills it MOVE_GRACE_S after the start if it holds no
+    allocation by then: an apiserver that got near that renames nothing."""
+    up, client = setup
+    clock = iter([0.0, MOVE_GRACE_S / 2 + 1])
+    monkeypatch.setattr(sandbox_move, "monotonic", lambda: next(clock))
+    resp = await client.post(f"/v1/sandboxes/{OLD}/resume", json={"edge": "f00d"})
+    assert resp.status == 504, await resp.text()
+    assert "took too long" in (await resp.json())["error"]["message"]
+    new = up.dst.calls[0][1]
+    assert up.dst.calls == [("create", new), ("kill", new)]
+    assert up.src.calls == []
     assert up.iam.allocations == {OLD}

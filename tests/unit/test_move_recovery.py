@@ -26,8 +26,8 @@ from dsec.core import errors
 from dsec.core.admission import NodeCapacity
 from dsec.core.ids import new_sandbox_id
 from dsec.core.lifecycle import State
-from dsec.core.spec import SandboxSpec
-from dsec.edge.manager import MOVE_GRACE_S, Caller, SandboxManager
+from dsec.core.spec import MOVE_GRACE_S, SandboxSpec
+from dsec.edge.manager import Caller, SandboxManager
 from dsec.edge.records import RecordStore
 from dsec.edge.service import caller_of, info_to_pb
 from dsec.iam.db import IamDb, Project

@@ -39,7 +39,7 @@ from dsec.core.errors import (
 from dsec.core.ids import RANDOM_BYTES, edge_of, is_sandbox_id, new_sandbox_id
 from dsec.core.lifecycle import Event, State
 from dsec.core.netpolicy import NetworkPolicy
-from dsec.core.spec import MAX_TIMEOUT_S, SandboxSpec
+from dsec.core.spec import MAX_TIMEOUT_S, MOVE_GRACE_S, SandboxSpec
 from dsec.edge import agent_client
 from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths, Started, capabilities_of
 from dsec.edge.records import RecordStore, SandboxRecord
@@ -51,10 +51,6 @@ AGENT_READY_TIMEOUT_S = 15.0
 TERMINAL_RETENTION_S = 3600.0
 # A paused sandbox of ``on_timeout="pause"`` is kept this long (then ended), not its timeout.
 PAUSED_KEEP_S = float(MAX_TIMEOUT_S)
-# A sandbox started here for a move and still without an allocation this long after it
-# started is killed: the apiserver died before giving it the allocation (it renames it right
-# after the start; the source keeps the sandbox, paused).
-MOVE_GRACE_S = 300.0
 TRAJECTORY_MARK = "dsec.trajectory"  # spec metadata: the trajectory the sandbox is bound to
 TRAJECTORY_EPOCH = "dsec.trajectory.epoch"  # ... and the epoch of that binding
 
