@@ -18,7 +18,7 @@ import pytest
 from dsec.core import errors
 from dsec.sdk import Client, Sandbox
 from dsec.testing.cluster import LocalCluster
-from tests.integration.test_snapshot_xedge import Edge, _staged, _until, cluster
+from tests.integration.xedge import HELLO, Edge, cluster, source_sandbox, staged, until
 
 pytestmark = [pytest.mark.guest_kernel, pytest.mark.timeout(900)]
 __all__ = ["cluster"]  # the two-edge fixture
@@ -47,16 +47,8 @@ def _flip(p: Path, at: int = 4096) -> None:
 def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
     cluster: tuple[LocalCluster, Client, list[Edge]],
 ) -> None:
-    c, api, (a, b) = cluster
-    src = Sandbox.create(backend="microvm", memory_mb=256, timeout=600, client=api)
-    if src.info().edge_id == b.id:
-        a, b = b, a
-    made: list[Sandbox] = []
-    try:
-        src.files.write("/root/hello.txt", b"from the source edge")
-        sh = src.shell("work")
-        sh.run("export X=42; cd /tmp")
-        src.exec("head -c 8M /dev/urandom > /dev/shm/fill", timeout=240)
+    c, api, edges = cluster
+    with source_sandbox(api, edges, fill_mb=8) as (src, a, b, made):
         sleeper = src.processes.start(["sleep", "4242"])
 
         # a snapshot started twice on the other edge: the second copy sends no chunk
@@ -76,7 +68,7 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         second.exec("true")
         t_cached = time.monotonic() - t0
         assert _copied_bytes(c) - before == sent, "the second copy sent file data"
-        assert second.files.read("/root/hello.txt") == b"from the source edge"
+        assert second.files.read("/root/hello.txt") == HELLO
         assert second.shell("work").run("echo $X").stdout.strip() == "42"
         print(f"from_snapshot on another edge: first {t_first:.1f} s, cached {t_cached:.1f} s")
 
@@ -88,14 +80,14 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
             src.resume(edge=b.id)
         assert src.id == old
         assert src.info().state == "paused"
-        assert _staged(b) == 0
+        assert staged(b) == 0
         assert api.usage()["sandboxes"] == usage
         first.kill()
         second.kill()
         usage -= 2
-        _until(lambda: api.usage()["sandboxes"] == usage, "the two released")
+        until(lambda: api.usage()["sandboxes"] == usage, "the two released")
         api.delete_snapshot(snap.id)
-        _until(lambda: not list(b.mem.glob("cache-*")), "the deleted snapshot's cache dropped")
+        until(lambda: not list(b.mem.glob("cache-*")), "the deleted snapshot's cache dropped")
 
         # a paused sandbox forks onto another edge (its pause snapshot is copied)
         kid = src.fork(1, edge=b.id)[0]
@@ -113,7 +105,7 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         _flip(state)
         assert src.id == old
         assert src.info().state == "paused"
-        _until(lambda: b.leftovers() == [], "nothing of the refused move on the target")
+        until(lambda: b.leftovers() == [], "nothing of the refused move on the target")
         assert api.usage()["sandboxes"] == usage
 
         # the move: a new id on b, everything carries on
@@ -124,7 +116,7 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         assert info.id == src.id != old
         assert info.edge_id == b.id
         assert info.state == "running"
-        assert src.files.read("/root/hello.txt") == b"from the source edge"
+        assert src.files.read("/root/hello.txt") == HELLO
         work = src.shell("work")
         assert work.run("echo $X").stdout.strip() == "42"
         assert work.run("pwd").stdout.strip() == "/tmp"
@@ -149,11 +141,5 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         assert src.id == moved_id
         assert src.info().state == "paused"
         src.kill()
-        _until(lambda: a.leftovers() == [] and b.leftovers() == [], "every file removed")
-        _until(lambda: api.usage()["sandboxes"] == usage - 1, "the moved sandbox released")
-    finally:
-        for s in (*made, src):
-            try:
-                s.kill()
-            except errors.DsecError:
-                pass
+        until(lambda: a.leftovers() == [] and b.leftovers() == [], "every file removed")
+        until(lambda: api.usage()["sandboxes"] == usage - 1, "the moved sandbox released")

@@ -55,6 +55,20 @@ def test_unencodable_raises_type_error():
         wire.dumps({"x": object()})
 
 
+@pytest.mark.parametrize(
+    ("frame", "final"),
+    [
+        (protocol.result({"exit_code": 0}), True),
+        (protocol.result(), True),
+        (protocol.error("not_found", "gone"), True),
+        (protocol.event("started", pid=7), False),
+        (protocol.encode_json({"resize": [80, 24]}), False),
+    ],
+)
+def test_is_final_names_the_last_frame(frame: bytes, final: bool):
+    assert protocol.is_final(protocol.decode_json(frame[protocol.HEADER.size :])) is final
+
+
 def _pair() -> tuple[Conn, socket.socket]:
     a, b = socket.socketpair()
     return Conn(a), b

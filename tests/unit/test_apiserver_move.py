@@ -15,12 +15,13 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from dsec.apiserver import sandboxes, snapshot_copy
+from dsec.apiserver import sandbox_move, sandboxes, snapshot_copy
 from dsec.apiserver.app import errors_and_auth
 from dsec.apiserver.auth import Authenticator, Principal
 from dsec.apiserver.context import CTX, Ctx
 from dsec.apiserver.upstream import Upstream
-from dsec.core.errors import DsecError, InvalidState, NodeFull, QuotaExceeded
+from dsec.core.errors import DsecError, InvalidState, NodeFull, QuotaExceeded, Unavailable
+from dsec.core.spec import MOVE_GRACE_S
 from dsec.obs import Metrics
 from dsec.rpc._gen import dsec_pb2 as pb
 
@@ -53,6 +54,8 @@ class FakeEdge:
     async def CreateSandbox(self, req: pb.CreateSandboxRequest, **_: Any) -> pb.SandboxInfo:
         self.calls.append(("create", req.sandbox_id))
         assert req.from_snapshot == "snp-copy"
+        assert req.moved_from  # its edge kills it if the apiserver dies before the rename
+        assert req.moved_from in FakeIam().allocations | {OLD2}
         assert (req.project, req.owner, req.spec.backend) == ("acme", "alice", "microvm")
         return self._info(req.sandbox_id, "running")
 
@@ -99,7 +102,11 @@ class FakeIamBatch:  # the apiserver's queue to the iam: audit entries
 
 
 class Placement:
+    full = False  # no other edge has room
+
     def order(self, edges: list[Entry], backend: str, memory_mb: int, limit: int) -> list[Entry]:
+        if self.full:
+            raise Unavailable("no edge has room")
         return edges[:limit]
 
 
@@ -125,7 +132,7 @@ class FakeAuth:
 
 async def _on_edge(request: web.Request, snapshot_id: str, source: Entry, target: Entry,
                    use: Callable[[str], Awaitable[Any]], **kw: Any) -> Any:  # fmt: skip
-    assert kw == {"sandbox_id": OLD}  # the pause snapshot of the sandbox itself
+    assert kw == {"sandbox_id": snapshot_id}  # the pause snapshot of the sandbox itself
     return await use("snp-copy")
 
 
@@ -139,6 +146,7 @@ async def setup(
     app[CTX] = Ctx(upstream=cast(Upstream, upstream), auth=cast(Authenticator, FakeAuth()),
                    metrics=Metrics("test"), components={})  # fmt: skip
     app.router.add_post("/v1/sandboxes/{sandbox_id}/resume", sandboxes.resume)
+    app.router.add_post("/v1/sandboxes:batch", sandboxes.batch)
     client = TestClient(TestServer(app))
     await client.start_server()
     yield upstream, client
@@ -202,3 +210,61 @@ async def test_its_own_edge_full_moves_it_and_otherwise_resumes_at_home(
     body = await resp.json()
     assert body["edge_id"] == "f00d"
     assert up.iam.allocations == {body["id"]}
+
+
+OLD2 = "sbx-e0a1-" + "b" * 20
+
+
+@pytest.mark.asyncio
+async def test_a_batch_resume_moves_microvms_whose_edge_is_full_as_a_single_resume_does(
+    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+) -> None:
+    up, client = setup
+    up.iam.allocations = {OLD, OLD2}
+    up.src.resume_error = NodeFull("node runs its maximum of 2 sandboxes")
+    resp = await client.post("/v1/sandboxes:batch", json={"action": "resume", "ids": [OLD, OLD2]})
+    assert resp.status == 200, await resp.text()
+    results = (await resp.json())["results"]
+    assert [(r["id"], r["ok"]) for r in results] == [(OLD, True), (OLD2, True)]
+    new = [r["sandbox"]["id"] for r in results]
+    assert all(n.startswith("sbx-f00d-") for n in new)
+    assert up.iam.allocations == set(new)  # each renamed once
+    assert sorted(up.src.calls) == sorted(
+        [("resume", OLD), ("resume", OLD2), ("end", f"{OLD}>{new[0]}"), ("end", f"{OLD2}>{new[1]}")]
+    )
+    assert len(up.iam_batch.audit_entries) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_batch_resume_with_no_edge_to_move_to_says_node_full_per_sandbox(
+    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+) -> None:
+    up, client = setup
+    up.src.resume_error = NodeFull("node runs its maximum of 2 sandboxes")
+    up.placement.full = True
+    resp = await client.post("/v1/sandboxes:batch", json={"action": "resume", "ids": [OLD]})
+    assert resp.status == 200, await resp.text()
+    [result] = (await resp.json())["results"]
+    assert (result["ok"], result["error"]["code"]) == (False, "node_full")
+    assert "maximum of 2" in result["error"]["message"]
+    assert up.dst.calls == []
+    assert up.iam.allocations == {OLD}
+
+
+@pytest.mark.asyncio
+async def test_a_move_too_slow_to_rename_in_time_is_given_up(
+    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its new sandbox's edge kills it MOVE_GRACE_S after the start if it holds no
+    allocation by then: an apiserver that got near that renames nothing."""
+    up, client = setup
+    clock = iter([0.0, MOVE_GRACE_S / 2 + 1])
+    monkeypatch.setattr(sandbox_move, "monotonic", lambda: next(clock))
+    resp = await client.post(f"/v1/sandboxes/{OLD}/resume", json={"edge": "f00d"})
+    assert resp.status == 504, await resp.text()
+    assert "took too long" in (await resp.json())["error"]["message"]
+    new = up.dst.calls[0][1]
+    assert up.dst.calls == [("create", new), ("kill", new)]
+    assert up.src.calls == []
+    assert up.iam.allocations == {OLD}

@@ -308,7 +308,11 @@ async def test_a_sandbox_moved_away_ends_only_if_paused_and_leaves_a_tombstone(e
     with pytest.raises(errors.SandboxNotFound, match=f"^no sandbox {sid}$"):
         env.manager.get(sid, BOB)  # other projects learn nothing
     [listed] = env.manager.query(ALICE, include_terminated=True)
-    assert listed.error == f"moved to another edge as {new}"
+    assert (listed.moved_to, listed.error) == (new, "")
+    assert env.records.get(sid) == listed  # durable: a restarted edge still names the new id
+    assert await env.manager.end_moved(sid, new, ALICE) == listed  # a repeated end: the same
+    with pytest.raises(errors.SandboxNotFound, match=new):
+        await env.manager.end_moved(sid, new_sandbox_id("ffff", os.urandom(13)), ALICE)
 
 
 @pytest.mark.asyncio

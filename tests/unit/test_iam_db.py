@@ -232,6 +232,42 @@ def test_a_moved_sandbox_keeps_its_one_allocation(db: IamDb, clock: Clock) -> No
         db.move_allocation(old, old)
 
 
+def test_a_move_the_apiserver_did_not_finish_is_settled_by_the_edges(
+    db: IamDb, clock: Clock
+) -> None:
+    """The iam remembers a renamed allocation: the source edge, still holding the paused
+    sandbox after the grace, is told to end it as moved; a renamed-back move is forgotten,
+    and so is a finished one once its source is gone."""
+    db.put_project(Project("p", 0, 0, 0))
+    old, new, other = sid("ab12", 1), sid("cd34", 2), sid("ab12", 3)
+    db.admit("p", old, 1, 64)
+    db.admit("p", other, 1, 64)
+    stray = sid("ab12", 4)  # live on the edge, never admitted
+    live = [old, other, stray]
+    assert db.settle_moves("ab12", live, grace_s=300) == ([], [stray])
+    db.move_allocation(old, new)
+    assert db.settle_moves("ab12", live, grace_s=300) == ([], [old, stray])  # young: not yet
+    assert db.settle_moves("cd34", [new], grace_s=300) == ([], [])
+    clock.now += 301
+    assert db.settle_moves("ab12", live, grace_s=300) == ([(old, new)], [old, stray])
+    assert db.settle_moves("ab12", [other], grace_s=300) == ([], [])  # ended: forgotten
+    assert db.settle_moves("ab12", live, grace_s=300) == ([], [old, stray])
+    db.move_allocation(new, old)  # the allocation went back: the move is forgotten at once
+    assert db.settle_moves("ab12", live, grace_s=0) == ([], [stray])
+    db.move_allocation(old, new)
+    db.move_allocation(new, old)
+    clock.now += 301
+    assert db.settle_moves("ab12", live, grace_s=300) == ([], [stray])
+    db.move_allocation(old, new)  # and then it was resumed at home before being ended:
+    assert db.settle_moves("ab12", live, grace_s=300, running=[old]) == ([], [old, stray])
+    clock.now += 301  # the allocation goes back to it, as the apiserver would have done
+    assert db.settle_moves("ab12", live, grace_s=300, running=[old]) == ([], [stray])
+    assert {a.sandbox_id for a in db.allocations()} == {old, other}
+    assert db.settle_moves("cd34", [new], grace_s=300) == ([], [new])
+    with pytest.raises(e.InvalidArgument):
+        db.settle_moves("BAD", [], grace_s=0)
+
+
 def test_reconcile_drops_dead_allocations_after_grace(db: IamDb, clock: Clock) -> None:
     db.put_project(Project("p", 0, 0, 0))
     for i in range(3):

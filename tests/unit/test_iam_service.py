@@ -141,7 +141,10 @@ async def test_role_rules(iam: Iam) -> None:
             await edge.Reconcile(pb.ReconcileRequest(edge_id="zz00"), timeout=5)
         await edge.Release(pb.ReleaseRequest(sandbox_id=own), timeout=5)
         await edge.Release(pb.ReleaseRequest(sandbox_id=own), timeout=5)  # idempotent
-        await edge.Reconcile(pb.ReconcileRequest(edge_id=iam.edge_id), timeout=5)
+        reply = await edge.Reconcile(
+            pb.ReconcileRequest(edge_id=iam.edge_id, live_sandbox_ids=[own]), timeout=5
+        )
+        assert (list(reply.unallocated), list(reply.moved)) == ([own], [])  # released above
     async with iam.channel("watcher") as ch:
         with pytest.raises(e.PermissionDenied):
             await pb_grpc.IamStub(ch).GetUsage(pb.ProjectRef(project="default"), timeout=5)

@@ -67,6 +67,9 @@ def test_sandbox_info_parses_epoch_and_iso_times_and_tolerates_new_fields() -> N
     assert info.spec.cpu == 2.0
     assert info.spec.pids is None
     assert to_jsonable(info)["expires_at"] == "2030-01-01T00:00:00+00:00"
+    assert info.moved_to is None  # "" or absent: not moved
+    moved = SandboxInfo.from_wire({"id": SID, "state": "stopped", "moved_to": "sbx-ffff-x"})
+    assert moved.moved_to == "sbx-ffff-x"
     with pytest.raises(errors.Internal, match="state"):
         SandboxInfo.from_wire({"id": SID})
 

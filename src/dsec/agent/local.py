@@ -101,7 +101,7 @@ class SyncStream:
             raise protocol.ProtocolError("connection closed inside a frame")
         if kind == KIND_JSON:
             obj = protocol.decode_json(payload)
-            if "result" in obj or "error" in obj:
+            if protocol.is_final(obj):
                 self.final = obj
         return kind, payload
 

@@ -76,6 +76,11 @@ def decode_json(payload: bytes) -> dict[str, Any]:
     return obj
 
 
+def is_final(obj: dict[str, Any]) -> bool:
+    """Whether a decoded ``J`` frame is the server's last one (``result`` or ``error``)."""
+    return "result" in obj or "error" in obj
+
+
 def parse_header(header: bytes) -> tuple[int, int]:
     """Return (payload length, kind) from the 5 header bytes."""
     length, kind = HEADER.unpack(header)

@@ -72,6 +72,7 @@ SCHEMAS: dict[str, Any] = {
             "owner": _STR,
             "edge_id": _STR,
             "error": _STR,
+            "moved_to": _STR,
             "state": {
                 "type": "string",
                 "enum": ["creating", "running", "paused", "stopping", "stopped", "failed"],

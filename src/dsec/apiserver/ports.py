@@ -52,7 +52,7 @@ class EdgeTcpPipe:
                     msg = protocol.decode_json(data)
                     if msg.get("event") == "connected":
                         return cls(stream)
-                    if "result" in msg or "error" in msg:
+                    if protocol.is_final(msg):
                         relay.raise_for_final(msg)
             raise DeadlineExceeded("the tcp call ended before it connected")
         except BaseException:
@@ -72,7 +72,7 @@ class EdgeTcpPipe:
                 return data
             if kind == protocol.KIND_JSON:
                 msg = protocol.decode_json(data)
-                if "result" in msg or "error" in msg:
+                if protocol.is_final(msg):
                     self.result = msg.get("result") or {}
                     return b""
         return b""
@@ -127,7 +127,7 @@ async def _http(request: web.Request, sid: str, port: int, path: str) -> web.Str
                         if str(k).lower() not in HOP_HEADERS:
                             resp.headers.add(str(k), str(v))
                     await resp.prepare(request)
-                elif "result" in msg or "error" in msg:
+                elif protocol.is_final(msg):
                     relay.raise_for_final(msg)
                     if resp is None:
                         raise DeadlineExceeded("the sandbox server sent no response")

@@ -126,6 +126,6 @@ async def read_final(stream: EdgeStream) -> dict[str, Any]:
         kind, data = frame
         if kind == protocol.KIND_JSON:
             msg = protocol.decode_json(data)
-            if "result" in msg or "error" in msg:
+            if protocol.is_final(msg):
                 return raise_for_final(msg)
     raise DeadlineExceeded("the runtime call ended without a result")

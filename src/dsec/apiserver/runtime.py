@@ -282,7 +282,7 @@ async def files_read(request: web.Request) -> web.StreamResponse:
                 if msg.get("event") == "stat" and resp is None:
                     size = msg.get("size")
                     resp = await _start_download(request, size if isinstance(size, int) else None)
-                elif "result" in msg or "error" in msg:
+                elif protocol.is_final(msg):
                     relay.raise_for_final(msg)
                     if resp is None:
                         resp = await _start_download(request, 0)

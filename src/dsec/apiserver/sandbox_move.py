@@ -18,6 +18,13 @@ keeps no routing table. The steps, each undone if a later one fails:
 A failure before step 4 leaves the paused sandbox as it was on its own edge, resumable
 there: the target's sandbox is killed and its copy and staging files removed, and the
 allocation is given back to the old id.
+
+If this apiserver dies mid-move, the edges finish it from the iam's reconcile answer
+(``ReconcileReply``): the target was created with ``moved_from``, so if it still holds no
+allocation ``MOVE_GRACE_S`` after it started (died before step 3) its edge kills it and the
+sandbox stays paused at home; if the allocation was renamed (died before step 4), the iam
+remembers the move and after ``MOVE_SETTLE_S`` the source edge ends the paused sandbox as
+moved, leaving the same tombstone.
 """
 
 from __future__ import annotations
@@ -26,15 +33,16 @@ import asyncio
 import contextlib
 import logging
 import os
+from time import monotonic
 
 from aiohttp import web
 
 from dsec.apiserver import snapshot_copy
 from dsec.apiserver.context import ctx, principal
 from dsec.apiserver.upstream import EdgeEntry, rpc
-from dsec.core.errors import DsecError, InvalidArgument, InvalidState
+from dsec.core.errors import DeadlineExceeded, DsecError, InvalidArgument, InvalidState
 from dsec.core.ids import RANDOM_BYTES, new_sandbox_id
-from dsec.core.spec import create_deadline_s
+from dsec.core.spec import MOVE_GRACE_S, create_deadline_s
 from dsec.obs import log
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
@@ -68,18 +76,25 @@ async def resume_on(
     dst = c.upstream.edge_stub(target)
     md = p.metadata()
 
+    started: list[float] = []
+
     async def start(copy_id: str) -> pb.SandboxInfo:
         create = pb.CreateSandboxRequest(spec=info.spec, project=info.project, owner=info.owner,
-                                         sandbox_id=new_id, from_snapshot=copy_id)  # fmt: skip
+                                         sandbox_id=new_id, from_snapshot=copy_id,
+                                         moved_from=info.id)  # fmt: skip
         deadline = create_deadline_s(info.spec.backend)
         call = c.upstream.edge_stub(target, plain=True).CreateSandbox(
             create, metadata=md, timeout=deadline
         )
-        return await rpc(f"edge {target.edge_id}", call)
+        made: pb.SandboxInfo = await rpc(f"edge {target.edge_id}", call)
+        started.append(monotonic())
+        return made
 
     moved = await snapshot_copy.on_edge(request, info.id, source, target, start, sandbox_id=info.id)
     step = "iam"
     try:
+        if monotonic() - started[0] > MOVE_GRACE_S / 2:  # its edge may be killing it
+            raise DeadlineExceeded(f"moving {info.id} took too long: it stays paused")
         await _move_allocation(request, info.id, new_id)
         step = "source"
         end = pb.MovedSandbox(sandbox_id=info.id, moved_to=new_id)

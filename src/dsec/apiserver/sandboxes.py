@@ -45,6 +45,7 @@ def info_json(info: pb.SandboxInfo) -> dict[str, Any]:
         "error": info.error,
         "spec": spec_json(info.spec),
         "network_stats": dict(info.network_stats),
+        "moved_to": info.moved_to,
     }
 
 
@@ -142,8 +143,19 @@ async def resume(request: web.Request) -> web.Response:
         info = await rpc("edge", stub.GetSandbox(ref, metadata=p.metadata(), timeout=10))
         entry = await snapshot_copy.edge_entry(request, target)
         return ok(info_json(await sandbox_move.resume_on(request, info, entry)))
+    return ok(info_json(await _resume_here_or_move(request, sid, stub)))
+
+
+async def _resume_here_or_move(request: web.Request, sid: str, stub: Any) -> pb.SandboxInfo:
+    """Resume ``sid`` on its edge; a microVM whose edge is full moves to the best other one
+    (under a new id: the answer's ``id``)."""
+    c, p = ctx(request), principal(request)
+    ref = pb.SandboxRef(sandbox_id=sid)
     try:
-        info = await rpc("edge", stub.ResumeSandbox(ref, metadata=p.metadata(), timeout=60))
+        info: pb.SandboxInfo = await rpc(
+            "edge", stub.ResumeSandbox(ref, metadata=p.metadata(), timeout=60)
+        )
+        return info
     except NodeFull as full:
         info = await rpc("edge", stub.GetSandbox(ref, metadata=p.metadata(), timeout=10))
         if info.spec.backend != "microvm":
@@ -155,8 +167,7 @@ async def resume(request: web.Request) -> web.Response:
             )
         except Unavailable:
             raise full from None
-        info = await sandbox_move.resume_on(request, info, there[0])
-    return ok(info_json(info))
+        return await sandbox_move.resume_on(request, info, there[0])
 
 
 BATCH_VERBS = {
@@ -173,7 +184,8 @@ async def batch(request: web.Request) -> web.Response:
     or ``{"action": ..., "project": "org/team"}`` (every live sandbox of the project and its
     subprojects). Each sandbox is authorized by its edge and audited on its own; the answer
     lists one result per sandbox: ``{"id", "ok": true, "sandbox"}`` or ``{"id", "ok": false,
-    "error"}``, in the order of ``ids``."""
+    "error"}``, in the order of ``ids``. A resume does what a single one does: a microVM whose
+    edge is full resumes on another edge (``sandbox.id`` is then its new id)."""
     c, p = ctx(request), principal(request)
     p.require("member")
     body = await json_body(request)
@@ -210,10 +222,12 @@ async def batch(request: web.Request) -> web.Response:
         async with gate:
             try:
                 stub = await c.upstream.edge_for(sid)
-                call = getattr(stub, verb)
-                info = await rpc(
-                    "edge", call(pb.SandboxRef(sandbox_id=sid), metadata=p.metadata(), timeout=60)
-                )
+                if action == "resume":  # as a single resume: a full edge moves a microVM
+                    info = await _resume_here_or_move(request, sid, stub)
+                else:
+                    call = getattr(stub, verb)
+                    ref = pb.SandboxRef(sandbox_id=sid)
+                    info = await rpc("edge", call(ref, metadata=p.metadata(), timeout=60))
                 project = info.project
                 out: dict[str, Any] = {"id": sid, "ok": True, "sandbox": info_json(info)}
             except DsecError as exc:

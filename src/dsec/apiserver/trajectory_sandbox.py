@@ -100,7 +100,7 @@ async def read_file(c: Ctx, p: Principal, sandbox_id: str, req: dict[str, Any]) 
                 chunks.append(data)
             elif kind == protocol.KIND_JSON:
                 msg = protocol.decode_json(data)
-                if "result" in msg or "error" in msg:
+                if protocol.is_final(msg):
                     relay.raise_for_final(msg)
                     return b"".join(chunks)
         raise DeadlineExceeded("file download ended without a result")

@@ -50,8 +50,10 @@ async def runtime_ws(request: web.Request) -> web.WebSocketResponse:
         while (frame := await stream.read()) is not None:
             kind, data = frame
             await ws.send_bytes(bytes([kind]) + data)
-            if kind == protocol.KIND_JSON and _is_final(data):
-                break  # the call is over; the edge waits for us to let go of it
+            if kind == protocol.KIND_JSON:
+                with contextlib.suppress(protocol.ProtocolError):
+                    if protocol.is_final(protocol.decode_json(data)):
+                        break  # the call is over; the edge waits for us to let go of it
     except DsecError as exc:
         with contextlib.suppress(ConnectionError, RuntimeError):
             await ws.send_bytes(protocol.error(exc.code, exc.message)[4:])
@@ -64,14 +66,6 @@ async def runtime_ws(request: web.Request) -> web.WebSocketResponse:
         stream.cancel()
         await ws.close()
     return ws
-
-
-def _is_final(data: bytes) -> bool:
-    try:
-        msg = protocol.decode_json(data)
-    except protocol.ProtocolError:
-        return False
-    return "result" in msg or "error" in msg
 
 
 def _first_request(msg: aiohttp.WSMessage) -> dict[str, Any]:

@@ -157,6 +157,8 @@ def sandbox_details(info: SandboxInfo) -> Table:
     ]
     if info.error:
         rows.append(("error", info.error))
+    if info.moved_to:
+        rows.append(("moved to", info.moved_to))
     if spec:
         rows += [
             ("backend", spec.backend),

@@ -24,6 +24,12 @@ def create_deadline_s(backend: str | None) -> float:
     return VM_CREATE_DEADLINE_S if backend == "vm" else CREATE_DEADLINE_S
 
 
+# A move's new sandbox holds no allocation until the apiserver renames the old one's to it,
+# right after the start. Its edge kills it if it still holds none this long after it started
+# (the apiserver died); an apiserver that got near this gives the move up instead.
+MOVE_GRACE_S = 300.0
+
+
 MIN_CPU, MAX_CPU = 0.05, 64.0
 MIN_MEMORY_MB, MAX_MEMORY_MB = 32, 256 * 1024
 MIN_PIDS, MAX_PIDS = 16, 65536

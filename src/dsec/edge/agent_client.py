@@ -60,10 +60,6 @@ def raise_for_final(final: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def is_final(obj: dict[str, Any]) -> bool:
-    return "result" in obj or "error" in obj
-
-
 class AgentStream:
     """A live call: ``send`` frames in, iterate ``(kind, payload)`` frames out.
 
@@ -129,7 +125,7 @@ class AgentStream:
         del self._buf[:end]
         if kind == KIND_JSON:
             obj = protocol.decode_json(payload)
-            if is_final(obj):
+            if protocol.is_final(obj):
                 self.final = obj
         elif kind not in (KIND_OUT, KIND_ERR):
             raise ProtocolError(f"the agent sent frame kind {kind:#x}")
@@ -222,7 +218,7 @@ async def _call(
                 pos = start + length
                 if kind == KIND_JSON:
                     obj = protocol.decode_json(payload)
-                    if is_final(obj):
+                    if protocol.is_final(obj):
                         final = obj
                         break
                 elif kind not in (KIND_OUT, KIND_ERR):

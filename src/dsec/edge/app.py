@@ -20,6 +20,7 @@ from pathlib import Path
 from dsec import __version__
 from dsec.core.admission import NodeCapacity
 from dsec.core.errors import DsecError
+from dsec.core.lifecycle import State
 from dsec.edge.backends.api import Backend
 from dsec.edge.manager import SandboxManager
 from dsec.edge.net.config import DEFAULT_POOL, NetConfig, edge_pool6
@@ -246,12 +247,17 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     async def reconcile() -> None:
         async with translated("iam"):
-            await iam.Reconcile(
+            live = manager.live_records()
+            reply = await iam.Reconcile(
                 pb.ReconcileRequest(
-                    edge_id=edge_id, live_sandbox_ids=[r.id for r in manager.live_records()]
+                    edge_id=edge_id,
+                    live_sandbox_ids=[r.id for r in live],
+                    running_sandbox_ids=[r.id for r in live if r.state is State.RUNNING],
                 ),
                 timeout=10,
             )
+        moved = [(m.sandbox_id, m.moved_to) for m in reply.moved]
+        await manager.settle(moved, list(reply.unallocated))
 
     loops = [
         asyncio.ensure_future(_every(HEARTBEAT_S, heartbeat, stop, "heartbeat")),

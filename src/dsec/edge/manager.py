@@ -36,10 +36,10 @@ from dsec.core.errors import (
     SandboxNotFound,
     TrajectoryBound,
 )
-from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
+from dsec.core.ids import RANDOM_BYTES, edge_of, is_sandbox_id, new_sandbox_id
 from dsec.core.lifecycle import Event, State
 from dsec.core.netpolicy import NetworkPolicy
-from dsec.core.spec import MAX_TIMEOUT_S, SandboxSpec
+from dsec.core.spec import MAX_TIMEOUT_S, MOVE_GRACE_S, SandboxSpec
 from dsec.edge import agent_client
 from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths, Started, capabilities_of
 from dsec.edge.records import RecordStore, SandboxRecord
@@ -51,7 +51,6 @@ AGENT_READY_TIMEOUT_S = 15.0
 TERMINAL_RETENTION_S = 3600.0
 # A paused sandbox of ``on_timeout="pause"`` is kept this long (then ended), not its timeout.
 PAUSED_KEEP_S = float(MAX_TIMEOUT_S)
-MOVED_TO = "moved to another edge as "  # the error of a sandbox resumed on another edge
 TRAJECTORY_MARK = "dsec.trajectory"  # spec metadata: the trajectory the sandbox is bound to
 TRAJECTORY_EPOCH = "dsec.trajectory.epoch"  # ... and the epoch of that binding
 
@@ -133,10 +132,9 @@ class SandboxManager:
         if rec is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id}")
         caller.check(rec)
-        if not rec.live and rec.error.startswith(MOVED_TO):  # the tombstone of a move
+        if not rec.live and rec.moved_to:  # the tombstone of a move
             raise SandboxNotFound(
-                f"sandbox {sandbox_id} was {MOVED_TO}{rec.error.removeprefix(MOVED_TO)}: "
-                "use that id"
+                f"sandbox {sandbox_id} was moved to another edge as {rec.moved_to}: use that id"
             )
         return rec
 
@@ -176,9 +174,13 @@ class SandboxManager:
         owner: str,
         caller: Caller,
         start: Callable[[SandboxPaths], Awaitable[Started]] | None = None,
+        moved_from: str = "",
     ) -> SandboxRecord:
         """Admit and start one sandbox; ``start`` replaces the backend's boot (a sandbox
-        made from a named snapshot)."""
+        made from a named snapshot); ``moved_from``: the paused sandbox on another edge this
+        one continues (a move, see :meth:`settle`)."""
+        if moved_from and not is_sandbox_id(moved_from):
+            raise InvalidArgument(f"moved_from {moved_from!r} is not a sandbox id")
         if not caller.covers(project):
             raise PermissionDenied(f"cannot create sandboxes in project {project!r}")
         if edge_of(sandbox_id) != self.edge_id:
@@ -206,6 +208,7 @@ class SandboxManager:
             spec=spec,
             created_at=now,
             expires_at=now + spec.timeout_s,
+            moved_from=moved_from,
         )
         self._save(rec)
         paths = self.paths(sandbox_id)
@@ -312,15 +315,55 @@ class SandboxManager:
         Raises:
             InvalidState: it is not paused any more (resumed here meanwhile): not ended.
         """
+        done = self._records.get(sandbox_id)
+        if done and not done.live and done.moved_to == moved_to and caller.covers(done.project):
+            return done  # ended by an earlier call (a retry, or the reconcile of the move)
         rec = self.get(sandbox_id, caller)
         if rec.state is not State.PAUSED or sandbox_id in self._resuming:
             what = "resuming" if rec.state is State.PAUSED else rec.state.value
             raise InvalidState(f"sandbox {sandbox_id} is {what}, not paused: "
                                "it stays on this edge")  # fmt: skip
-        rec = self._move(rec, Event.STOP)
-        rec = await self._finish_stop(rec, f"{MOVED_TO}{moved_to}")
+        rec = self._move(rec, Event.STOP, moved_to=moved_to)
+        rec = await self._finish_stop(rec, f"moved to another edge as {moved_to}")
         self._metrics.inc("sandboxes_moved_away")
         return rec
+
+    async def settle(self, moved: Sequence[tuple[str, str]], unallocated: Sequence[str]) -> None:
+        """Finish what a move left half done when its apiserver died, from the iam's reconcile
+        answer: a paused sandbox whose allocation went to ``new`` ends as moved there; a
+        sandbox started here for a move (``moved_from``) that holds no allocation
+        :data:`MOVE_GRACE_S` after it started is killed (the move did not happen: the
+        sandbox is still paused on its own edge)."""
+        system = Caller(project="", subject="edge", admin=True)
+        for old, new in moved:
+            rec = self._live.get(old)
+            if rec is None or rec.state is not State.PAUSED:
+                continue
+            try:
+                await self.end_moved(old, new, system)
+            except DsecError as exc:  # resumed here meanwhile: it stays
+                log(_log, "moved sandbox not ended", logging.WARNING, sandbox=old, moved_to=new,
+                    error=exc.message)  # fmt: skip
+            else:
+                log(_log, "ended a sandbox its move left behind", sandbox=old, moved_to=new)
+        cutoff = self._clock() - MOVE_GRACE_S
+        for sid in unallocated:
+            rec = self._live.get(sid)
+            if rec is None or not rec.moved_from or not 0 < rec.started_at <= cutoff:
+                continue
+            if rec.state not in (State.RUNNING, State.PAUSED):
+                continue
+            try:
+                await self.kill(sid, system, reason=f"its move from {rec.moved_from} did not "
+                                "complete (that sandbox stays paused on its edge)")  # fmt: skip
+            except DsecError as exc:
+                log(_log, "unfinished move target not killed", logging.WARNING, sandbox=sid,
+                    error=exc.message)  # fmt: skip
+            else:
+                self._metrics.inc("moves_abandoned")
+                log(_log, "killed the target of an unfinished move", logging.WARNING,
+                    sandbox=sid, moved_from=rec.moved_from)  # fmt: skip
+        self._metrics.set("sandboxes_unallocated", float(len(unallocated)))
 
     async def fork(
         self, sandbox_id: str, count: int, caller: Caller, child_ids: Sequence[str] = ()
@@ -557,7 +600,8 @@ class SandboxManager:
             rec = self._move(rec, Event.FAILED, error=f"teardown failed: {exc.message}")
             log(_log, "sandbox teardown failed", logging.ERROR, sandbox=rec.id, error=exc.message)
         else:
-            rec = self._move(rec, Event.STOPPED, error="" if reason == "killed" else reason)
+            quiet = reason == "killed" or rec.moved_to  # a move's tombstone names it: moved_to
+            rec = self._move(rec, Event.STOPPED, error="" if quiet else reason)
             log(_log, "sandbox stopped", sandbox=rec.id, reason=reason)
         await self._ended(rec.id)
         return rec

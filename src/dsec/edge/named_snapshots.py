@@ -242,9 +242,11 @@ class NamedSnapshots:
         project: str,
         owner: str,
         caller: Caller,
+        moved_from: str = "",
     ) -> SandboxRecord:
         """Start ``sandbox_id`` from the snapshot. The snapshot decides backend, image, CPU
-        and memory; ``spec`` brings the lifetime, env and metadata."""
+        and memory; ``spec`` brings the lifetime, env and metadata; ``moved_from`` names the
+        sandbox this one continues (a move)."""
         snap = self.get(snapshot_id, caller)
         if not caller.covers(project):
             raise PermissionDenied(f"cannot create sandboxes in project {project!r}")
@@ -252,7 +254,7 @@ class NamedSnapshots:
         if snap.mode == "filesystem":
             spec = replace(spec, image=IMAGE_PREFIX + snap.id)
             return await self._m.create(sandbox_id, spec, project=project, owner=owner,
-                                        caller=caller)  # fmt: skip
+                                        caller=caller, moved_from=moved_from)  # fmt: skip
         backend = self._m.backend(snap.backend)
 
         async def start(paths: SandboxPaths) -> Started:
@@ -261,9 +263,8 @@ class NamedSnapshots:
             )
             return started
 
-        return await self._m.create(
-            sandbox_id, spec, project=project, owner=owner, caller=caller, start=start
-        )
+        return await self._m.create(sandbox_id, spec, project=project, owner=owner,
+                                    caller=caller, start=start, moved_from=moved_from)  # fmt: skip
 
 
 def _check(caller: Caller, rec: SnapshotRecord) -> None:

@@ -32,6 +32,17 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
+# Columns added since: an older edge's table gains them on open (``ALTER TABLE ... ADD``).
+_ADDED = {
+    "moved_to": "TEXT NOT NULL DEFAULT ''",
+    "moved_from": "TEXT NOT NULL DEFAULT ''",
+}
+_COLUMNS = (
+    "id, project, owner, state, spec, created_at, started_at, expires_at, ended_at, pid, error, "
+    "moved_to, moved_from"
+)
+# How an edge before ``moved_to`` recorded a move, in ``error``: still read as ``moved_to``.
+LEGACY_MOVED_TO = "moved to another edge as "
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +58,8 @@ class SandboxRecord:
     ended_at: float = 0.0
     pid: int = 0
     error: str = ""
+    moved_to: str = ""  # the tombstone of a sandbox resumed on another edge: its id there
+    moved_from: str = ""  # a sandbox resumed here from another edge: its id there
 
     def moved(self, event: Event, **changes: object) -> SandboxRecord:
         """The record after ``event`` (raises InvalidState if the lifecycle forbids it)."""
@@ -66,12 +79,16 @@ class RecordStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        have = {str(r[1]) for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        for name, decl in _ADDED.items():
+            if name not in have:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {decl}")
         self._lock = threading.Lock()
 
     def put(self, rec: SandboxRecord) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT OR REPLACE INTO sandboxes ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     rec.id,
                     rec.project,
@@ -84,17 +101,23 @@ class RecordStore:
                     rec.ended_at,
                     rec.pid,
                     rec.error,
+                    rec.moved_to,
+                    rec.moved_from,
                 ),
             )
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:
-            row = self._db.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM sandboxes WHERE id=?", (sandbox_id,)
+            ).fetchone()
         return _row(row) if row else None
 
     def all(self) -> list[SandboxRecord]:
         with self._lock:
-            rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
+            rows = self._db.execute(
+                f"SELECT {_COLUMNS} FROM sandboxes ORDER BY created_at"
+            ).fetchall()
         return [_row(r) for r in rows]
 
     def delete_ended_before(self, cutoff: float) -> int:
@@ -110,7 +133,11 @@ class RecordStore:
 
 
 def _row(row: tuple[object, ...]) -> SandboxRecord:
-    (sid, project, owner, state, spec, created, started, expires, ended, pid, error) = row
+    (sid, project, owner, state, spec, created, started, expires, ended, pid, error, moved_to,
+     moved_from) = row  # fmt: skip
+    error, moved_to = str(error), str(moved_to)
+    if not moved_to and error.startswith(LEGACY_MOVED_TO):
+        error, moved_to = "", error.removeprefix(LEGACY_MOVED_TO)
     return SandboxRecord(
         id=str(sid),
         project=str(project),
@@ -122,5 +149,7 @@ def _row(row: tuple[object, ...]) -> SandboxRecord:
         expires_at=float(expires),  # type: ignore[arg-type]
         ended_at=float(ended),  # type: ignore[arg-type]
         pid=int(pid),  # type: ignore[call-overload]
-        error=str(error),
+        error=error,
+        moved_to=moved_to,
+        moved_from=str(moved_from),
     )

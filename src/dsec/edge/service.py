@@ -68,6 +68,7 @@ def info_to_pb(
         started_at=rec.started_at,
         expires_at=rec.expires_at,
         error=rec.error,
+        moved_to=rec.moved_to,
     )
 
 
@@ -204,6 +205,7 @@ class EdgeService(pb_grpc.EdgeServicer):
                 project=request.project or caller.project,
                 owner=request.owner or caller.subject,
                 caller=caller,
+                moved_from=request.moved_from,
             )
             return info_to_pb(rec, self._m.edge_id)
         rec = await self._m.create(

@@ -144,6 +144,13 @@ CREATE TABLE IF NOT EXISTS allocations (
 CREATE INDEX IF NOT EXISTS allocations_by_project
     ON allocations(project, cpu_milli, memory_mb);
 CREATE INDEX IF NOT EXISTS allocations_by_edge ON allocations(edge_id, created_at);
+CREATE TABLE IF NOT EXISTS moves (
+    old TEXT PRIMARY KEY,
+    new TEXT NOT NULL,
+    edge_id TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS moves_by_edge ON moves(edge_id);
 CREATE TABLE IF NOT EXISTS join_tokens (
     token_id TEXT PRIMARY KEY,
     secret_sha256 TEXT NOT NULL,

@@ -31,6 +31,7 @@ burst of admissions is decided in one transaction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -51,7 +52,7 @@ from dsec.core.errors import (
 from dsec.core.ids import edge_of, is_sandbox_id, parse_api_key, validate_edge_id
 from dsec.iam.audit import AuditQuery
 from dsec.iam.keys import hash_secret, new_api_key, secret_matches
-from dsec.iam.quotas import check_admission, check_move, check_quota
+from dsec.iam.quotas import check_admission, check_move, check_quota, settled
 from dsec.iam.records import (
     DEFAULT_PROJECT,
     DEFAULT_QUOTA,
@@ -640,6 +641,9 @@ class KvIam:
             have_new = await stm.get(_alloc_key(new))
             if have_old is not None and have_new is not None:
                 raise AlreadyExists(f"sandboxes {old} and {new} both hold an allocation")
+            undone = await stm.get(_move_key(new))
+            if undone is not None and _load(undone)["n"] == old:  # a move renamed back
+                stm.delete(_move_key(new))
             if have_new is not None:
                 return _alloc(new, _load(have_new))
             if have_old is None:
@@ -648,10 +652,39 @@ class KvIam:
             rec = {**_load(have_old), "t": self._clock()}
             stm.delete(_alloc_key(old))
             stm.put(_alloc_key(new), _dump(rec))
+            stm.put(_move_key(old), _dump({"n": new, "t": rec["t"]}))
             return _alloc(new, rec)
 
         result: Allocation = await self._atomic(fn)
         return result
+
+    async def settle_moves(
+        self, edge_id: str, live: Sequence[str], grace_s: float, running: Sequence[str] = ()
+    ) -> tuple[list[tuple[str, str]], list[str]]:
+        validate_edge_id(edge_id)
+        keep = set(live)
+        cutoff = self._clock() - grace_s
+        allocs = await self.store.range(_k("alloc", edge_id, ""))
+        held = {kv.key.rsplit(b"/", 1)[1].decode() for kv in allocs.kvs}
+        got = await self.store.range(_k("moves", edge_id, ""))
+        moves: dict[str, tuple[str, float]] = {}
+        for kv in got.kvs:
+            rec = _load(kv.value)
+            moves[kv.key.rsplit(b"/", 1)[1].decode()] = (str(rec["n"]), float(rec["t"]))
+        done = [o for o, (_, at) in moves.items() if o not in keep and at <= cutoff]
+        for i in range(0, len(done), MAX_BATCH):
+
+            async def forget(stm: Stm, batch: list[str] = done[i : i + MAX_BATCH]) -> None:
+                for o in batch:
+                    stm.delete(_move_key(o))
+
+            await self._atomic(forget)
+        moved, unallocated, back = settled(live, held, moves, cutoff, running)
+        for old, new in back:
+            with contextlib.suppress(NotFound):  # the new one is gone too: nothing to give
+                await self.move_allocation(new, old)
+                unallocated.remove(old)
+        return moved, unallocated
 
     async def reconcile(self, edge_id: str, live: Sequence[str], grace_s: float) -> list[str]:
         validate_edge_id(edge_id)
@@ -728,6 +761,11 @@ def _grant_key(project: str, subject: str) -> bytes:
 
 def _alloc_key(sandbox_id: str) -> bytes:
     return _k("alloc", edge_of(sandbox_id), sandbox_id)
+
+
+def _move_key(old: str) -> bytes:
+    """A sandbox moved to another edge, under its old id: ``{"n": new id, "t": when}``."""
+    return _k("moves", edge_of(old), old)
 
 
 # The layout, for tools that write state in bulk (bench/cluster.py).

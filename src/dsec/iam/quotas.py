@@ -9,6 +9,7 @@ whole subtree, so admission checks every ancestor (see ``dsec.core.projects``).
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -193,7 +194,8 @@ class QuotasMixin:
 
     def move_allocation(self, old: str, new: str) -> Allocation:
         """Give sandbox ``old``'s allocation to ``new`` (the same sandbox, moved to another
-        edge): one row renamed, so the usage never changes. Idempotent.
+        edge): one row renamed, so the usage never changes. Idempotent. The move is recorded
+        (:meth:`settle_moves` tells ``old``'s edge to end it); renaming it back forgets it.
 
         Raises:
             InvalidArgument: a malformed id.
@@ -206,6 +208,7 @@ class QuotasMixin:
                 f"{_ALLOC_SELECT} WHERE sandbox_id IN (?, ?)", (old, new)).fetchall()}  # fmt: skip
             if old in rows and new in rows:
                 raise AlreadyExists(f"sandboxes {old} and {new} both hold an allocation")
+            db.execute("DELETE FROM moves WHERE old = ? AND new = ?", (new, old))  # undone
             if new in rows:
                 return rows[new]
             if old not in rows:
@@ -213,7 +216,41 @@ class QuotasMixin:
             now = self._clock()  # the new edge's reconcile grace covers it as an admission
             db.execute("UPDATE allocations SET sandbox_id = ?, edge_id = ?, created_at = ? "
                        "WHERE sandbox_id = ?", (new, edge_of(new), now, old))  # fmt: skip
+            db.execute("INSERT OR REPLACE INTO moves VALUES (?, ?, ?, ?)",
+                       (old, new, edge_of(old), now))  # fmt: skip
         return replace(rows[old], sandbox_id=new, edge_id=edge_of(new), created_at=now)
+
+    def settle_moves(
+        self, edge_id: str, live: Sequence[str], grace_s: float, running: Sequence[str] = ()
+    ) -> tuple[list[tuple[str, str]], list[str]]:
+        """What ``edge_id`` should do about its ``live`` sandboxes that hold no allocation.
+
+        Returns:
+            ``(moved, unallocated)``: ``moved`` pairs ``(id, new id)`` of sandboxes whose
+            allocation moved to another edge more than ``grace_s`` ago (the edge ends them as
+            moved if paused: the apiserver that moved them did not); ``unallocated``, every
+            live id holding no allocation. A moved one ``running`` again (resumed on its own
+            edge before the apiserver could end it) gets its allocation back, as the apiserver
+            would have done: the new one is then unallocated on its edge. Moves older than
+            ``grace_s`` whose source is no longer live are forgotten.
+        """
+        validate_edge_id(edge_id)
+        keep = set(live)
+        cutoff = self._clock() - grace_s
+        held = {str(r[0]) for r in self._read(
+            "SELECT sandbox_id FROM allocations WHERE edge_id = ?", (edge_id,))}  # fmt: skip
+        moves = {str(r[0]): (str(r[1]), float(r[2])) for r in self._read(
+            "SELECT old, new, at FROM moves WHERE edge_id = ?", (edge_id,))}  # fmt: skip
+        done = [(o, cutoff) for o, (_, at) in moves.items() if o not in keep and at <= cutoff]
+        if done:  # no write (nor its disk sync) on the usual reconcile
+            with self._write() as db:
+                db.executemany("DELETE FROM moves WHERE old = ? AND at <= ?", done)
+        moved, unallocated, back = settled(live, held, moves, cutoff, running)
+        for old, new in back:
+            with contextlib.suppress(NotFound):  # the new one is gone too: nothing to give
+                self.move_allocation(new, old)
+                unallocated.remove(old)
+        return moved, unallocated
 
     def reconcile(self, edge_id: str, live: Sequence[str], grace_s: float) -> list[str]:
         """Drop allocations of ``edge_id`` whose sandbox is not in ``live``.
@@ -369,3 +406,18 @@ def _project(r: Any) -> Project:
 
 def _alloc(r: Any) -> Allocation:
     return Allocation(str(r[0]), str(r[1]), str(r[2]), int(r[3]) / 1000, int(r[4]), float(r[5]))
+
+
+def settled(
+    live: Sequence[str],
+    held: set[str],
+    moves: dict[str, tuple[str, float]],
+    cutoff: float,
+    running: Sequence[str],
+) -> tuple[list[tuple[str, str]], list[str], list[tuple[str, str]]]:
+    """:meth:`QuotasMixin.settle_moves`'s answer from the edge's allocations and moves, and
+    the moves to give back (their source runs again)."""
+    unallocated = [s for s in dict.fromkeys(live) if s not in held]
+    due = [(s, moves[s][0]) for s in unallocated if s in moves and moves[s][1] <= cutoff]
+    again = set(running)
+    return [m for m in due if m[0] not in again], unallocated, [m for m in due if m[0] in again]

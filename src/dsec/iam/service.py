@@ -42,6 +42,9 @@ ALLOWED_ROLES: dict[str, set[str]] = {
     "/dsec.v1.Iam/AppendAudit": {"apiserver", "admin", "edge"},
 }
 DEFAULT_RECONCILE_GRACE_S = 30.0
+# How long after MoveAllocation the source edge is told to end the sandbox itself: longer
+# than the apiserver's own EndMovedSandbox call may take (it does this when it does not die).
+MOVE_SETTLE_S = 300.0
 
 
 class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
@@ -189,7 +192,7 @@ class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
         self._metrics.inc("allocations_moved")
         return pb.Empty()
 
-    async def Reconcile(self, request: pb.ReconcileRequest, context: _Ctx) -> pb.Empty:
+    async def Reconcile(self, request: pb.ReconcileRequest, context: _Ctx) -> pb.ReconcileReply:
         peer = peer_identity(context)
         if peer.role == "edge" and peer.name != request.edge_id:
             raise PermissionDenied(f"edge {peer.name} may not reconcile edge {request.edge_id!r}")
@@ -204,7 +207,16 @@ class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
                 edge_id=request.edge_id,
                 sandboxes=gone,
             )
-        return pb.Empty()
+        moved, unallocated = await self._state.settle_moves(
+            request.edge_id,
+            list(request.live_sandbox_ids),
+            MOVE_SETTLE_S,
+            list(request.running_sandbox_ids),
+        )
+        return pb.ReconcileReply(
+            moved=[pb.MovedSandbox(sandbox_id=o, moved_to=n) for o, n in moved],
+            unallocated=unallocated,
+        )
 
     async def GetUsage(self, request: pb.ProjectRef, context: _Ctx) -> pb.Usage:
         u = await self._state.usage(request.project)

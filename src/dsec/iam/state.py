@@ -71,6 +71,9 @@ class IamState(Protocol):
     async def release(self, sandbox_id: str, *, edge_id: str = "") -> Allocation | None: ...
     async def reconcile(self, edge_id: str, live: Sequence[str], grace_s: float) -> list[str]: ...
     async def move_allocation(self, old: str, new: str) -> Allocation: ...
+    async def settle_moves(
+        self, edge_id: str, live: Sequence[str], grace_s: float, running: Sequence[str] = ()
+    ) -> tuple[list[tuple[str, str]], list[str]]: ...
     async def usage(self, project: str) -> Usage: ...
     async def delete_project(
         self, name: str, *, actor: str = ..., request_id: str = ...
@@ -175,6 +178,11 @@ class SqliteIam:
 
     async def move_allocation(self, old: str, new: str) -> Allocation:
         return await self._run(self.db.move_allocation, old, new)
+
+    async def settle_moves(
+        self, edge_id: str, live: Sequence[str], grace_s: float, running: Sequence[str] = ()
+    ) -> tuple[list[tuple[str, str]], list[str]]:
+        return await self._run(self.db.settle_moves, edge_id, live, grace_s, running)
 
     async def usage(self, project: str) -> Usage:
         return await self._run(self.db.usage, project)

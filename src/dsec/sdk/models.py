@@ -114,6 +114,7 @@ class SandboxInfo:
     error: str | None = None
     spec: SpecInfo | None = None
     network_stats: dict[str, int] = field(default_factory=dict)  # allowed/denied traffic
+    moved_to: str | None = None  # ended by resuming on another edge: the id it runs as there
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> SandboxInfo:
@@ -133,6 +134,7 @@ class SandboxInfo:
             error=str(err) if err else None,
             spec=SpecInfo.from_wire(spec) if isinstance(spec, Mapping) else None,
             network_stats={k: int(v) for k, v in dict(obj.get("network_stats") or {}).items()},
+            moved_to=str(obj.get("moved_to") or "") or None,
         )
 
 

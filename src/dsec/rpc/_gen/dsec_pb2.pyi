@@ -213,6 +213,7 @@ class SandboxInfo(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     NETWORK_STATS_FIELD_NUMBER: _builtins.int
+    MOVED_TO_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     project: _builtins.str
     owner: _builtins.str
@@ -222,6 +223,8 @@ class SandboxInfo(_message.Message):
     started_at: _builtins.float
     expires_at: _builtins.float
     error: _builtins.str
+    moved_to: _builtins.str
+    """ended because it resumed on another edge: its id there"""
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
     @_builtins.property
@@ -242,10 +245,11 @@ class SandboxInfo(_message.Message):
         expires_at: _builtins.float = ...,
         error: _builtins.str = ...,
         network_stats: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        moved_to: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "error", b"error", "expires_at", b"expires_at", "id", b"id", "network_stats", b"network_stats", "owner", b"owner", "project", b"project", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "edge_id", b"edge_id", "error", b"error", "expires_at", b"expires_at", "id", b"id", "moved_to", b"moved_to", "network_stats", b"network_stats", "owner", b"owner", "project", b"project", "spec", b"spec", "started_at", b"started_at", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -260,12 +264,15 @@ class CreateSandboxRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
     FROM_SNAPSHOT_FIELD_NUMBER: _builtins.int
+    MOVED_FROM_FIELD_NUMBER: _builtins.int
     project: _builtins.str
     owner: _builtins.str
     sandbox_id: _builtins.str
     """chosen by the apiserver (it encodes this edge) and admitted by iam first"""
     from_snapshot: _builtins.str
     """start from this edge's named snapshot instead of booting the image"""
+    moved_from: _builtins.str
+    """a move: that paused sandbox on another edge, resumed here"""
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
     def __init__(
@@ -276,10 +283,11 @@ class CreateSandboxRequest(_message.Message):
         owner: _builtins.str = ...,
         sandbox_id: _builtins.str = ...,
         from_snapshot: _builtins.str = ...,
+        moved_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_snapshot", b"from_snapshot", "owner", b"owner", "project", b"project", "sandbox_id", b"sandbox_id", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_snapshot", b"from_snapshot", "moved_from", b"moved_from", "owner", b"owner", "project", b"project", "sandbox_id", b"sandbox_id", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1749,22 +1757,57 @@ class ReconcileRequest(_message.Message):
 
     EDGE_ID_FIELD_NUMBER: _builtins.int
     LIVE_SANDBOX_IDS_FIELD_NUMBER: _builtins.int
+    RUNNING_SANDBOX_IDS_FIELD_NUMBER: _builtins.int
     edge_id: _builtins.str
     @_builtins.property
     def live_sandbox_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def running_sandbox_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """of those, the running ones (not paused)"""
+
     def __init__(
         self,
         *,
         edge_id: _builtins.str = ...,
         live_sandbox_ids: _abc.Iterable[_builtins.str] | None = ...,
+        running_sandbox_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "live_sandbox_ids", b"live_sandbox_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["edge_id", b"edge_id", "live_sandbox_ids", b"live_sandbox_ids", "running_sandbox_ids", b"running_sandbox_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReconcileRequest: _TypeAlias = ReconcileRequest  # noqa: Y015
+
+@_typing.final
+class ReconcileReply(_message.Message):
+    """What the edge does about live sandboxes that hold no allocation (an apiserver that died
+    mid-move): it ends ``moved`` ones as moved, and kills unallocated ones it started for a
+    move (moved_from) long ago. Returned in place of Empty, which it extends on the wire.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MOVED_FIELD_NUMBER: _builtins.int
+    UNALLOCATED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def moved(self) -> _containers.RepeatedCompositeFieldContainer[Global___MovedSandbox]: ...
+    @_builtins.property
+    def unallocated(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        moved: _abc.Iterable[Global___MovedSandbox] | None = ...,
+        unallocated: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["moved", b"moved", "unallocated", b"unallocated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReconcileReply: _TypeAlias = ReconcileReply  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

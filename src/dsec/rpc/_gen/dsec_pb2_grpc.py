@@ -1401,7 +1401,7 @@ class IamStub:
         self.Reconcile = channel.unary_unary(
                 '/dsec.v1.Iam/Reconcile',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileRequest.SerializeToString,
-                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileReply.FromString,
                 _registered_method=True)
         self.MoveAllocation = channel.unary_unary(
                 '/dsec.v1.Iam/MoveAllocation',
@@ -1666,7 +1666,7 @@ def add_IamServicer_to_server(servicer, server):
             'Reconcile': grpc.unary_unary_rpc_method_handler(
                     servicer.Reconcile,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileRequest.FromString,
-                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileReply.SerializeToString,
             ),
             'MoveAllocation': grpc.unary_unary_rpc_method_handler(
                     servicer.MoveAllocation,
@@ -1937,7 +1937,7 @@ class Iam:
             target,
             '/dsec.v1.Iam/Reconcile',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileRequest.SerializeToString,
-            dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.ReconcileReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -375,7 +375,7 @@ class IamStub:
     RevokeKey: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.KeyRef, _dsec_pb2.Empty]
     Admit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AdmitRequest, _dsec_pb2.Empty]
     Release: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReleaseRequest, _dsec_pb2.Empty]
-    Reconcile: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]
+    Reconcile: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.ReconcileReply]
     MoveAllocation: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.MoveAllocationRequest, _dsec_pb2.Empty]
     GetUsage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]
     AppendAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]
@@ -406,7 +406,7 @@ class IamAsyncStub(IamStub):
     RevokeKey: _aio.UnaryUnaryMultiCallable[_dsec_pb2.KeyRef, _dsec_pb2.Empty]  # type: ignore[assignment]
     Admit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AdmitRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReleaseRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
-    Reconcile: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
+    Reconcile: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ReconcileRequest, _dsec_pb2.ReconcileReply]  # type: ignore[assignment]
     MoveAllocation: _aio.UnaryUnaryMultiCallable[_dsec_pb2.MoveAllocationRequest, _dsec_pb2.Empty]  # type: ignore[assignment]
     GetUsage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]  # type: ignore[assignment]
     AppendAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]  # type: ignore[assignment]
@@ -476,7 +476,7 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _dsec_pb2.ReconcileRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]: ...
+    ) -> _typing.Union[_dsec_pb2.ReconcileReply, _abc.Awaitable[_dsec_pb2.ReconcileReply]]: ...
 
     @_abc_1.abstractmethod
     def MoveAllocation(
