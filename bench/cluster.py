@@ -8,8 +8,10 @@ certificates that book resources, answer "node full" and send heartbeats, but ru
 sandboxes). Before the run the iam's state is loaded with 100,000 live allocations (1,000
 per edge, across 100 projects) and the simulated edges with the matching bookings.
 
-The load: ``--concurrency`` HTTP clients create sandboxes through the apiserver's public
-API as fast as they are answered, for ``--seconds`` after a short warm-up. Reported:
+The load: ``--concurrency`` callers create sandboxes through the apiserver's public API
+with the asyncio SDK (``AsyncSandbox.create`` on one ``AsyncClient``: its keep-alive
+HTTP/1.1 pool, the cheapest client a user gets) as fast as they are answered, for
+``--seconds`` after a short warm-up. Reported:
 creates/s and p50/p99 latency of ``POST /v1/sandboxes`` (authentication, admission against
 the project's quota, placement, the edge's create and the audit entry).
 
