@@ -1,11 +1,13 @@
 """The apiserver's view of its peers: iam, the watcher, and every edge (gRPC over mTLS).
 
-Edges are found through the watcher (cached for a second); a sandbox id names its edge, so
-forwarding a call needs no per-sandbox table.
+Edges are found through the watcher (cached for a second, and fetched once when it expires,
+however many requests find it expired); a sandbox id names its edge, so forwarding a call
+needs no per-sandbox table.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -63,16 +65,32 @@ class Upstream:
         self._plain_edges: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
         self._view: list[EdgeEntry] = []
         self._view_at = 0.0
+        self._fetching: asyncio.Future[list[EdgeEntry]] | None = None
         self.placement = Placement(placement)
 
     async def edges(self, *, fresh: bool = False) -> list[EdgeEntry]:
-        now = time.monotonic()
-        if fresh or now - self._view_at > EDGE_VIEW_TTL_S:
-            views = await rpc("watcher", self.watcher.ListEdges(pb.Empty(), timeout=5))
-            self._view = [
-                EdgeEntry(v.status.edge_id, v.status.address, v.healthy, v) for v in views.edges
-            ]
-            self._view_at = now
+        """The edges as the watcher last reported them (``fresh``: asked now)."""
+        if fresh:
+            return await self._fetch_view()
+        if time.monotonic() - self._view_at <= EDGE_VIEW_TTL_S:
+            return self._view
+        if self._fetching is None:  # one ListEdges for every request that finds it expired
+            self._fetching = asyncio.ensure_future(self._fetch_view())
+            self._fetching.add_done_callback(self._fetched)
+        return await asyncio.shield(self._fetching)
+
+    def _fetched(self, fut: asyncio.Future[list[EdgeEntry]]) -> None:
+        self._fetching = None
+        if not fut.cancelled():
+            fut.exception()  # its waiters got it; not "never retrieved" when none was left
+
+    async def _fetch_view(self) -> list[EdgeEntry]:
+        asked = time.monotonic()
+        views = await rpc("watcher", self.watcher.ListEdges(pb.Empty(), timeout=5))
+        self._view = [
+            EdgeEntry(v.status.edge_id, v.status.address, v.healthy, v) for v in views.edges
+        ]
+        self._view_at = asked
         return self._view
 
     async def edge_for(self, sandbox_id: str) -> pb_grpc.EdgeAsyncStub:

@@ -11,7 +11,7 @@ Theory of operation:
   statement as the row. :meth:`IamDb.admit` reads those sums and inserts the new row inside one
   ``BEGIN IMMEDIATE`` transaction, so two admissions can never both see the last free slot,
   even from two processes. :meth:`IamDb.admit_many` decides a batch in one transaction
-  (each request in its own savepoint) so a burst shares one fsync.
+  (each request decided on its own, seeing those before it) so a burst shares one fsync.
 * Every method validates its inputs and raises :mod:`dsec.core.errors` classes; sqlite3
   errors are translated to :class:`~dsec.core.errors.Unavailable` at this boundary.
 * Resource amounts: CPU is stored in integer millicores so sums are exact; a limit of 0

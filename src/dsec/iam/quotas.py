@@ -135,25 +135,32 @@ class QuotasMixin:
     def _admit_each(
         self, db: sqlite3.Connection, batch: Sequence[Admission]
     ) -> list[bool | Exception]:
+        # No savepoint per request: a request writes one row, after all of its checks, and
+        # SQLite undoes a failed statement whole (with what its triggers did). The projects'
+        # limits cannot change inside this transaction, so each is read once per batch.
         out: list[bool | Exception] = []
+        limits: dict[str, tuple[int, int, int] | None] = {}
         for a in batch:
-            db.execute("SAVEPOINT admit")
             try:
-                out.append(self._admit_one(db, a))
+                out.append(self._admit_one(db, a, limits))
             except Exception as exc:
-                db.execute("ROLLBACK TO admit")
                 out.append(exc)
-            db.execute("RELEASE admit")
         return out
 
-    def _admit_one(self, db: sqlite3.Connection, a: Admission) -> bool:
+    def _admit_one(
+        self, db: sqlite3.Connection, a: Admission, limits: dict[str, tuple[int, int, int] | None]
+    ) -> bool:
         cpu_milli = check_admission(a)
         chain = []
         for level in projects.ancestors(a.project):
-            row = db.execute(
-                "SELECT max_sandboxes, max_cpu_milli, max_memory_mb FROM projects WHERE name = ?",
-                (level,),
-            ).fetchone()
+            if level in limits:
+                row = limits[level]
+            else:
+                row = limits[level] = db.execute(
+                    "SELECT max_sandboxes, max_cpu_milli, max_memory_mb FROM projects "
+                    "WHERE name = ?",
+                    (level,),
+                ).fetchone()
             if row is None:
                 raise NotFound(f"no project {level!r}")
             chain.append((level, row))

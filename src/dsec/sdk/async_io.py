@@ -1,4 +1,5 @@
-"""The asyncio I/O shell of the SDK: one keep-alive ``httpx.AsyncClient`` plus WebSockets.
+"""The asyncio I/O shell of the SDK: keep-alive HTTP (``ahttp1`` for JSON calls, an
+``httpx.AsyncClient`` for the rest) plus WebSockets.
 
 The twin of ``sync_io.py``: it sends what the sans-I/O modules build and translates foreign
 exceptions once, with the same helpers, so both shells report identical errors.
@@ -19,7 +20,9 @@ from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from dsec.agent.protocol import CHUNK, MAX_FRAME
 from dsec.core.errors import DsecError, Internal
+from dsec.sdk.ahttp1 import AsyncHttp1Pool
 from dsec.sdk.config import ClientConfig, tls_verify
+from dsec.sdk.http1 import usable
 from dsec.sdk.models import ExecEvent, HttpResponse
 from dsec.sdk.runtime_calls import port_response
 from dsec.sdk.streams import CLOSE_MESSAGE, RuntimeStream, input_messages, runtime_url
@@ -115,6 +118,11 @@ class AsyncTransport:
         )
         self._timeouts: dict[float | None, httpx.Timeout] = {}
         self._urls: dict[str, httpx.URL] = {}
+        self._pool = (
+            AsyncHttp1Pool(config.api_url, self._headers, tls_verify(config.api_url))
+            if http_transport is None and usable(config.api_url)
+            else None
+        )
 
     def _url(self, path: str) -> httpx.URL:
         """The absolute URL of ``path``, parsed once (httpx's base-URL merge is slow)."""
@@ -145,16 +153,22 @@ class AsyncTransport:
         except httpx.HTTPError as exc:
             raise translate_httpx(self.config.api_url, exc, req.timeout) from None
 
+    async def _unary(self, req: Request, content: AsyncContent | None) -> tuple[int, bytes]:
+        """(status, body) of a request whose body is in memory: through the pool if any."""
+        if self._pool is not None and (content is None or isinstance(content, bytes)):
+            return await self._pool.request(req, req.body if content is None else content)
+        resp = await self.send(req, content)
+        return resp.status_code, resp.content
+
     async def call(self, call: Call[T], content: AsyncContent | None = None) -> T:
-        resp = await self.send(call.request, content)
-        return finish(call, resp.status_code, resp.content)
+        return finish(call, *await self._unary(call.request, content))
 
     async def fetch(self, req: Request) -> bytes:
         """Send ``req`` and return the raw body of a successful answer."""
-        resp = await self.send(req)
-        if resp.status_code >= 300:
-            raise error_for_status(resp.status_code, resp.content)[0]
-        return resp.content
+        status, body = await self._unary(req, None)
+        if status >= 300:
+            raise error_for_status(status, body)[0]
+        return body
 
     async def port(self, req: Request) -> HttpResponse:
         resp = await self.send(req)
@@ -269,6 +283,8 @@ class AsyncTransport:
             raise failures[0]
 
     async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         await self._http.aclose()
 
 
