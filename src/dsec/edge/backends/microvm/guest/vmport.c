@@ -496,7 +496,8 @@ static void hello(const char *payload, uint32_t n) {
         }
     }
     char ready[32];
-    send_frame(READY, 0, ready, window ? snprintf(ready, sizeof ready, "{\"window\": %d}", window) : 0);
+    int len = window ? snprintf(ready, sizeof ready, "{\"window\": %d}", window) : 0;
+    send_frame(READY, 0, ready, len);
 }
 
 /* --- the link ----------------------------------------------------------------------- */
