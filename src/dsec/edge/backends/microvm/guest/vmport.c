@@ -220,14 +220,13 @@ static int flush(struct chan *c) {
     return 1;
 }
 
-/* aether -> host: one read, within the host's credit. */
+/* aether -> host: one read of up to a chunk. With flow control it is polled only while
+ * the host's credit covers a whole chunk (reading just what little credit is left would
+ * make small frames, small credits back, and smaller frames from then on). */
 static void pump(struct chan *c) {
-    int64_t want = CHUNK;
-    if (window && c->credit < want)
-        want = c->credit;
-    if (want <= 0)
+    if (window && c->credit < CHUNK)
         return;
-    ssize_t n = recv(c->fd, obuf + HDR, want, MSG_DONTWAIT);
+    ssize_t n = recv(c->fd, obuf + HDR, CHUNK, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return;
     if (n <= 0) {
@@ -559,7 +558,7 @@ static int serve_link(int fd, int retry, int sigio) {
         pfds[0] = (struct pollfd){.fd = fd, .events = POLLIN};
         for (int i = 0; i < nchans; i++) {
             struct chan *c = chans[i];
-            short ev = (c->head ? POLLOUT : 0) | (!window || c->credit > 0 ? POLLIN : 0);
+            short ev = (c->head ? POLLOUT : 0) | (!window || c->credit >= CHUNK ? POLLIN : 0);
             if (ev) { /* a channel waiting for credit is not polled (its hangup would spin) */
                 serial_of[np] = c->serial;
                 pfds[np++] = (struct pollfd){.fd = c->fd, .events = ev};
