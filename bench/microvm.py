@@ -10,11 +10,13 @@ Drives :class:`MicrovmBackend` directly in a temp node (no apiserver hop) and me
 * the CPU time each restored QEMU used until its first exec returned (all its threads:
   mostly TCG translating the code the guest runs again), and under TCG how many blocks
   of guest code it translated by then (``info jit``), which load changes far less than
-  the wall times (neither at all, the block counts);
+  the wall times (neither at all, the block counts); with ``--phase-blocks`` also how
+  many of them by the time the guest ran again (``cont``) and by its multiplexer's READY
+  (each count is a QMP call inside the agent phase: a few ms more there);
 * host memory (PSS from ``/proc/<qemu>/smaps_rollup``) of the parent and of each child right
   after the fork, and the children's growth after each writes 32 MiB in its guest.
 
-    .venv/bin/python -m bench.microvm [--runs 5] [--memory-mb 512]
+    .venv/bin/python -m bench.microvm [--runs 5] [--memory-mb 512] [--phase-blocks]
 
 Prints JSON and writes ``bench/results/microvm.json``. TCG numbers are not KVM numbers: under
 KVM the guest runs at native speed and boots several times faster.
@@ -75,12 +77,47 @@ def cpu_ms(pid: int) -> float:
 
 async def tcg_blocks(be: MicrovmBackend, sid: str) -> int | None:
     """Blocks of guest code the sandbox's QEMU translated so far (None: not QEMU TCG)."""
-    qmp = getattr(be._vms[sid].vmm, "_qmp", None)
+    return await vm_tcg_blocks(be._vms[sid])
+
+
+async def vm_tcg_blocks(vm: Any) -> int | None:
+    qmp = getattr(vm.vmm, "_qmp", None)
     if qmp is None:
         return None
     out = await qmp.cmd("human-monitor-command", {"command-line": "info jit"})
     m = re.search(r"TB count\s+(\d+)", str(out))
     return int(m.group(1)) if m else None
+
+
+def count_phase_blocks(be: MicrovmBackend) -> dict[str, tuple[int, int]]:
+    """Wrap the backend's attach (agent mux start until READY): per sandbox, the blocks
+    translated when it began (the guest runs again) and when READY came."""
+    marks: dict[str, tuple[int, int]] = {}
+    attach = be._attach
+
+    async def counted(sandbox_id: str, vm: Any, *args: Any, **kw: Any) -> None:
+        before = await vm_tcg_blocks(vm)
+        await attach(sandbox_id, vm, *args, **kw)
+        after = await vm_tcg_blocks(vm)
+        if before is not None and after is not None:
+            marks[sandbox_id] = (before, after)
+
+    be._attach = counted  # type: ignore[method-assign]
+    return marks
+
+
+def split_blocks(
+    marks: dict[str, tuple[int, int]], totals: dict[str, int]
+) -> dict[str, float] | None:
+    """Median blocks per phase: until the guest ran, until READY, until the first exec."""
+    rows = [(*marks[s], n) for s, n in totals.items() if s in marks]
+    if not rows:
+        return None
+    return {
+        "until_cont": statistics.median(r[0] for r in rows),
+        "handshake": statistics.median(r[1] - r[0] for r in rows),
+        "first_exec": statistics.median(r[2] - r[1] for r in rows),
+    }
 
 
 def pss_mib(pid: int) -> float:
@@ -119,7 +156,9 @@ async def exec_ok(sock: Path, cmd: str = "true", timeout: float = 120) -> None:
     assert res.result.get("exit_code") == 0, (cmd, res.final, res.stderr)
 
 
-async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
+async def run(
+    runs: int, memory_mb: int, out: dict[str, Any], phase_blocks: bool = False
+) -> dict[str, Any]:
     """Fills ``out`` as it goes (what was measured stays there if a later step fails)."""
     root = Path(tempfile.mkdtemp(prefix="dsec-vmbench-"))
     run_dir = Path(tempfile.mkdtemp(prefix="dvb", dir="/tmp"))
@@ -138,6 +177,7 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
     vm_log.setLevel(logging.INFO)
     vm_log.addHandler(phases)
     loads = [loadavg()]
+    marks = count_phase_blocks(be) if phase_blocks else None
     try:
         # Warm the shared images (erofs of the layers, bundle image, initramfs).
         sid, p = node.sandbox()
@@ -153,6 +193,7 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
         first_exec: list[float] = []
         restore_cpu: list[float] = []
         restore_tbs: list[int] = []
+        restore_tb_of: dict[str, int] = {}
         for _ in range(runs):
             sid, p = node.sandbox()
             live.append((sid, p))
@@ -173,6 +214,7 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
             restore_cpu.append(cpu_ms(be._vms[sid].vmm.pid))
             if (n := await tcg_blocks(be, sid)) is not None:
                 restore_tbs.append(n)
+                restore_tb_of[sid] = n
             loads.append(loadavg())
             await be.destroy(sid, p)
             live.clear()
@@ -187,11 +229,14 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
         out["restore_to_first_exec_qemu_cpu_ms"] = statistics.median(restore_cpu)
         if restore_tbs:
             out["restore_to_first_exec_tcg_blocks"] = statistics.median(restore_tbs)
+        if marks is not None and (split := split_blocks(marks, restore_tb_of)):
+            out["restore_tcg_blocks_by_phase"] = split
 
         for count in (1, 10):
             samples: list[float] = []
             child_cpu: list[float] = []
             child_tbs: list[int] = []
+            child_tb_of: dict[str, int] = {}
             for _ in range(max(1, runs // 2)):
                 sid, p = node.sandbox()
                 live.append((sid, p))
@@ -204,7 +249,10 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
                 await asyncio.gather(*(exec_ok(kp.agent_socket) for _, kp in kids))
                 samples.append(time.perf_counter() - t0)
                 child_cpu += [cpu_ms(be._vms[k].vmm.pid) for k, _ in kids]
-                child_tbs += [n for k, _ in kids if (n := await tcg_blocks(be, k)) is not None]
+                for k, _ in kids:
+                    if (n := await tcg_blocks(be, k)) is not None:
+                        child_tbs.append(n)
+                        child_tb_of[k] = n
                 if count == 10 and "pss" not in out:
                     out["pss"] = await measure_pss(be, sid, kids)
                 for s, sp in reversed(live):
@@ -214,6 +262,8 @@ async def run(runs: int, memory_mb: int, out: dict[str, Any]) -> dict[str, Any]:
             out[f"fork_{count}_child_qemu_cpu_ms"] = statistics.median(child_cpu)
             if child_tbs:
                 out[f"fork_{count}_child_tcg_blocks"] = statistics.median(child_tbs)
+            if marks is not None and (split := split_blocks(marks, child_tb_of)):
+                out[f"fork_{count}_child_tcg_blocks_by_phase"] = split
             loads.append(loadavg())
         one = out["fork_1_all_ready"]["p50_ms"]
         ten = out["fork_10_all_ready"]["p50_ms"]
@@ -255,17 +305,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--memory-mb", type=int, default=512)
+    ap.add_argument("--phase-blocks", action="store_true", help="TCG blocks per restore phase")
+    ap.add_argument("--out", default="microvm.json", help="file name under bench/results")
     a = ap.parse_args()
     res: dict[str, Any] = {}
     try:
-        asyncio.run(run(a.runs, a.memory_mb, res))
+        asyncio.run(run(a.runs, a.memory_mb, res, a.phase_blocks))
     except BaseException as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"  # the figures before it still count
         raise
     finally:
         text = json.dumps(res, indent=2)
         print(text)
-        out = Path(__file__).parent / "results" / "microvm.json"
+        out = Path(__file__).parent / "results" / a.out
         out.parent.mkdir(exist_ok=True)
         out.write_text(text + "\n")
 

@@ -2,7 +2,8 @@
 
 Host mux and guest mux (the real classes) over a socketpair, the guest's "aether" a unix
 server (tests/unit/muxkit.py, what the mux tests use), no VM: it measures the multiplexer
-alone.
+alone, with each guest end: Python (``dsec.agent.vmport``, the full VM's) and C
+(``guest/vmport.c``, the microVM's; rows ``*_c_guest``, when gcc is there).
 
 * one stream: 32 MiB from the host through the guest and back (an echo), MB/s;
 * a small call (20 KB echo) while another channel is stuck (its receiver stopped reading
@@ -30,7 +31,7 @@ from typing import Any
 
 from dsec.agent import vmport
 from dsec.edge.backends.microvm.mux import HostMux
-from tests.unit.muxkit import PairLink, sink_and_flood_server
+from tests.unit.muxkit import PairLink, build_c_guest, sink_and_flood_server
 
 STREAM_MB = 32
 STALL_LIMIT_S = 5.0
@@ -83,13 +84,14 @@ async def _call_beside_a_stuck_stream(sock: Path) -> float | None:
     return took
 
 
-async def run_one(flow: bool, runs: int) -> dict[str, Any]:
+async def run_one(flow: bool, runs: int, c_guest: Path | None = None) -> dict[str, Any]:
     saved = vmport.WINDOW
     if not flow:
         vmport.WINDOW = 0  # the host offers no window: the old protocol
     d = Path(tempfile.mkdtemp(prefix="dsmb-", dir="/tmp"))
     srv = sink_and_flood_server(d / "aether.sock")
-    mux = HostMux(d / "agent.sock", PairLink(d / "aether.sock"))
+    link = PairLink(d / "aether.sock", c_guest)
+    mux = HostMux(d / "agent.sock", link)
     try:
         await mux.start()
         await mux.wait_ready(5)
@@ -98,6 +100,7 @@ async def run_one(flow: bool, runs: int) -> dict[str, Any]:
         stalled = await _call_beside_a_stuck_stream(mux.listen_path)
     finally:
         await mux.close()
+        link.close()
         srv.close()
         shutil.rmtree(d, ignore_errors=True)
         vmport.WINDOW = saved
@@ -111,13 +114,19 @@ async def run_one(flow: bool, runs: int) -> dict[str, Any]:
 
 
 async def main_async(runs: int) -> dict[str, Any]:
-    return {
+    out = {
         "runs": runs,
         "stream_MiB": STREAM_MB,
         "load_average": os.getloadavg(),
         "flow_control_on": await run_one(True, runs),
         "flow_control_off": await run_one(False, runs),
     }
+    if shutil.which("gcc"):
+        with tempfile.TemporaryDirectory(prefix="dsmb-c-") as tmp:
+            c_guest = build_c_guest(Path(tmp))
+            out["flow_control_on_c_guest"] = await run_one(True, runs, c_guest)
+            out["flow_control_off_c_guest"] = await run_one(False, runs, c_guest)
+    return out
 
 
 def main() -> None:

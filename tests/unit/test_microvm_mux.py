@@ -1,9 +1,13 @@
-"""The microVM agent-channel multiplexer, host and guest ends, over socketpairs (no VM)."""
+"""The microVM agent-channel multiplexer, host and guest ends, over socketpairs (no VM).
+
+The guest end is tested in both implementations: the C one every microVM runs
+(``guest/vmport.c``, linked into vminit) and the Python one the full VM's image runs."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -11,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,7 +23,7 @@ import pytest
 
 from dsec.agent import vmport
 from dsec.edge.backends.microvm.mux import HostMux, SerialLink
-from tests.unit.muxkit import PairLink
+from tests.unit.muxkit import PairLink, build_c_guest
 from tests.unit.muxkit import sink_and_flood_server as _sink_and_flood_server
 
 
@@ -27,6 +32,19 @@ def sock_dir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="dsmux-", dir="/tmp"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def c_guest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed (scripts/install installs it)")
+    return build_c_guest(tmp_path_factory.mktemp("vmport"))
+
+
+@pytest.fixture(params=["c", "python"])
+def guest(request: pytest.FixtureRequest) -> Path | None:
+    """The guest end under test: the C program's path, or None for the Python one."""
+    return request.getfixturevalue("c_guest") if request.param == "c" else None
 
 
 def _echo_server(path: Path) -> socket.socket:
@@ -78,9 +96,10 @@ def test_bad_frame_is_refused() -> None:
 
 
 @pytest.mark.asyncio
-async def test_many_concurrent_channels(sock_dir: Path) -> None:
+async def test_many_concurrent_channels(sock_dir: Path, guest: Path | None) -> None:
     srv = _echo_server(sock_dir / "aether.sock")
-    mux = HostMux(sock_dir / "agent.sock", PairLink(sock_dir / "aether.sock"))
+    link = PairLink(sock_dir / "aether.sock", guest)
+    mux = HostMux(sock_dir / "agent.sock", link)
     await mux.start()
     try:
         await mux.wait_ready(5)
@@ -89,13 +108,16 @@ async def test_many_concurrent_channels(sock_dir: Path) -> None:
         assert got == [p.upper() for p in payloads]
     finally:
         await mux.close()
+        link.close()
         srv.close()
     assert not mux.listen_path.exists()
 
 
 @pytest.mark.asyncio
-async def test_guest_close_ends_the_call_and_unknown_target_closes(sock_dir: Path) -> None:
-    link = PairLink(sock_dir / "nothing-listens.sock")
+async def test_guest_close_ends_the_call_and_unknown_target_closes(
+    sock_dir: Path, guest: Path | None
+) -> None:
+    link = PairLink(sock_dir / "nothing-listens.sock", guest)
     mux = HostMux(sock_dir / "agent.sock", link)
     await mux.start()
     try:
@@ -105,12 +127,13 @@ async def test_guest_close_ends_the_call_and_unknown_target_closes(sock_dir: Pat
         w.close()
     finally:
         await mux.close()
+        link.close()
 
 
 @pytest.mark.asyncio
-async def test_link_reconnects_after_loss(sock_dir: Path) -> None:
+async def test_link_reconnects_after_loss(sock_dir: Path, guest: Path | None) -> None:
     srv = _echo_server(sock_dir / "aether.sock")
-    link = PairLink(sock_dir / "aether.sock")
+    link = PairLink(sock_dir / "aether.sock", guest)
     mux = HostMux(sock_dir / "agent.sock", link)
     await mux.start()
     try:
@@ -126,6 +149,7 @@ async def test_link_reconnects_after_loss(sock_dir: Path) -> None:
         assert await _roundtrip(mux.listen_path, b"again") == b"AGAIN"
     finally:
         await mux.close()
+        link.close()
         srv.close()
 
 
@@ -136,12 +160,15 @@ async def _until(cond: Callable[[], bool]) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("slow", ["guest reader", "host reader"])
-async def test_one_slow_stream_does_not_stall_the_others(sock_dir: Path, slow: str) -> None:
+async def test_one_slow_stream_does_not_stall_the_others(
+    sock_dir: Path, slow: str, guest: Path | None
+) -> None:
     """Per-channel flow control: a channel whose receiver stops reading (aether not taking
     a big upload, or an edge caller not reading a big download) fills only its own
     window; calls on other channels go on."""
     srv = _sink_and_flood_server(sock_dir / "aether.sock")
-    mux = HostMux(sock_dir / "agent.sock", PairLink(sock_dir / "aether.sock"))
+    link = PairLink(sock_dir / "aether.sock", guest)
+    mux = HostMux(sock_dir / "agent.sock", link)
     await mux.start()
     stuck_w: asyncio.StreamWriter | None = None
     pusher: asyncio.Task[None] | None = None
@@ -177,23 +204,27 @@ async def test_one_slow_stream_does_not_stall_the_others(sock_dir: Path, slow: s
         if stuck_w is not None:
             stuck_w.close()
         await mux.close()
+        link.close()
         srv.close()
 
 
 @pytest.mark.asyncio
-async def test_the_guest_serves_links_from_a_listener_one_after_another(sock_dir: Path) -> None:
+async def test_the_guest_serves_links_from_a_listener_one_after_another(
+    sock_dir: Path, guest: Path | None
+) -> None:
     """Under Firecracker the guest listens (vsock) and the host connects, again after an
     edge restart or a restore; here the listener is a unix socket."""
     srv = _echo_server(sock_dir / "aether.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock_dir / "guest.sock"))
     listener.listen(1)
-    guest = threading.Thread(
-        target=vmport.serve_listener,
-        args=(listener, str(sock_dir / "aether.sock")),
-        daemon=True,
-    )
-    guest.start()
+    fd, target = listener.fileno(), str(sock_dir / "aether.sock")
+    if guest is not None:
+        argv = [str(guest), "--listen-fd", str(fd), "--target", target]
+        proc: subprocess.Popen[bytes] | threading.Thread = subprocess.Popen(argv, pass_fds=(fd,))
+    else:
+        proc = threading.Thread(target=vmport.serve_listener, args=(listener, target), daemon=True)
+        proc.start()
     try:
         for attempt in (b"first", b"second"):  # the second mux is a restarted edge
             link = SerialLink(sock_dir / "guest.sock")
@@ -208,8 +239,15 @@ async def test_the_guest_serves_links_from_a_listener_one_after_another(sock_dir
         listener.shutdown(socket.SHUT_RDWR)
         listener.close()
         srv.close()
-    guest.join(5)
-    assert not guest.is_alive()  # returns once its listener is closed
+    if isinstance(proc, threading.Thread):
+        proc.join(5)
+        assert not proc.is_alive()  # returns once its listener is closed
+    else:
+        try:
+            assert proc.wait(5) == 0  # returns once its listener is closed
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_vsock_is_recognised_by_its_virtio_driver(tmp_path: Path) -> None:
@@ -245,3 +283,58 @@ def test_guest_waits_for_the_hosts_sigio_not_a_poll_interval() -> None:
     idle, woken = map(float, out.stdout.split())
     assert idle >= 0.4, idle  # nothing happened: the whole timeout
     assert woken < 0.2, woken  # the signal ended it at once
+
+
+def _read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
+    buf = bytearray()
+    while not (frames := vmport.parse(buf)):
+        data = sock.recv(65536)
+        assert data, "the guest closed the link"
+        buf += data
+    assert len(frames) == 1, frames
+    return frames[0]
+
+
+def test_c_guest_applies_the_hello_identity_and_takes_the_window(
+    c_guest: Path, tmp_path: Path
+) -> None:
+    """HELLO's JSON (escapes, nested values it does not know) sets the hostname files and
+    machine id, READY takes the window (at most ``vmport.WINDOW``); a HELLO that is not
+    JSON, or a window under a chunk, is answered READY without flow control. In a UTS
+    namespace of its own: it sets the hostname."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a UTS namespace of the guest's own")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "hosts").write_bytes(b"127.0.0.1\tlocalhost\r\n127.0.1.1\told-name\n\n::1\tip6\n")
+    host, guest = socket.socketpair()
+    fd = guest.fileno()
+    argv = ["unshare", "--uts", str(c_guest), "--link-fd", str(fd), "--etc", str(etc),
+            "--target", str(tmp_path / "none.sock")]  # fmt: skip
+    proc = subprocess.Popen(argv, pass_fds=(fd,))
+    guest.close()
+    try:
+        hello = json.dumps({
+            "extra": {"a": [1, "}", {"b": None}], "c": True},
+            "hostname": "sbx-\u00e9t\u00e9",
+            "machine_id": 'ab\\c"d/e',
+            "seed": "00ff" * 16,
+            "time": time.time(),
+            "window": 1 << 30,
+        }, ensure_ascii=True).encode()  # fmt: skip
+        host.sendall(vmport.frame(vmport.HELLO, 0, hello))
+        assert _read_frame(host) == (vmport.READY, 0, b'{"window": %d}' % vmport.WINDOW)
+        assert (etc / "hostname").read_text() == "sbx-\u00e9t\u00e9\n"
+        assert (etc / "machine-id").read_text() == 'ab\\c"d/e\n'
+        hosts = (etc / "hosts").read_text()
+        assert hosts == "127.0.0.1\tlocalhost\n\n::1\tip6\n127.0.1.1\tsbx-\u00e9t\u00e9\n"
+        for bad in (b"{nope", b'{"window": 4096}', b'{"window": 262144.0}', b"[]"):
+            host.sendall(vmport.frame(vmport.HELLO, 0, bad))
+            assert _read_frame(host) == (vmport.READY, 0, b""), bad
+        host.sendall(b"\x09" + b"\x00" * 8)  # not a frame type: the guest gives up the link
+        assert proc.wait(10) == 1
+    finally:
+        host.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

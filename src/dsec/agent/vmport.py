@@ -23,11 +23,15 @@ channel and never blocks the link on one channel, so one stream nobody reads (a 
 upload aether does not take yet, a download the caller does not read) holds up only
 itself. Without the offer (an older peer) DATA is written through as it arrives.
 
-This module also runs in the guest (``main``): one process, a reader thread per channel,
-standard library only. virtio-serial reads return EOF while no host end is connected
-(before the edge connects, after it restarts, across a snapshot restore), so the guest
-keeps retrying: it waits for the SIGIO the virtio console driver sends when the host end
-connects, not for a poll interval.
+The guest end of a microVM is the C port of this module (``guest/vmport.c`` of
+``dsec.edge.backends.microvm``, linked into vminit): under TCG a restored or forked guest
+translates again every code path it runs, the interpreter's too. ``main`` here is the
+guest end of the full VM backend (a systemd unit in its image): one process, a reader
+thread per channel, standard library only. tests/unit/test_microvm_mux.py runs both guest
+ends against the same host end. virtio-serial reads return EOF while no host end is
+connected (before the edge connects, after it restarts, across a snapshot restore), so
+the guest keeps retrying: it waits for the SIGIO the virtio console driver sends when the
+host end connects, not for a poll interval.
 """
 
 from __future__ import annotations

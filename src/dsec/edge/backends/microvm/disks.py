@@ -4,7 +4,8 @@ Shared (built once, then used by every VM, never written):
 
 * ``<layer dir>.erofs``: one erofs image per unpacked image layer, next to the layer;
 * ``<data>/vm/bundle-<stamp>.erofs``: the agent bundle;
-* ``<data>/vm/initramfs-<hash>.cpio``: just ``/init`` (``guest/vminit.c``, static);
+* ``<data>/vm/initramfs-<hash>.cpio``: just ``/init`` (``guest/vminit.c`` and
+  ``guest/vmport.c``, static);
 * ``<data>/vm/scratch-base.ext4``: an empty sparse ext4 the writable layers start from.
 
 Per VM: ``scratch.qcow2`` (a copy-on-write overlay on the empty base: ~20 ms to make,
@@ -76,9 +77,10 @@ def bundle_image(bundle: Path, vm_dir: Path) -> Path:
 
 
 def initramfs(vm_dir: Path) -> Path:
-    """The initramfs holding only ``/init`` (vminit, compiled statically)."""
-    src = GUEST_DIR / "vminit.c"
-    key = hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+    """The initramfs holding only ``/init`` (vminit with the channel multiplexer vmport
+    linked in, compiled statically)."""
+    srcs = [GUEST_DIR / "vminit.c", GUEST_DIR / "vmport.c"]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in srcs)).hexdigest()[:16]
     dest = vm_dir / f"initramfs-{key}.cpio"
     if dest.exists():
         return dest
@@ -87,7 +89,7 @@ def initramfs(vm_dir: Path) -> Path:
             return dest
         with tempfile.TemporaryDirectory(dir=vm_dir) as tmp:
             binary = Path(tmp) / "init"
-            _run(["gcc", "-static", "-O2", "-s", "-o", str(binary), str(src)])
+            _run(["gcc", "-static", "-O2", "-s", "-o", str(binary), *map(str, srcs)])
             dirs = [(d, 0o040755, b"") for d in ("dev", "proc", "sys", "mnt", "newroot")]
             data = newc_archive([*dirs, ("init", 0o100755, binary.read_bytes())])
             part = Path(tmp) / "out.cpio"

@@ -14,7 +14,7 @@
  * It mounts the root (overlay), the API filesystems inside it, moves it onto / and
  * chroots, sets the hostname (/etc/hostname, /etc/hosts and /etc/machine-id on a tmpfs,
  * bind-mounted: see ident_file), binds the agent socket (/.dsec/run/aether.sock, passed as
- * fd 3), starts the channel multiplexer (dsec.agent.vmport, restarted when it exits) and
+ * fd 3), starts the channel multiplexer (vmport.c, linked in; restarted when it exits) and
  * finally execs the bundle's init, which runs aether and reaps orphans as PID 1.
  */
 #define _GNU_SOURCE
@@ -161,7 +161,7 @@ static void write_file(const char *path, const char *text) {
 
 /* /etc/<name> with ``text``, kept on a tmpfs (/.dsec/run/ident/<name>, bind-mounted over
  * it, as container engines do for /etc/hostname and /etc/hosts). A fork child rewrites
- * these right after its restore (dsec.agent.vmport.apply_identity): on tmpfs that is a
+ * these right after its restore (vmport.c, apply_identity): on tmpfs that is a
  * page-cache copy, on the overlay's ext4 it was a truncate, journal updates and block
  * allocation, all kernel code a restored QEMU translates again (~3,700 TCG blocks, ~12%
  * of a child's work until its first exec). Where the bind fails, a plain file. */
@@ -193,7 +193,10 @@ static int agent_socket(void) {
     return s;
 }
 
-/* Run the multiplexer forever (it exits when the port goes away; start it again). */
+int vmport_main(void); /* vmport.c */
+
+/* Run the channel multiplexer forever (linked in: no file to exec inside the new root;
+ * it exits only on failure: start it again). */
 static void start_mux(void) {
     if (fork() != 0)
         return;
@@ -201,16 +204,8 @@ static void start_mux(void) {
     close(3);
     for (;;) {
         pid_t pid = fork();
-        if (pid == 0) {
-            char *argv[] = {"/.dsec/lib/ld.so", "--library-path", "/.dsec/lib",
-                            "/.dsec/python/bin/python3", "-s", "-S", "-P", "-c",
-                            "from dsec.agent.vmport import main; main()", NULL};
-            setenv("PYTHONHOME", "/.dsec/python", 1);
-            setenv("PYTHONPATH", "/.dsec/site", 1);
-            setenv("PYTHONDONTWRITEBYTECODE", "1", 1);
-            execve(argv[0], argv, environ);
-            _exit(127);
-        }
+        if (pid == 0)
+            _exit(vmport_main());
         int st;
         if (pid > 0)
             waitpid(pid, &st, 0);
