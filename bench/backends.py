@@ -109,8 +109,13 @@ def _function_pool_pids(edge_pid: int) -> list[int]:
 def idle_memory(plat: RunningPlatform, backend: str, n: int, memory_mb: int) -> dict[str, Any]:
     with Client() as client:
         sbxs = [
+            # a full VM's systemd boot at a quarter core took ~190 s: it gets a whole one
             Sandbox.create(
-                backend=backend, memory_mb=memory_mb, cpu=0.25, timeout=600, client=client
+                backend=backend,
+                memory_mb=memory_mb,
+                cpu=1.0 if backend == "vm" else 0.25,
+                timeout=1800,
+                client=client,
             )
             for _ in range(n)
         ]
@@ -181,6 +186,7 @@ def table(res: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller samples (smoke run)")
+    ap.add_argument("--out", default="", help="results file name under bench/results/")
     ap.add_argument(
         "--backends", default="", help="comma-separated backends to measure (default: all)"
     )
@@ -221,7 +227,7 @@ def main() -> None:
     res["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     results = Path(__file__).with_name("results")
     results.mkdir(exist_ok=True)
-    path = results / ("backends-quick.json" if args.quick else "backends.json")
+    path = results / (args.out or ("backends-quick.json" if args.quick else "backends.json"))
     path.write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))
     print(
