@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from urllib.parse import urlencode, urlsplit
 
 from dsec.core.errors import DeadlineExceeded, InvalidArgument
-from dsec.sdk.http1 import IDEMPOTENT, MAX_IDLE
+from dsec.sdk.http1 import IDEMPOTENT, MAX_IDLE, endpoint
 from dsec.sdk.wire import CONNECT_TIMEOUT_S, Request, connection_error
 
 MAX_HEAD = 64 * 1024  # bytes of status line and headers
@@ -170,11 +170,7 @@ class AsyncHttp1Pool:
     ) -> None:
         parts = urlsplit(api_url)
         self._url = api_url
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname or ""
-        self._port = parts.port or (443 if self._https else 80)
-        self._prefix = parts.path.rstrip("/")
-        self._tls = tls if isinstance(tls, ssl.SSLContext) else ssl.create_default_context()
+        self._https, self._host, self._port, self._prefix, self._tls = endpoint(parts, tls)
         host = self._host if parts.port is None else f"{self._host}:{parts.port}"
         if ":" in self._host:  # an IPv6 literal
             host = f"[{self._host}]" if parts.port is None else f"[{self._host}]:{parts.port}"

@@ -21,7 +21,7 @@ import ssl
 import threading
 import urllib.request
 from collections.abc import Mapping
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import SplitResult, urlencode, urlsplit
 
 from dsec.core.errors import DeadlineExceeded
 from dsec.sdk.wire import CONNECT_TIMEOUT_S, Request, connection_error
@@ -42,6 +42,16 @@ def usable(api_url: str) -> bool:
     return bool(urllib.request.proxy_bypass(parts.hostname))
 
 
+def endpoint(
+    parts: SplitResult, tls: ssl.SSLContext | bool
+) -> tuple[bool, str, int, str, ssl.SSLContext]:
+    """Whether ``parts`` (an apiserver URL) is https, its host, port, path prefix, TLS context."""
+    https = parts.scheme == "https"
+    port = parts.port or (443 if https else 80)
+    ctx = tls if isinstance(tls, ssl.SSLContext) else ssl.create_default_context()
+    return https, parts.hostname or "", port, parts.path.rstrip("/"), ctx
+
+
 class Http1Pool:
     """Thread-safe pool of keep-alive connections to one apiserver."""
 
@@ -50,11 +60,7 @@ class Http1Pool:
     ) -> None:
         parts = urlsplit(api_url)
         self._url = api_url
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname or ""
-        self._port = parts.port or (443 if self._https else 80)
-        self._prefix = parts.path.rstrip("/")
-        self._tls = tls if isinstance(tls, ssl.SSLContext) else ssl.create_default_context()
+        self._https, self._host, self._port, self._prefix, self._tls = endpoint(parts, tls)
         self._headers = dict(headers)
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
