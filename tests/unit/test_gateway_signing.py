@@ -59,6 +59,10 @@ def test_verify_finds_the_signing_sandbox_and_refuses_the_rest() -> None:
         tokens.verify(_request("GET", "/tmp/u", None, old), None)
     with pytest.raises(Unauthenticated, match="missing"):
         tokens.verify(make_mocked_request("GET", "/files?path=/tmp/u"), None)
+    # a cut or edited URL can leave an escape that decodes to a non-ASCII character
+    bad = make_mocked_request("GET", "/files?path=/tmp/u&signature=v1_%C3%A9%AAA")
+    with pytest.raises(Unauthenticated, match="invalid signature"):
+        tokens.verify(bad, None)
 
 
 def test_tokens_are_bounded_and_bare_keys_are_not_kept() -> None:

@@ -92,7 +92,8 @@ class Tokens:
             sid = sandbox_of(token)
             if sid is None or (sandbox_id is not None and sid != sandbox_id):
                 continue
-            if hmac.compare_digest(signature(path, op, user, token, expiration), sig):
+            expected = signature(path, op, user, token, expiration).encode()
+            if hmac.compare_digest(expected, sig.encode("utf-8", "surrogatepass")):
                 if expiration is not None and expiration < time.time():
                     raise Unauthenticated("signature is already expired")
                 self.add(token)
