@@ -12,7 +12,7 @@ Starts the real platform in a temp home and measures, in the same run and throug
   more (``min_memory_mb``, ``min_vcpus``; vm: 256 MiB and a whole core).
 
 A backend that advertises slow creates (``create_seconds``: a full VM boots systemd under
-TCG, ~50 s idle) gets as many create -> first exec and idle samples as fit in
+TCG, ~40 s idle) gets as many create -> first exec and idle samples as fit in
 ``CREATE_BUDGET_S`` each (vm: 5); the table gives each row's n.
 
     .venv/bin/python -m bench.backends [--quick] [--backends function,container]
@@ -41,7 +41,7 @@ from dsec.testing.platform import RunningPlatform, running_platform
 MEMORY_MB = 256
 IDLE_MEMORY_MB = 64
 IDLE_CPU = 0.25
-CREATE_BUDGET_S = 250.0  # creates per measurement of a backend with slow ones (vm: 5)
+CREATE_BUDGET_S = 200.0  # creates per measurement of a backend with slow ones (vm: 5)
 
 
 def create_to_first_exec(backend: str, n: int) -> list[float]:

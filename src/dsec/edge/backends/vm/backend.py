@@ -57,9 +57,9 @@ VM_BOOT_TIMEOUT_S = 480.0  # systemd under TCG: ~10 s idle, minutes on a 2-core 
 # waiting (the guest rereads its disk), against ~40 s in 256 MiB.
 MIN_MEMORY_MB = 256
 # Advertised hints (Capabilities): systemd's boot at a quarter core took ~190 s under TCG,
-# with a whole one ~50 s (create -> first exec, idle 2-core host, bench.backends).
+# with a whole one ~40 s (create -> first exec p50 39.9 s, idle 2-core host, bench.backends).
 MIN_VCPUS = 1.0
-CREATE_SECONDS = 50.0
+CREATE_SECONDS = 40.0
 CMDLINE_MAX = 2000  # x86 COMMAND_LINE_SIZE is 2048; the driver adds console/tsc arguments
 _UNQUOTABLE = ('"', "\n", "\\")
 
