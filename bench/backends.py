@@ -8,11 +8,12 @@ Starts the real platform in a temp home and measures, in the same run and throug
   and with four callers in parallel;
 * host memory (PSS) per idle instance: containers count their own processes; function
   sandboxes have none, so the pool and its warm workers are divided among them. Idle
-  instances get 64 MiB, or the backend's advertised minimum if larger (vm: 256 MiB).
+  instances get 64 MiB and a quarter core, or what the backend advertises it needs if
+  more (``min_memory_mb``, ``min_vcpus``; vm: 256 MiB and a whole core).
 
-A full VM boots systemd under TCG (~40 s idle), so the vm row creates at most
-``FULL_VM_SAMPLES`` sandboxes for create -> first exec and for idle memory; the table
-gives each row's n.
+A backend that advertises slow creates (``create_seconds``: a full VM boots systemd under
+TCG, ~40 s idle) gets as many create -> first exec and idle samples as fit in
+``CREATE_BUDGET_S`` each (vm: 5); the table gives each row's n.
 
     .venv/bin/python -m bench.backends [--quick] [--backends function,container]
 
@@ -39,7 +40,8 @@ from dsec.testing.platform import RunningPlatform, running_platform
 
 MEMORY_MB = 256
 IDLE_MEMORY_MB = 64
-FULL_VM_SAMPLES = 5
+IDLE_CPU = 0.25
+CREATE_BUDGET_S = 200.0  # creates per measurement of a backend with slow ones (vm: 5)
 
 
 def create_to_first_exec(backend: str, n: int) -> list[float]:
@@ -106,14 +108,21 @@ def _function_pool_pids(edge_pid: int) -> list[int]:
     return [p for pool in pools for p in (pool, *_children(pool))]
 
 
-def idle_memory(plat: RunningPlatform, backend: str, n: int, memory_mb: int) -> dict[str, Any]:
+def samples(n: int, caps: dict[str, Any]) -> int:
+    """``n``, or fewer for a backend whose advertised create cost makes n too slow."""
+    cost = caps.get("create_seconds") or 0
+    return n if cost <= 0 else max(1, min(n, int(CREATE_BUDGET_S // cost)))
+
+
+def idle_memory(
+    plat: RunningPlatform, backend: str, n: int, memory_mb: int, cpu: float
+) -> dict[str, Any]:
     with Client() as client:
         sbxs = [
-            # a full VM's systemd boot at a quarter core took ~190 s: it gets a whole one
             Sandbox.create(
                 backend=backend,
                 memory_mb=memory_mb,
-                cpu=1.0 if backend == "vm" else 0.25,
+                cpu=cpu,
                 timeout=1800,
                 client=client,
             )
@@ -146,16 +155,26 @@ def idle_memory(plat: RunningPlatform, backend: str, n: int, memory_mb: int) -> 
 
 
 def measure(
-    plat: RunningPlatform, name: str, n_create: int, n_calls: int, n_idle: int, idle_mb: int
+    plat: RunningPlatform,
+    name: str,
+    n_create: int,
+    n_calls: int,
+    n_idle: int,
+    caps: dict[str, Any],
 ) -> dict[str, Any]:
+    """One backend's row; sizes from what it advertises (``caps``)."""
+    # idle instances get the least the backend starts well with (64 MiB, 1/4 core or more)
+    idle_mb = max(IDLE_MEMORY_MB, caps.get("min_memory_mb") or 0)
+    idle_cpu = max(IDLE_CPU, caps.get("min_vcpus") or 0)
     out: dict[str, Any] = {}
     out["round_trip"] = round_trip(name, n_calls, callers=1)
     settle(2)
     out["parallel"] = round_trip(name, n_calls, callers=4)
     settle(2)
-    out["create_to_first_exec"] = summary(create_to_first_exec(name, n_create))
+    out["create_to_first_exec"] = summary(create_to_first_exec(name, samples(n_create, caps)))
     settle(2)
-    out["idle"] = {**idle_memory(plat, name, n_idle, idle_mb), "memory_mb": idle_mb}
+    idle = idle_memory(plat, name, samples(n_idle, caps), idle_mb, idle_cpu)
+    out["idle"] = {**idle, "memory_mb": idle_mb, "cpu": idle_cpu}
     return out
 
 
@@ -215,12 +234,8 @@ def main() -> None:
                 res["backends"][name] = {"skipped": b["reason"]}
                 continue
             try:
-                # idle instances get the least memory the backend boots with (64 MiB or more)
-                idle_mb = max(IDLE_MEMORY_MB, b["capabilities"].get("min_memory_mb") or 0)
-                # a full VM boots systemd under TCG (~40 s): fewer creates and idle VMs
-                few = min(n_create, FULL_VM_SAMPLES) if name == "vm" else n_create
-                idle = min(n_idle, FULL_VM_SAMPLES) if name == "vm" else n_idle
-                res["backends"][name] = measure(plat, name, few, n_calls, idle, idle_mb)
+                caps = b["capabilities"]
+                res["backends"][name] = measure(plat, name, n_create, n_calls, n_idle, caps)
             except DsecError as exc:  # one backend failing must not hide the others
                 res["backends"][name] = {"failed": f"{type(exc).__name__}: {exc}"}
             settle(3)

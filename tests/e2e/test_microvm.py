@@ -23,8 +23,8 @@ def _skip_reason() -> str | None:
         return qemu.available()
     if kernel.current_kernel(data) is None:
         return "no guest kernel: run `dsec setup`"
-    if not (data / "agent" / "site" / "dsec" / "agent" / "vmport.py").exists():
-        return "the installed agent bundle predates the microVM channel: run `dsec setup`"
+    if not (data / "agent" / ".stamp").exists():
+        return "no agent bundle: run `dsec setup`"
     return None
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from dsec.agent import vmport
+from dsec.edge.backends.microvm import frames
 from tests.fakes.swagger import Spec
 
 PRE_BOOT = ("/machine-config", "/boot-source", "/drives/", "/network-interfaces/", "/vsock",
@@ -145,7 +145,7 @@ class FakeFirecracker:
             writer.close()
             return
         writer.write(b"OK 1073741824\n")
-        if int(line[8:]) == vmport.VSOCK_PORT:
+        if int(line[8:]) == frames.VSOCK_PORT:
             await self.guest_mux(reader, writer)
         else:
             while data := await reader.read(4096):
@@ -158,16 +158,16 @@ class FakeFirecracker:
         buf = bytearray()
         while data := await reader.read(4096):
             buf += data
-            for kind, chan, payload in vmport.parse(buf):
-                if kind == vmport.HELLO:
+            for kind, chan, payload in frames.parse(buf):
+                if kind == frames.HELLO:
                     with self.record.open("a") as f:
                         f.write(json.dumps({"hello": json.loads(payload or b"{}"),
                                             "pid": os.getpid()}) + "\n")  # fmt: skip
-                    writer.write(vmport.frame(vmport.READY, 0))
-                elif kind == vmport.DATA:
-                    writer.write(vmport.frame(vmport.DATA, chan, payload))
-                elif kind == vmport.CLOSE:
-                    writer.write(vmport.frame(vmport.CLOSE, chan))
+                    writer.write(frames.frame(frames.READY, 0))
+                elif kind == frames.DATA:
+                    writer.write(frames.frame(frames.DATA, chan, payload))
+                elif kind == frames.CLOSE:
+                    writer.write(frames.frame(frames.CLOSE, chan))
             await writer.drain()
 
 

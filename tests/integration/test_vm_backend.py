@@ -87,6 +87,9 @@ async def test_full_vm_lifecycle(env: Env) -> None:
             failed = await _sh(sock, "systemctl --failed --no-legend --plain || true")
             pytest.fail(f"system is {res.stdout.decode().strip()!r}; failed units: {failed}")
         assert (await _sh(sock, "systemctl is-active dsec-aether.service")).strip() == "active"
+        # This call came through the C multiplexer (guest/vmport.c), a program of its own.
+        mux = "readlink /proc/$(systemctl show -P MainPID dsec-vmport.service)/exe"
+        assert (await _sh(sock, mux)).strip() == "/usr/local/sbin/dsec-vmport"
         assert (await _sh(sock, "hostname")).strip() == sid
         assert (await _sh(sock, 'echo "$GREETING/$DSEC_SANDBOX_ID"')).strip() == f"hello vm/{sid}"
         assert (await _sh(sock, "modprobe dummy && grep -c ^dummy /proc/modules")).strip() == "1"
@@ -138,6 +141,9 @@ async def test_bad_requests_leave_nothing(env: Env) -> None:
     with pytest.raises(InvalidArgument, match="memory_mb >= 256"):
         await be.create(sid, SandboxSpec(backend="vm", memory_mb=64), paths)
     assert be.capabilities().min_memory_mb == 256
+    # and the sizing hints callers (bench.backends) read instead of the backend's name
+    assert be.capabilities().min_vcpus == 1.0
+    assert be.capabilities().create_seconds > 0
     assert not paths.state_dir.exists()
     assert _qemu_pids_under(be.sandboxes_dir) == []
     assert cgroups.list_children(cgroups.detect(), env.cgroup_parent) == []

@@ -110,8 +110,10 @@ def test_imports_a_partitioned_qcow2(tmp_path: Path) -> None:
                             str(part)], capture_output=True).stdout.decode()  # fmt: skip
     assert "dsec-vmport.service" in links
     assert "dsec-aether.service" in links
-    assert "dsec-net" in subprocess.run(["debugfs", "-R", "ls /usr/local/sbin", str(part)],
-                                        capture_output=True).stdout.decode()  # fmt: skip
+    sbin = subprocess.run(["debugfs", "-R", "ls /usr/local/sbin", str(part)],
+                          capture_output=True).stdout.decode()  # fmt: skip
+    assert "dsec-net" in sbin
+    assert "dsec-vmport" in sbin  # the channel multiplexer (guest/vmport.c), static
     meta = json.loads((img.dir(data) / "meta.json").read_text())
     assert meta["root"] == "/dev/vda2"
     _assert_clean(tmp_path, data)

@@ -41,6 +41,7 @@ REMOVED = (
     "/etc/systemd/system/dsec-vmport.service",
     "/etc/systemd/system/dsec-net.service",
     "/usr/local/sbin/dsec-net",
+    "/usr/local/sbin/dsec-vmport",
 )
 
 

@@ -27,8 +27,8 @@ def _skip() -> str | None:
     why = microvm_skip_reason()
     if why:
         return why
-    agent = Paths.from_env().data / "agent" / "site" / "dsec" / "agent" / "vmport.py"
-    return None if agent.exists() else "the installed agent bundle predates microVMs: dsec setup"
+    stamp = Paths.from_env().agent_bundle / ".stamp"
+    return None if stamp.exists() else "no agent bundle: run `dsec setup`"
 
 
 class Edge:

@@ -1,8 +1,7 @@
 """A host mux and a real guest mux without a VM: each link a socketpair, the guest's
-"aether" a unix server. The guest end is the C multiplexer microVMs run (``guest/vmport.c``
-built as a program, :func:`build_c_guest`) or the Python one the full VM runs
-(``dsec.agent.vmport``, in a thread). Shared by tests/unit/test_microvm_mux.py and
-bench/mux_flow.py."""
+"aether" a unix server. The guest end is the C multiplexer every VM runs
+(``guest/vmport.c``, built as the program the full VM's image runs, :func:`build_c_guest`).
+Shared by tests/unit/test_microvm_mux.py and bench/mux_flow.py."""
 
 from __future__ import annotations
 
@@ -13,28 +12,22 @@ import subprocess
 import threading
 from pathlib import Path
 
-from dsec.agent import vmport
-from dsec.edge.backends.microvm.disks import GUEST_DIR
+from dsec.edge.backends.microvm.disks import build_vmport
 from dsec.edge.backends.microvm.mux import Stream
 
 
 def build_c_guest(dest_dir: Path) -> Path:
-    """``guest/vmport.c`` as a program serving an inherited link fd (``--link-fd``) or
-    listening socket (``--listen-fd``): the code vminit runs in every microVM."""
-    binary = dest_dir / "vmport"
-    subprocess.run(
-        ["gcc", "-O2", "-Wall", "-Werror", "-DVMPORT_CLI", "-o", str(binary),
-         str(GUEST_DIR / "vmport.c")],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return binary
+    """``guest/vmport.c`` as the program the full VM runs, which also serves an inherited
+    link fd (``--link-fd``) or listening socket (``--listen-fd``): the code vminit runs in
+    every microVM. Warnings fail the build here."""
+    return build_vmport(dest_dir / "vmport", "-Werror")
 
 
 class PairLink:
     """A GuestLink whose every open() is a new socketpair with a guest mux on the far end:
-    the C program ``c_guest`` in a process, or without it the Python one in a thread."""
+    the C program ``c_guest`` in a process of its own."""
 
-    def __init__(self, target: Path, c_guest: Path | None = None) -> None:
+    def __init__(self, target: Path, c_guest: Path) -> None:
         self.target = target
         self.c_guest = c_guest
         self.guest_socks: list[socket.socket] = []
@@ -52,18 +45,9 @@ class PairLink:
     async def open(self) -> Stream:
         host, guest = socket.socketpair()
         self.guest_socks.append(guest)
-        if self.c_guest is not None:
-            fd = guest.fileno()
-            argv = [str(self.c_guest), "--link-fd", str(fd), "--target", str(self.target)]
-            self.procs.append(subprocess.Popen(argv, pass_fds=(fd,)))
-            return await asyncio.open_connection(sock=host)
-        mux = vmport.GuestMux(guest.fileno(), str(self.target))
-
-        def serve() -> None:
-            with contextlib.suppress(OSError):  # the test closed the socket under it
-                mux.run(retry_eof=False)
-
-        threading.Thread(target=serve, daemon=True).start()
+        fd = guest.fileno()
+        argv = [str(self.c_guest), "--link-fd", str(fd), "--target", str(self.target)]
+        self.procs.append(subprocess.Popen(argv, pass_fds=(fd,)))
         return await asyncio.open_connection(sock=host)
 
 

@@ -6,11 +6,13 @@ from typing import Any
 
 import pytest
 
+from dsec.apiserver.backends import backend_json
 from dsec.cli.backends import backend_rows
 from dsec.core.errors import InvalidArgument
 from dsec.edge import backend_report
 from dsec.edge.backends.api import Availability, Capabilities, capabilities_of
 from dsec.gateway.control import choose_backend
+from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.testing.fake_backend import FakeBackend
 
 
@@ -63,6 +65,29 @@ def test_report_lists_every_known_backend() -> None:
     assert msg.backends[1].capabilities.persistent_processes
 
 
+def test_sizing_hints_reach_the_http_api() -> None:
+    """min_memory_mb, min_vcpus and create_seconds: edge report -> gRPC -> GET /v1/backends."""
+    caps = Capabilities(min_memory_mb=256, min_vcpus=1.0, create_seconds=50.0)
+    report = backend_report.BackendReport("vm", Availability(True, ""), caps)
+    info = backend_report.to_pb("e1", [report]).backends[0]
+    got = backend_json(pb.BackendInfo.FromString(info.SerializeToString()))["capabilities"]
+    assert (got["min_memory_mb"], got["min_vcpus"], got["create_seconds"]) == (256, 1.0, 50.0)
+    assert set(got) == set(Capabilities.__dataclass_fields__)  # every capability, no more
+    cheap = backend_report.BackendReport("container", Availability(True, ""), Capabilities())
+    plain = backend_json(backend_report.to_pb("e1", [cheap]).backends[0])["capabilities"]
+    assert (plain["min_vcpus"], plain["create_seconds"]) == (0, 0)  # no hint
+
+
+def test_bench_sizes_a_backend_by_its_advertised_create_cost() -> None:
+    from bench.backends import samples
+
+    assert samples(20, {}) == 20  # no hint: a create is cheap
+    assert samples(20, {"create_seconds": 0.0}) == 20
+    assert samples(20, {"create_seconds": 40.0}) == 5  # a full VM: what fits the budget
+    assert samples(3, {"create_seconds": 40.0}) == 3
+    assert samples(20, {"create_seconds": 10_000.0}) == 1  # at least one
+
+
 def test_cli_table_rows() -> None:
     edges: list[dict[str, Any]] = [
         {
@@ -78,16 +103,20 @@ def test_cli_table_rows() -> None:
                     "name": "vm",
                     "available": False,
                     "reason": "no kvm",
-                    "capabilities": {"min_memory_mb": 128},
+                    "capabilities": {
+                        "min_memory_mb": 128,
+                        "min_vcpus": 1.0,
+                        "create_seconds": 50.0,
+                    },
                 },
             ],
         },
         {"edge_id": "e2", "error": "down", "backends": []},
     ]
     rows = backend_rows(edges)
-    assert rows[0] == ["e1", "container", "yes", "pause,pty", "2", "host", "cgroup v2"]
+    assert rows[0] == ["e1", "container", "yes", "pause,pty", "2", "host", "-", "cgroup v2"]
     assert rows[1][:3] == ["e1", "vm", "no"]
-    assert rows[1][5] == "128-host"
+    assert rows[1][4:7] == ["1-host", "128-host", "~50 s"]
     assert rows[1][-1] == "no kvm"
     assert rows[2][0] == "e2"
     assert rows[2][-1] == "down"

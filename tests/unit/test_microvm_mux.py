@@ -1,7 +1,7 @@
-"""The microVM agent-channel multiplexer, host and guest ends, over socketpairs (no VM).
+"""The VM agent-channel multiplexer, host and guest ends, over socketpairs (no VM).
 
-The guest end is tested in both implementations: the C one every microVM runs
-(``guest/vmport.c``, linked into vminit) and the Python one the full VM's image runs."""
+The guest end is ``guest/vmport.c``, which every microVM runs (linked into vminit) and the
+full VM's image runs as a program: here that program, built as the image builds it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.agent import vmport
+from dsec.edge.backends.microvm import frames
 from dsec.edge.backends.microvm.mux import HostMux, SerialLink
 from tests.unit.muxkit import PairLink, build_c_guest
 from tests.unit.muxkit import sink_and_flood_server as _sink_and_flood_server
@@ -39,12 +38,6 @@ def c_guest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("gcc") is None:
         pytest.skip("gcc is not installed (scripts/install installs it)")
     return build_c_guest(tmp_path_factory.mktemp("vmport"))
-
-
-@pytest.fixture(params=["c", "python"])
-def guest(request: pytest.FixtureRequest) -> Path | None:
-    """The guest end under test: the C program's path, or None for the Python one."""
-    return request.getfixturevalue("c_guest") if request.param == "c" else None
 
 
 def _echo_server(path: Path) -> socket.socket:
@@ -80,25 +73,25 @@ async def _roundtrip(path: Path, payload: bytes) -> bytes:
 
 
 def test_frames_parse_across_chunks() -> None:
-    wire = vmport.frame(vmport.OPEN, 7) + vmport.frame(vmport.DATA, 7, b"hello")
+    wire = frames.frame(frames.OPEN, 7) + frames.frame(frames.DATA, 7, b"hello")
     buf = bytearray(wire[:5])
-    assert vmport.parse(buf) == []
+    assert frames.parse(buf) == []
     buf += wire[5:]
-    assert vmport.parse(buf) == [(vmport.OPEN, 7, b""), (vmport.DATA, 7, b"hello")]
+    assert frames.parse(buf) == [(frames.OPEN, 7, b""), (frames.DATA, 7, b"hello")]
     assert buf == b""
 
 
 def test_bad_frame_is_refused() -> None:
-    with pytest.raises(vmport.MuxError):
-        vmport.parse(bytearray(b"\x09" + b"\x00" * 8))
-    with pytest.raises(vmport.MuxError):
-        vmport.parse(bytearray(vmport.HEADER.pack(vmport.DATA, 1, vmport.MAX_PAYLOAD + 1)))
+    with pytest.raises(frames.MuxError):
+        frames.parse(bytearray(b"\x09" + b"\x00" * 8))
+    with pytest.raises(frames.MuxError):
+        frames.parse(bytearray(frames.HEADER.pack(frames.DATA, 1, frames.MAX_PAYLOAD + 1)))
 
 
 @pytest.mark.asyncio
-async def test_many_concurrent_channels(sock_dir: Path, guest: Path | None) -> None:
+async def test_many_concurrent_channels(sock_dir: Path, c_guest: Path) -> None:
     srv = _echo_server(sock_dir / "aether.sock")
-    link = PairLink(sock_dir / "aether.sock", guest)
+    link = PairLink(sock_dir / "aether.sock", c_guest)
     mux = HostMux(sock_dir / "agent.sock", link)
     await mux.start()
     try:
@@ -115,9 +108,9 @@ async def test_many_concurrent_channels(sock_dir: Path, guest: Path | None) -> N
 
 @pytest.mark.asyncio
 async def test_guest_close_ends_the_call_and_unknown_target_closes(
-    sock_dir: Path, guest: Path | None
+    sock_dir: Path, c_guest: Path
 ) -> None:
-    link = PairLink(sock_dir / "nothing-listens.sock", guest)
+    link = PairLink(sock_dir / "nothing-listens.sock", c_guest)
     mux = HostMux(sock_dir / "agent.sock", link)
     await mux.start()
     try:
@@ -131,9 +124,9 @@ async def test_guest_close_ends_the_call_and_unknown_target_closes(
 
 
 @pytest.mark.asyncio
-async def test_link_reconnects_after_loss(sock_dir: Path, guest: Path | None) -> None:
+async def test_link_reconnects_after_loss(sock_dir: Path, c_guest: Path) -> None:
     srv = _echo_server(sock_dir / "aether.sock")
-    link = PairLink(sock_dir / "aether.sock", guest)
+    link = PairLink(sock_dir / "aether.sock", c_guest)
     mux = HostMux(sock_dir / "agent.sock", link)
     await mux.start()
     try:
@@ -161,13 +154,13 @@ async def _until(cond: Callable[[], bool]) -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("slow", ["guest reader", "host reader"])
 async def test_one_slow_stream_does_not_stall_the_others(
-    sock_dir: Path, slow: str, guest: Path | None
+    sock_dir: Path, slow: str, c_guest: Path
 ) -> None:
     """Per-channel flow control: a channel whose receiver stops reading (aether not taking
     a big upload, or an edge caller not reading a big download) fills only its own
     window; calls on other channels go on."""
     srv = _sink_and_flood_server(sock_dir / "aether.sock")
-    link = PairLink(sock_dir / "aether.sock", guest)
+    link = PairLink(sock_dir / "aether.sock", c_guest)
     mux = HostMux(sock_dir / "agent.sock", link)
     await mux.start()
     stuck_w: asyncio.StreamWriter | None = None
@@ -210,7 +203,7 @@ async def test_one_slow_stream_does_not_stall_the_others(
 
 @pytest.mark.asyncio
 async def test_the_guest_serves_links_from_a_listener_one_after_another(
-    sock_dir: Path, guest: Path | None
+    sock_dir: Path, c_guest: Path
 ) -> None:
     """Under Firecracker the guest listens (vsock) and the host connects, again after an
     edge restart or a restore; here the listener is a unix socket."""
@@ -219,12 +212,8 @@ async def test_the_guest_serves_links_from_a_listener_one_after_another(
     listener.bind(str(sock_dir / "guest.sock"))
     listener.listen(1)
     fd, target = listener.fileno(), str(sock_dir / "aether.sock")
-    if guest is not None:
-        argv = [str(guest), "--listen-fd", str(fd), "--target", target]
-        proc: subprocess.Popen[bytes] | threading.Thread = subprocess.Popen(argv, pass_fds=(fd,))
-    else:
-        proc = threading.Thread(target=vmport.serve_listener, args=(listener, target), daemon=True)
-        proc.start()
+    argv = [str(c_guest), "--listen-fd", str(fd), "--target", target]
+    proc = subprocess.Popen(argv, pass_fds=(fd,))
     try:
         for attempt in (b"first", b"second"):  # the second mux is a restarted edge
             link = SerialLink(sock_dir / "guest.sock")
@@ -239,67 +228,28 @@ async def test_the_guest_serves_links_from_a_listener_one_after_another(
         listener.shutdown(socket.SHUT_RDWR)
         listener.close()
         srv.close()
-    if isinstance(proc, threading.Thread):
-        proc.join(5)
-        assert not proc.is_alive()  # returns once its listener is closed
-    else:
-        try:
-            assert proc.wait(5) == 0  # returns once its listener is closed
-        finally:
-            proc.kill()
-            proc.wait()
-
-
-def test_vsock_is_recognised_by_its_virtio_driver(tmp_path: Path) -> None:
-    assert not vmport.vsock_present(str(tmp_path / "none"))
-    (tmp_path / "bind").touch()
-    assert not vmport.vsock_present(str(tmp_path))
-    (tmp_path / "virtio3").symlink_to(tmp_path)
-    assert vmport.vsock_present(str(tmp_path))
-
-
-_SIGIO_CHECK = """
-import signal, socket, time
-from dsec.agent import vmport
-a, b = socket.socketpair()
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGIO})
-wait = vmport.host_signal(a.fileno())
-assert wait is not None
-t = time.monotonic(); wait(); idle = time.monotonic() - t
-b.send(b"x")
-t = time.monotonic(); wait(); woken = time.monotonic() - t
-print(idle, woken)
-"""
-
-
-def test_guest_waits_for_the_hosts_sigio_not_a_poll_interval() -> None:
-    """``host_signal``: the wait ends when the port's owner gets SIGIO (here: data on a
-    socket, as the virtio console driver sends it on a host (dis)connect), else times out.
-    In a process of its own: SIGIO goes to any thread that does not block it."""
-    out = subprocess.run(
-        [sys.executable, "-c", _SIGIO_CHECK], capture_output=True, text=True, timeout=30
-    )
-    assert out.returncode == 0, out.stderr
-    idle, woken = map(float, out.stdout.split())
-    assert idle >= 0.4, idle  # nothing happened: the whole timeout
-    assert woken < 0.2, woken  # the signal ended it at once
+    try:
+        assert proc.wait(5) == 0  # returns once its listener is closed
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
     buf = bytearray()
-    while not (frames := vmport.parse(buf)):
+    while not (got := frames.parse(buf)):
         data = sock.recv(65536)
         assert data, "the guest closed the link"
         buf += data
-    assert len(frames) == 1, frames
-    return frames[0]
+    assert len(got) == 1, got
+    return got[0]
 
 
 def test_c_guest_applies_the_hello_identity_and_takes_the_window(
     c_guest: Path, tmp_path: Path
 ) -> None:
     """HELLO's JSON (escapes, nested values it does not know) sets the hostname files and
-    machine id, READY takes the window (at most ``vmport.WINDOW``); a HELLO that is not
+    machine id, READY takes the window (at most ``frames.WINDOW``); a HELLO that is not
     JSON, or a window under a chunk, is answered READY without flow control. In a UTS
     namespace of its own: it sets the hostname."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
@@ -322,15 +272,15 @@ def test_c_guest_applies_the_hello_identity_and_takes_the_window(
             "time": time.time(),
             "window": 1 << 30,
         }, ensure_ascii=True).encode()  # fmt: skip
-        host.sendall(vmport.frame(vmport.HELLO, 0, hello))
-        assert _read_frame(host) == (vmport.READY, 0, b'{"window": %d}' % vmport.WINDOW)
+        host.sendall(frames.frame(frames.HELLO, 0, hello))
+        assert _read_frame(host) == (frames.READY, 0, b'{"window": %d}' % frames.WINDOW)
         assert (etc / "hostname").read_text() == "sbx-\u00e9t\u00e9\n"
         assert (etc / "machine-id").read_text() == 'ab\\c"d/e\n'
         hosts = (etc / "hosts").read_text()
         assert hosts == "127.0.0.1\tlocalhost\n\n::1\tip6\n127.0.1.1\tsbx-\u00e9t\u00e9\n"
         for bad in (b"{nope", b'{"window": 4096}', b'{"window": 262144.0}', b"[]"):
-            host.sendall(vmport.frame(vmport.HELLO, 0, bad))
-            assert _read_frame(host) == (vmport.READY, 0, b""), bad
+            host.sendall(frames.frame(frames.HELLO, 0, bad))
+            assert _read_frame(host) == (frames.READY, 0, b""), bad
         host.sendall(b"\x09" + b"\x00" * 8)  # not a frame type: the guest gives up the link
         assert proc.wait(10) == 1
     finally:

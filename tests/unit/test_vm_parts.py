@@ -74,6 +74,23 @@ def test_rootfs_key_follows_the_unit_texts(monkeypatch: pytest.MonkeyPatch) -> N
     assert image.rootfs_key() != before
 
 
+def test_the_channel_unit_runs_the_c_multiplexer() -> None:
+    unit = image.UNITS["dsec-vmport.service"]
+    assert f"ExecStart={image.VMPORT_BIN}\n" in unit
+    assert "python" not in unit
+
+
+def test_a_new_vmport_c_rebuilds_the_disk_not_the_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key, name = image.rootfs_key(), image.build_name("k", "b")
+    changed = tmp_path / "vmport.c"
+    changed.write_bytes(image.VMPORT_C.read_bytes() + b"/* changed */\n")
+    monkeypatch.setattr(image, "VMPORT_C", changed)
+    assert image.build_name("k", "b") != name
+    assert image.rootfs_key() == key
+
+
 def test_current_image_needs_every_file(tmp_path: Path) -> None:
     d = tmp_path / "vm-image" / "k-b"
     d.mkdir(parents=True)

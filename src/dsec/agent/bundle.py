@@ -42,7 +42,6 @@ PYVER = f"{sys.version_info.major}.{sys.version_info.minor}"
 # Modules the agent runs; everything they import (statically) goes into the bundle.
 ENTRY_MODULES = (
     "aether", "chronus", "execop", "fileops", "httpop", "tcpop", "relay", "procs", "shells",
-    "vmport",
 )  # fmt: skip
 HOST_ONLY = frozenset({"bundle.py", "local.py"})
 # Never followed: big and unused (http.client and friends would pull in email, ssl...).

@@ -26,6 +26,8 @@ _CAPS = (
     "max_vcpus",
     "max_memory_mb",
     "min_memory_mb",
+    "min_vcpus",
+    "create_seconds",
     "notes",
 )
 

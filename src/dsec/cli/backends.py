@@ -22,7 +22,7 @@ def backend_rows(edges: list[dict[str, Any]]) -> list[list[str]]:
     rows: list[list[str]] = []
     for edge in edges:
         if edge.get("error"):
-            rows.append([edge["edge_id"], "-", "no", "-", "-", "-", edge["error"]])
+            rows.append([edge["edge_id"], "-", "no", "-", "-", "-", "-", edge["error"]])
             continue
         for b in edge.get("backends", []):
             caps = b.get("capabilities", {})
@@ -30,14 +30,17 @@ def backend_rows(edges: list[dict[str, Any]]) -> list[list[str]]:
             vcpus = caps.get("max_vcpus") or 0
             mem = caps.get("max_memory_mb") or 0
             least = caps.get("min_memory_mb") or 0
+            few = caps.get("min_vcpus") or 0
+            create = caps.get("create_seconds") or 0
             rows.append(
                 [
                     edge["edge_id"],
                     b["name"],
                     "yes" if b["available"] else "no",
                     can,
-                    f"{vcpus:g}" if vcpus else "host",
+                    f"{few:g}-" * bool(few) + (f"{vcpus:g}" if vcpus else "host"),
                     f"{least}-" * bool(least) + (f"{mem}" if mem else "host"),
+                    f"~{create:g} s" if create else "-",
                     b.get("reason", ""),
                 ]
             )
@@ -52,5 +55,5 @@ def backends(as_json: bool) -> None:
     if as_json:
         print_json(edges)
         return
-    header = ["EDGE", "BACKEND", "AVAILABLE", "CAN", "MAX VCPUS", "MEM MB", "NOTE"]
+    header = ["EDGE", "BACKEND", "AVAILABLE", "CAN", "VCPUS", "MEM MB", "CREATE", "NOTE"]
     stdout().print(simple_table(header, backend_rows(edges)))

@@ -52,6 +52,8 @@ def caps_to_pb(c: Capabilities) -> pb.BackendCapabilities:
         max_vcpus=c.max_vcpus,
         max_memory_mb=c.max_memory_mb,
         min_memory_mb=c.min_memory_mb,
+        min_vcpus=c.min_vcpus,
+        create_seconds=c.create_seconds,
         notes=c.notes,
     )
 

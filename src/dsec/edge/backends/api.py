@@ -54,6 +54,10 @@ class Capabilities:
 
     ``max_vcpus``/``max_memory_mb`` of 0 mean "bounded by the host only"; ``min_memory_mb``
     is the least memory a sandbox of the backend starts with (0: no minimum of its own).
+    Two hints for callers sizing work (benchmarks, schedulers), not enforced:
+    ``min_vcpus`` is the least CPU share a sandbox starts in reasonable time with (a full
+    VM boots systemd; at a quarter core that took minutes), ``create_seconds`` roughly how
+    long a create takes on an idle host (0 for either: no hint, a create is cheap).
     """
 
     pause: bool = False
@@ -66,6 +70,8 @@ class Capabilities:
     max_vcpus: float = 0.0
     max_memory_mb: int = 0
     min_memory_mb: int = 0
+    min_vcpus: float = 0.0
+    create_seconds: float = 0.0
     notes: str = ""
 
     def to_dict(self) -> dict[str, object]:

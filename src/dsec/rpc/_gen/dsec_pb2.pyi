@@ -1289,6 +1289,8 @@ class BackendCapabilities(_message.Message):
     MAX_MEMORY_MB_FIELD_NUMBER: _builtins.int
     NOTES_FIELD_NUMBER: _builtins.int
     MIN_MEMORY_MB_FIELD_NUMBER: _builtins.int
+    MIN_VCPUS_FIELD_NUMBER: _builtins.int
+    CREATE_SECONDS_FIELD_NUMBER: _builtins.int
     pause: _builtins.bool
     fork: _builtins.bool
     snapshot: _builtins.bool
@@ -1303,6 +1305,10 @@ class BackendCapabilities(_message.Message):
     notes: _builtins.str
     min_memory_mb: _builtins.int
     """0: no minimum beyond the platform's"""
+    min_vcpus: _builtins.float
+    """hint: the least CPU share it starts in reasonable time with"""
+    create_seconds: _builtins.float
+    """hint: a create on an idle host, roughly (0: cheap)"""
     def __init__(
         self,
         *,
@@ -1317,10 +1323,12 @@ class BackendCapabilities(_message.Message):
         max_memory_mb: _builtins.int = ...,
         notes: _builtins.str = ...,
         min_memory_mb: _builtins.int = ...,
+        min_vcpus: _builtins.float = ...,
+        create_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fork", b"fork", "max_memory_mb", b"max_memory_mb", "max_vcpus", b"max_vcpus", "min_memory_mb", b"min_memory_mb", "network_policy", b"network_policy", "notes", b"notes", "pause", b"pause", "persistent_filesystem", b"persistent_filesystem", "persistent_processes", b"persistent_processes", "pty", b"pty", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_seconds", b"create_seconds", "fork", b"fork", "max_memory_mb", b"max_memory_mb", "max_vcpus", b"max_vcpus", "min_memory_mb", b"min_memory_mb", "min_vcpus", b"min_vcpus", "network_policy", b"network_policy", "notes", b"notes", "pause", b"pause", "persistent_filesystem", b"persistent_filesystem", "persistent_processes", b"persistent_processes", "pty", b"pty", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

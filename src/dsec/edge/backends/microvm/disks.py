@@ -98,6 +98,17 @@ def initramfs(vm_dir: Path) -> Path:
     return dest
 
 
+def build_vmport(dest: Path, *flags: str) -> Path:
+    """``guest/vmport.c`` as a program of its own (static: it runs in any guest root):
+    without arguments the guest's multiplexer (the full VM's image runs it as a systemd
+    service), with ``--link-fd``/``--listen-fd`` one link for the tests."""
+    src = GUEST_DIR / "vmport.c"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _run(["gcc", "-static", "-O2", "-s", "-Wall", *flags, "-DVMPORT_CLI", "-o", str(dest),
+          str(src)])  # fmt: skip
+    return dest
+
+
 def newc_archive(entries: list[tuple[str, int, bytes]]) -> bytes:
     """A cpio "newc" archive (what the kernel unpacks as initramfs) of ``entries``."""
     out = bytearray()

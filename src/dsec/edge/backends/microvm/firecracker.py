@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from dsec.agent import vmport
 from dsec.core.errors import (
     DeadlineExceeded,
     DsecError,
@@ -39,6 +38,7 @@ from dsec.core.errors import (
     InvalidState,
     SandboxFailed,
 )
+from dsec.edge.backends.microvm import frames
 from dsec.edge.backends.microvm.fc_api import FirecrackerApi, FirecrackerApiError
 from dsec.edge.backends.microvm.mux import HybridVsockLink
 from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig, netns_path
@@ -51,7 +51,7 @@ GUEST_CID = 3  # the first cid a guest may have; each VM has its own vsock devic
 JAIL_UID = JAIL_GID = 65534  # nobody/nogroup unless VmConfig.extra says otherwise
 API_SOCKET = "firecracker.sock"
 VSOCK_SOCKET = "vsock.sock"  # the host end of the guest's vsock device, in run_dir
-AGENT_VSOCK_PORT = vmport.VSOCK_PORT  # the guest's channel multiplexer listens here
+AGENT_VSOCK_PORT = frames.VSOCK_PORT  # the guest's channel multiplexer listens here
 BASE_CMDLINE = "console=ttyS0 reboot=k panic=1 pci=off"
 MEM_NAME, STATE_NAME = "mem", "vmstate"
 

@@ -2,10 +2,10 @@
 
 The edge (``agent_client``) opens one unix connection per runtime call on
 ``SandboxPaths.agent_socket``. :class:`HostMux` listens there and carries every connection
-as a channel over one :class:`GuestLink` stream (frames in :mod:`dsec.agent.vmport`).
+as a channel over one :class:`GuestLink` stream (frames in :mod:`.frames`).
 The link is reconnected whenever it drops: after an edge restart (re-adoption), after a
 snapshot restore, or while the guest has not opened its end yet. Channels are flow
-controlled (``vmport.CREDIT``) when the guest takes the offer: a call nobody reads stalls
+controlled (``frames.CREDIT``) when the guest takes the offer: a call nobody reads stalls
 only itself. Two links exist:
 
 * :class:`SerialLink`: QEMU's virtio-serial chardev, a unix socket QEMU listens on;
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from dsec.agent import vmport
-from dsec.agent.vmport import CLOSE, CREDIT, DATA, HELLO, OPEN, READY, frame
+from dsec.edge.backends.microvm import frames
+from dsec.edge.backends.microvm.frames import CLOSE, CREDIT, DATA, HELLO, OPEN, READY, frame
 
 _log = logging.getLogger(__name__)
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -137,13 +137,13 @@ class HostMux:
             self._writer = writer
             # The guest's clock stood still while it was paused or snapshotted: set it too.
             hello = json.dumps(
-                {**(self.identity or {}), "time": time.time(), "window": vmport.WINDOW}
+                {**(self.identity or {}), "time": time.time(), "window": frames.WINDOW}
             ).encode()
             writer.write(frame(HELLO, 0, hello))
             self._up.set()
             try:
                 await self._read_link(reader)
-            except (OSError, vmport.MuxError) as exc:
+            except (OSError, frames.MuxError) as exc:
                 _log.info("microvm agent link %s lost: %s", self.listen_path.name, exc)
             finally:
                 self._up.clear()
@@ -155,13 +155,13 @@ class HostMux:
     async def _read_link(self, reader: asyncio.StreamReader) -> None:
         buf = bytearray()
         while True:
-            data = await reader.read(vmport.CHUNK)
+            data = await reader.read(frames.CHUNK)
             if not data:
                 return
             buf += data
-            for kind, chan, payload in vmport.parse(buf):
+            for kind, chan, payload in frames.parse(buf):
                 if kind == READY:
-                    self._window = vmport.window_of(payload)
+                    self._window = frames.window_of(payload)
                     self._ready.set()
                     continue
                 c = self._channels.get(chan)
@@ -175,8 +175,8 @@ class HostMux:
                         with contextlib.suppress(OSError):
                             await c.writer.drain()
                 elif kind == CREDIT:
-                    if len(payload) == vmport.COUNT.size:
-                        c.credit += vmport.COUNT.unpack(payload)[0]
+                    if len(payload) == frames.COUNT.size:
+                        c.credit += frames.COUNT.unpack(payload)[0]
                         c.more.set()
                 elif kind == CLOSE:
                     if c.window:
@@ -191,7 +191,7 @@ class HostMux:
                 c.writer.write(data)
                 await c.writer.drain()
                 if self._channels.get(chan) is c and not link.is_closing():
-                    link.write(frame(CREDIT, chan, vmport.COUNT.pack(len(data))))
+                    link.write(frame(CREDIT, chan, frames.COUNT.pack(len(data))))
         except OSError:
             if self._channels.get(chan) is c and not link.is_closing():
                 link.write(frame(CLOSE, chan))
@@ -228,7 +228,7 @@ class HostMux:
         if c.window:
             c.task = asyncio.create_task(self._deliver(chan, c, link))
         link.write(frame(OPEN, chan))
-        size = min(vmport.CHUNK, c.window) if c.window else vmport.CHUNK
+        size = min(frames.CHUNK, c.window) if c.window else frames.CHUNK
         try:
             while True:
                 data = await reader.read(size)

@@ -56,6 +56,10 @@ VM_BOOT_TIMEOUT_S = 480.0  # systemd under TCG: ~10 s idle, minutes on a 2-core 
 # console line); in 128 MiB the boot to a running system took 100-260 s under TCG, mostly
 # waiting (the guest rereads its disk), against ~40 s in 256 MiB.
 MIN_MEMORY_MB = 256
+# Advertised hints (Capabilities): systemd's boot at a quarter core took ~190 s under TCG,
+# with a whole one ~40 s (create -> first exec p50 39.9 s, idle 2-core host, bench.backends).
+MIN_VCPUS = 1.0
+CREATE_SECONDS = 40.0
 CMDLINE_MAX = 2000  # x86 COMMAND_LINE_SIZE is 2048; the driver adds console/tsc arguments
 _UNQUOTABLE = ('"', "\n", "\\")
 
@@ -90,6 +94,8 @@ class VmBackend(MicrovmBackend):
         return replace(
             caps,
             min_memory_mb=MIN_MEMORY_MB,
+            min_vcpus=MIN_VCPUS,
+            create_seconds=CREATE_SECONDS,
             notes=(
                 f"QEMU q35 + Debian with systemd, accel {qemu.accelerator()}; images: base "
                 "and imported ones (dsec image import-vm)"

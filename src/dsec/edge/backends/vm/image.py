@@ -17,9 +17,10 @@ modules): it mounts the root and executes systemd in milliseconds, where Debian'
 
 In the guest, systemd starts two units early (``DefaultDependencies=no``):
 ``dsec-aether.socket``/``.service`` (the bundle's init and aether on a socket-activated
-``/.dsec/run/aether.sock``) and ``dsec-vmport.service`` (the channel multiplexer of
-:mod:`dsec.agent.vmport` on the ``dsec.agent`` virtio-serial port). The per-sandbox
-environment arrives as ``systemd.setenv=`` on the kernel command line.
+``/.dsec/run/aether.sock``) and ``dsec-vmport.service`` (``/usr/local/sbin/dsec-vmport``,
+the microVM's channel multiplexer ``guest/vmport.c`` built as a static program, on the
+``dsec.agent`` virtio-serial port). The per-sandbox environment arrives as
+``systemd.setenv=`` on the kernel command line.
 
     python -m dsec.edge.backends.vm.image [--force]
 """
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.core.errors import DsecError, Internal, Unavailable
+from dsec.edge.backends.microvm import disks as microvm_disks
 from dsec.edge.images.base import SUITE, Progress, find_apt_sources, run_mmdebstrap
 
 FORMAT = "1"
@@ -52,15 +54,14 @@ INITRD_MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "ext4")
 # there is no modprobe to fetch it on demand), virtio_console so the agent port is there.
 BOOT_MODULES = ("crc32c_generic", "virtio_pci", "virtio_blk", "virtio_console", "ext4")
 VMBOOT_C = Path(__file__).parent / "guest" / "vmboot.c"
+VMPORT_C = microvm_disks.GUEST_DIR / "vmport.c"  # the guest's multiplexer, as in every microVM
+VMPORT_BIN = "/usr/local/sbin/dsec-vmport"
 DISK_SIZE = "8G"  # sparse; the overlay of each VM grows with what the guest writes
 # Units the image does not need (no VGA console, no apt timers, no periodic scrubbing).
 MASKED = (
     "getty@tty1.service", "e2scrub_reap.service", "e2scrub_all.timer", "fstrim.timer",
     "apt-daily.timer", "apt-daily-upgrade.timer", "dpkg-db-backup.timer",
 )  # fmt: skip
-_BUNDLE_ENV = (
-    "Environment=PYTHONHOME=/.dsec/python PYTHONPATH=/.dsec/site PYTHONDONTWRITEBYTECODE=1"
-)
 UNITS = {
     "dsec-aether.socket": """\
 [Unit]
@@ -101,9 +102,7 @@ DefaultDependencies=no
 After=dsec-aether.socket
 
 [Service]
-ExecStart=/.dsec/lib/ld.so --library-path /.dsec/lib /.dsec/python/bin/python3 -s -S -P \\
-  -c "from dsec.agent.vmport import main; main()"
-{_BUNDLE_ENV}
+ExecStart={VMPORT_BIN}
 Restart=always
 RestartSec=100ms
 
@@ -192,6 +191,16 @@ def rootfs_key() -> str:
     return h.hexdigest()[:16]
 
 
+def build_name(key: str, bundle_key: str) -> str:
+    """The directory of one disk build: the installed system, the agent bundle, and what
+    is compiled at disk time (``vmboot.c`` with its modules, ``vmport.c``), so a change to
+    those rebuilds the disk, not the installed system."""
+    guest = hashlib.sha256(
+        VMBOOT_C.read_bytes() + " ".join(BOOT_MODULES).encode() + VMPORT_C.read_bytes()
+    )
+    return f"{key}-{bundle_key}-{guest.hexdigest()[:8]}"
+
+
 def current_image(data: Path) -> VmImage | None:
     """The image ``dsec setup --vm-image`` built last, or None."""
     link = image_root(data) / "current"
@@ -278,8 +287,7 @@ def build_image(
         bundle_key = (bundle / STAMP).read_text().strip()[:12]
     except OSError:
         raise Unavailable(f"no agent bundle at {bundle}: build it first (`dsec setup`)") from None
-    boot = hashlib.sha256(VMBOOT_C.read_bytes() + " ".join(BOOT_MODULES).encode())
-    dest = root / f"{key}-{bundle_key}-{boot.hexdigest()[:8]}"
+    dest = root / build_name(key, bundle_key)
     if not force and (img := _image_in(dest)) is not None:
         _point_current(root, dest)
         return img
@@ -326,6 +334,8 @@ def _build_disk(rootfs: Path, bundle: Path, dest: Path, say: Progress) -> VmImag
         shutil.rmtree(agent, ignore_errors=True)
         shutil.copytree(bundle, agent, symlinks=True)
         (agent / "run").mkdir(mode=0o755, exist_ok=True)
+        say(f"VM image: the channel multiplexer at {VMPORT_BIN} (gcc)")
+        microvm_disks.build_vmport(rootfs / VMPORT_BIN.lstrip("/"))
         raw = tmp / "disk.raw"
         say(f"VM image: mkfs.ext4 -d ({DISK_SIZE} sparse) and qcow2")
         _run(["mkfs.ext4", "-q", "-F", "-L", "dsec-root", "-d", str(rootfs), str(raw), DISK_SIZE])
@@ -406,8 +416,6 @@ def _build_initramfs(rootfs: Path, version: str, dest: Path) -> None:
 
 def write_initramfs(moddir: Path, order: Sequence[str], dest: Path) -> None:
     """Our initramfs (``guest/vmboot.c``) loading the modules ``order`` of ``moddir``."""
-    from dsec.edge.backends.microvm.disks import newc_archive
-
     binary = dest.with_name("vmboot")
     _run(["gcc", "-static", "-O2", "-s", "-o", str(binary), str(VMBOOT_C)])
     entries = [("m", 0o040755, b"")]
@@ -419,7 +427,7 @@ def write_initramfs(moddir: Path, order: Sequence[str], dest: Path) -> None:
     entries.append(("modules", 0o100644, ("\n".join(names) + "\n").encode()))
     entries.append(("init", 0o100755, binary.read_bytes()))
     binary.unlink()
-    dest.write_bytes(newc_archive(entries))
+    dest.write_bytes(microvm_disks.newc_archive(entries))
 
 
 def _point_current(root: Path, dest: Path) -> None:

@@ -13,7 +13,8 @@ it here into ``<data>/vm-images/NAME/``:
 The import works on a private raw copy: it reads the partition table (``partx``), finds
 the root filesystem on a loop device per partition (ext2/3/4, xfs or btrfs with
 ``/etc/os-release``, ``/sbin/init`` and a kernel in ``/boot``), mounts it and adds what
-the built image has: the agent bundle at ``/.dsec``, the ``dsec-*`` units (enabled as
+the built image has: the agent bundle at ``/.dsec``, the channel multiplexer
+(``/usr/local/sbin/dsec-vmport``, static), the ``dsec-*`` units (enabled as
 ``systemctl enable`` would) and the network script. Cloud
 images get ``/etc/cloud/cloud-init.disabled`` (no datasource answers in a sandbox). Then it
 unmounts, detaches and writes the qcow2. Symlinks inside the image are resolved as the
@@ -45,6 +46,7 @@ from dsec.core.errors import (
     Unavailable,
 )
 from dsec.edge.backends.microvm.disk_info import disk_info
+from dsec.edge.backends.microvm.disks import build_vmport
 from dsec.edge.backends.vm import image as vm_image
 
 # status, done, total (bytes or steps; total 0 when unknown)
@@ -416,13 +418,17 @@ def _os_name(mnt: Path) -> str:
 
 
 def _inject(mnt: Path, bundle: Path) -> None:
-    """The agent bundle at /.dsec, the units (enabled) and the network script."""
+    """The agent bundle at /.dsec, the channel multiplexer, the units (enabled) and the
+    network script."""
     agent = _guest_path(mnt, "/.dsec", follow_last=False)
     _clear(agent)
     shutil.copytree(bundle, agent, symlinks=True)
     (agent / "run").mkdir(mode=0o755, exist_ok=True)
     _guest_path(mnt, "/root").mkdir(mode=0o700, exist_ok=True)
     _put(mnt, "/usr/local/sbin/dsec-net", vm_image.NET_SCRIPT, 0o755)
+    with tempfile.TemporaryDirectory(prefix="dsec-vmport-") as tmp:
+        program = build_vmport(Path(tmp) / "dsec-vmport").read_bytes()
+    _put(mnt, vm_image.VMPORT_BIN, program, 0o755)
     for unit, text in vm_image.UNITS.items():
         _put(mnt, f"/etc/systemd/system/{unit}", text, 0o644)
         wanted_by = re.search(r"^WantedBy=(\S+)", text, re.M)
@@ -435,14 +441,14 @@ def _inject(mnt: Path, bundle: Path) -> None:
         _put(mnt, "/etc/cloud/cloud-init.disabled", "disabled by dsec image import-vm\n", 0o644)
 
 
-def _put(mnt: Path, path: str, text: str, mode: int) -> None:
+def _put(mnt: Path, path: str, content: str | bytes, mode: int) -> None:
     parent = _guest_path(mnt, os.path.dirname(path))
     parent.mkdir(parents=True, exist_ok=True)
     dest = parent / os.path.basename(path)
     _clear(dest)
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    with os.fdopen(fd, "wb") as f:
+        f.write(content.encode() if isinstance(content, str) else content)
     os.chmod(dest, mode)
 
 

@@ -1,11 +1,12 @@
 /*
- * vmport: the guest end of a microVM's agent channel, linked into vminit (which runs
- * vmport_main in a child once the root is switched). The wire protocol is the one
- * dsec.agent.vmport documents (frames, HELLO/READY with the identity, per-channel flow
- * control by CREDIT); the host end is dsec.edge.backends.microvm.mux. The full VM backend
- * still runs the Python guest end (dsec.agent.vmport.main) from its Debian image.
+ * vmport: the guest end of a VM's agent channel. A microVM links it into vminit (which runs
+ * vmport_main in a child once the root is switched); the full VM's Debian image runs it as
+ * a program of its own (built with -DVMPORT_CLI, no arguments: dsec-vmport.service). The
+ * wire protocol is the one dsec.edge.backends.microvm.frames documents (frames, HELLO/READY
+ * with the identity, per-channel flow control by CREDIT); the host end is
+ * dsec.edge.backends.microvm.mux.
  *
- * Why C: under TCG a restored or forked guest translates again all the code it runs. The
+ * Why C: under TCG a restored or forked guest translates again all the code it runs. A
  * Python multiplexer ran the interpreter, json and its threads for the HELLO and each
  * frame of the first call; this runs a few kilobytes of code in one thread.
  *
@@ -18,10 +19,11 @@
  * Without a virtio port but with a vsock device (Firecracker) the guest listens on vsock
  * port 1027 and serves one host connection at a time.
  *
- * Built with -DVMPORT_CLI it is a program for the conformance tests (tests/unit): serve
- * one link on an inherited fd (--link-fd N) or the connections of an inherited listening
- * socket (--listen-fd N), connecting channels to --target PATH, the identity's files in
- * --etc DIR (run it in a UTS namespace of its own: it sets the hostname).
+ * Built with -DVMPORT_CLI it is a program: without arguments the multiplexer above, forever;
+ * for the conformance tests (tests/unit) it serves one link on an inherited fd (--link-fd N)
+ * or the connections of an inherited listening socket (--listen-fd N), connecting channels
+ * to --target PATH, the identity's files in --etc DIR (run it in a UTS namespace of its own:
+ * it sets the hostname).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -726,6 +728,8 @@ int vmport_main(void) {
 #ifdef VMPORT_CLI
 int main(int argc, char **argv) {
     int link = -1, listener = -1;
+    if (argc == 1)
+        return vmport_main();
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--link-fd"))
             link = atoi(argv[i + 1]);
@@ -737,7 +741,7 @@ int main(int argc, char **argv) {
             etc = argv[i + 1];
     }
     if ((link < 0) == (listener < 0)) {
-        dprintf(2, "usage: vmport (--link-fd N | --listen-fd N) [--target PATH] [--etc DIR]\n");
+        dprintf(2, "usage: vmport [(--link-fd N | --listen-fd N) [--target PATH] [--etc DIR]]\n");
         return 2;
     }
     setup();
