@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ from dsec.apiserver import ports, relay, upgrade
 from dsec.core.errors import DsecError
 
 UPGRADE = {"Connection": "Upgrade", "Upgrade": "websocket"}
+StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class SilentPipe:
@@ -129,13 +132,21 @@ class SwitchingPipe(SilentPipe):
         self.write_closed = True
 
 
-@pytest.mark.asyncio
-async def test_a_websocket_client_gone_drops_a_server_that_stays(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(upgrade, "CLOSE_GRACE_S", 0.3)
-    pipe = SwitchingPipe()
-    ended = asyncio.Event()
+class ClosingPipe(SilentPipe):
+    """A server that accepts the upgrade, sends a last frame and closes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers = [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n", b"bye"]
+
+    async def recv(self) -> bytes:
+        return self.answers.pop(0) if self.answers else b""
+
+
+@asynccontextmanager
+async def _upgraded(pipe: upgrade.Pipe, ended: asyncio.Event) -> AsyncIterator[StreamPair]:
+    """A raw client connection, upgraded, to an apiserver-like server splicing onto ``pipe``
+    (run as the apiserver runs it: a client going away does not cancel the handler)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
@@ -145,7 +156,6 @@ async def test_a_websocket_client_gone_drops_a_server_that_stays(
 
     app = web.Application()
     app.router.add_get("/", handler)
-    # as the apiserver runs it: a client going away does not cancel the handler
     runner = web.AppRunner(app)
     await runner.setup()
     try:
@@ -156,9 +166,33 @@ async def test_a_websocket_client_gone_drops_a_server_that_stays(
                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                      b"Sec-WebSocket-Version: 13\r\n\r\n")  # fmt: skip
         assert (await reader.readline()).startswith(b"HTTP/1.1 101")
-        writer.close()  # the client goes away; the server never closes
-        await asyncio.wait_for(ended.wait(), 5)
+        await reader.readuntil(b"\r\n\r\n")
+        yield reader, writer
+        writer.close()
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_a_server_closing_closes_its_websocket_client_at_once() -> None:
+    """A WebSocket client waits for the server's close before it closes its own side."""
+    ended = asyncio.Event()
+    async with _upgraded(ClosingPipe(), ended) as (reader, _):
+        started = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 10) == b"bye"  # then EOF
+        assert time.monotonic() - started < upgrade.CLOSE_GRACE_S / 2
+        await asyncio.wait_for(ended.wait(), 5)
+
+
+@pytest.mark.asyncio
+async def test_a_websocket_client_gone_drops_a_server_that_stays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(upgrade, "CLOSE_GRACE_S", 0.3)
+    pipe = SwitchingPipe()
+    ended = asyncio.Event()
+    async with _upgraded(pipe, ended) as (_, writer):
+        writer.close()  # the client goes away; the server never closes
+        await asyncio.wait_for(ended.wait(), 5)
     assert pipe.write_closed  # the server was told
     assert pipe.closed  # and then dropped

@@ -188,16 +188,17 @@ async def splice(
         down = asyncio.create_task(_server_to_client(pipe, resp))
         try:
             await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-            # One side is done, or failed (the client gone while we wrote to it, the server
-            # while we sent). The other may still be finishing: the client its closing
-            # handshake, or the server its answer to a client that half-closed, as one of a
-            # raw "tcp" upgrade may. WebSocket clients do not half-close: there the server
-            # gets the same grace. Then both are dropped.
-            other = up if down.done() else down
-            if other is up or request.headers.get("Upgrade", "").lower() == "websocket":
-                await asyncio.wait({other}, timeout=CLOSE_GRACE_S)
-            else:
-                await asyncio.wait({other})
+            # The server closing its side ends the connection (the pipe's call is over:
+            # nothing the client sends reaches it now), and a WebSocket client waits for
+            # that close before it closes its own: it is dropped at once, after what was
+            # written to it. The client leaving first: the server may still answer a
+            # half-close, as a raw "tcp" upgrade may; WebSocket clients do not half-close,
+            # so there the server gets CLOSE_GRACE_S to close. Then both are dropped.
+            if not down.done():
+                if request.headers.get("Upgrade", "").lower() == "websocket":
+                    await asyncio.wait({down}, timeout=CLOSE_GRACE_S)
+                else:
+                    await asyncio.wait({down})
         finally:
             for task in (up, down):
                 task.cancel()
