@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from websockets.exceptions import InvalidStatus
+from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
+from dsec.apiserver.ports import CONNECT_TIMEOUT_S
+from dsec.apiserver.upgrade import ANSWER_TIMEOUT_S
 from dsec.sdk import Client, Sandbox
 from dsec.testing.platform import RunningPlatform
 from tests.e2e.hostnet import DOMAIN, domain_apiserver, resolve_domain_locally
@@ -38,6 +42,24 @@ def tls(platform: RunningPlatform, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 def _url(sbx: Sandbox, port: int, tls_port: int, path: str = "/") -> str:
     return f"https://{port}-{sbx.id}.{DOMAIN}:{tls_port}{path}"
+
+
+# Longer than the apiserver's own bounds on reaching the port and on the server's answer:
+# a server that does not answer fails the test with the apiserver's 504 and its reason.
+# (A shorter client timeout fails no sooner: websockets' client cannot close a TLS
+# connection whose handshake timed out until the apiserver answers or gives up.)
+OPEN_TIMEOUT_S = CONNECT_TIMEOUT_S + ANSWER_TIMEOUT_S + 10
+
+
+def _open_ws(url: str, tls: ssl.SSLContext, **kwargs: Any) -> ClientConnection:
+    try:
+        ws: ClientConnection = ws_connect(
+            url, ssl=tls, open_timeout=OPEN_TIMEOUT_S, close_timeout=5, **kwargs
+        )
+        return ws
+    except InvalidStatus as exc:
+        r = exc.response
+        pytest.fail(f"the WebSocket handshake to {url} was answered {r.status_code}: {r.body!r}")
 
 
 def test_https_to_a_sandbox_port_by_host(
@@ -98,13 +120,13 @@ def test_websocket_by_host(
     _, tls_port = domain_api
     base = f"wss://{WS_PORT}-{served.id}.{DOMAIN}:{tls_port}"
     auth = {"Authorization": f"Bearer {platform.admin_key}"}
-    with ws_connect(f"{base}/feed", additional_headers=auth, ssl=tls) as ws:
-        assert ws.recv() == "hello /feed auth=False"
+    with _open_ws(f"{base}/feed", tls, additional_headers=auth) as ws:
+        assert ws.recv(timeout=20) == "hello /feed auth=False"
         ws.send("over tls")
-        assert ws.recv() == "OVER TLS"
+        assert ws.recv(timeout=20) == "OVER TLS"
     token = api.create_token(ttl_s=300).token
-    with ws_connect(f"{base}/q?a=1&dsec_token={token}", ssl=tls) as ws:
-        assert ws.recv() == "hello /q?a=1 auth=False"  # the token is not passed on
+    with _open_ws(f"{base}/q?a=1&dsec_token={token}", tls) as ws:
+        assert ws.recv(timeout=20) == "hello /q?a=1 auth=False"  # the token is not passed on
     with pytest.raises(InvalidStatus) as anonymous:
         ws_connect(f"{base}/", ssl=tls)
     assert anonymous.value.response.status_code == 401

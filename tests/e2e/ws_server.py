@@ -17,13 +17,17 @@ import threading
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 
+def recv_some(c: socket.socket, n: int = 4096) -> bytes:
+    d = c.recv(n)
+    if not d:  # never loop on EOF: a thread spinning on it eats the sandbox's CPU
+        raise EOFError
+    return d
+
+
 def recv_exact(c: socket.socket, n: int) -> bytes:
     b = b""
     while len(b) < n:
-        d = c.recv(n - len(b))
-        if not d:
-            raise EOFError
-        b += d
+        b += recv_some(c, n - len(b))
     return b
 
 
@@ -51,9 +55,18 @@ def send_frame(c: socket.socket, op: int, data: bytes) -> None:
 
 
 def serve(c: socket.socket) -> None:
+    try:
+        answer(c)
+    except (EOFError, OSError):
+        pass  # the client left (a readiness probe connects and closes at once)
+    finally:
+        c.close()
+
+
+def answer(c: socket.socket) -> None:
     req = b""
     while b"\r\n\r\n" not in req:
-        req += c.recv(4096)
+        req += recv_some(c)
     lines = req.decode().split("\r\n")
     hdr: dict[str, str] = {}
     for line in lines[1:]:
@@ -84,7 +97,6 @@ def serve(c: socket.socket) -> None:
             send_frame(c, 8, struct.pack("!H", 4001) + b"server says bye")
         else:
             send_frame(c, op, data.upper() if op == 1 else data[::-1])
-    c.close()
 
 
 def main() -> None:

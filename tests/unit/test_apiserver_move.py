@@ -6,28 +6,23 @@ the fallback when the sandbox's own edge is full."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import pytest_asyncio
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
-from dsec.apiserver import sandbox_move, sandboxes, snapshot_copy
-from dsec.apiserver.app import errors_and_auth
-from dsec.apiserver.auth import Authenticator, Principal
-from dsec.apiserver.context import CTX, Ctx
-from dsec.apiserver.upstream import Upstream
+from dsec.apiserver import sandbox_move
+from dsec.apiserver.auth import Principal
 from dsec.core.errors import DsecError, InvalidState, NodeFull, QuotaExceeded, Unavailable
 from dsec.core.spec import MOVE_GRACE_S
-from dsec.obs import Metrics
 from dsec.rpc._gen import dsec_pb2 as pb
+from tests.unit.moveapp import COPY, QUIET, Client, Entry, resume_client
 
 ALICE = Principal(subject="alice", project="acme", role="member", key_id="k1")
 OLD = "sbx-e0a1-" + "a" * 20
-pytestmark = pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKeyWarning")
+pytestmark = QUIET
 
 
 @dataclass
@@ -53,7 +48,7 @@ class FakeEdge:
 
     async def CreateSandbox(self, req: pb.CreateSandboxRequest, **_: Any) -> pb.SandboxInfo:
         self.calls.append(("create", req.sandbox_id))
-        assert req.from_snapshot == "snp-copy"
+        assert req.from_snapshot == COPY
         assert req.moved_from  # its edge kills it if the apiserver dies before the rename
         assert req.moved_from in FakeIam().allocations | {OLD2}
         assert (req.project, req.owner, req.spec.backend) == ("acme", "alice", "microvm")
@@ -81,16 +76,6 @@ class FakeIam:
         self.allocations.remove(req.from_sandbox_id)
         self.allocations.add(req.to_sandbox_id)
         return pb.Empty()
-
-
-@dataclass
-class Entry:
-    edge_id: str
-    healthy: bool = True
-
-    @property
-    def view(self) -> Any:
-        return pb.EdgeView(status=pb.EdgeStatus(backends=["microvm"]))
 
 
 @dataclass
@@ -125,37 +110,16 @@ class FakeUpstream:
         return self.src if entry.edge_id == "e0a1" else self.dst
 
 
-class FakeAuth:
-    async def principal(self, request: web.Request) -> Principal:
-        return ALICE
-
-
-async def _on_edge(request: web.Request, snapshot_id: str, source: Entry, target: Entry,
-                   use: Callable[[str], Awaitable[Any]], **kw: Any) -> Any:  # fmt: skip
-    assert kw == {"sandbox_id": snapshot_id}  # the pause snapshot of the sandbox itself
-    return await use("snp-copy")
-
-
 @pytest_asyncio.fixture
-async def setup(
-    monkeypatch: pytest.MonkeyPatch,
-) -> AsyncIterator[tuple[FakeUpstream, TestClient[web.Request, web.Application]]]:
-    monkeypatch.setattr(snapshot_copy, "on_edge", _on_edge)
+async def setup(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[FakeUpstream, Client]]:
     upstream = FakeUpstream()
-    app = web.Application(middlewares=[errors_and_auth])
-    app[CTX] = Ctx(upstream=cast(Upstream, upstream), auth=cast(Authenticator, FakeAuth()),
-                   metrics=Metrics("test"), components={})  # fmt: skip
-    app.router.add_post("/v1/sandboxes/{sandbox_id}/resume", sandboxes.resume)
-    app.router.add_post("/v1/sandboxes:batch", sandboxes.batch)
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    yield upstream, client
-    await client.close()
+    async with resume_client(upstream, ALICE, monkeypatch) as client:
+        yield upstream, client
 
 
 @pytest.mark.asyncio
 async def test_a_move_renames_the_allocation_and_ends_the_source(
-    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    setup: tuple[FakeUpstream, Client],
 ) -> None:
     up, client = setup
     resp = await client.post(f"/v1/sandboxes/{OLD}/resume", json={"edge": "f00d"})
@@ -171,7 +135,7 @@ async def test_a_move_renames_the_allocation_and_ends_the_source(
 
 @pytest.mark.asyncio
 async def test_a_sandbox_resumed_at_home_meanwhile_stays_there(
-    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    setup: tuple[FakeUpstream, Client],
 ) -> None:
     up, client = setup
     up.src.end_error = InvalidState(f"sandbox {OLD} is running, not paused")
@@ -184,7 +148,7 @@ async def test_a_sandbox_resumed_at_home_meanwhile_stays_there(
 
 @pytest.mark.asyncio
 async def test_an_iam_refusal_kills_the_new_one_and_keeps_the_allocation(
-    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    setup: tuple[FakeUpstream, Client],
 ) -> None:
     up, client = setup
     up.iam.error = QuotaExceeded("no")
@@ -198,7 +162,7 @@ async def test_an_iam_refusal_kills_the_new_one_and_keeps_the_allocation(
 
 @pytest.mark.asyncio
 async def test_its_own_edge_full_moves_it_and_otherwise_resumes_at_home(
-    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    setup: tuple[FakeUpstream, Client],
 ) -> None:
     up, client = setup
     resp = await client.post(f"/v1/sandboxes/{OLD}/resume")
@@ -217,7 +181,7 @@ OLD2 = "sbx-e0a1-" + "b" * 20
 
 @pytest.mark.asyncio
 async def test_a_batch_resume_moves_microvms_whose_edge_is_full_as_a_single_resume_does(
-    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    setup: tuple[FakeUpstream, Client],
 ) -> None:
     up, client = setup
     up.iam.allocations = {OLD, OLD2}
@@ -237,7 +201,7 @@ async def test_a_batch_resume_moves_microvms_whose_edge_is_full_as_a_single_resu
 
 @pytest.mark.asyncio
 async def test_a_batch_resume_with_no_edge_to_move_to_says_node_full_per_sandbox(
-    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    setup: tuple[FakeUpstream, Client],
 ) -> None:
     up, client = setup
     up.src.resume_error = NodeFull("node runs its maximum of 2 sandboxes")
@@ -253,7 +217,7 @@ async def test_a_batch_resume_with_no_edge_to_move_to_says_node_full_per_sandbox
 
 @pytest.mark.asyncio
 async def test_a_move_too_slow_to_rename_in_time_is_given_up(
-    setup: tuple[FakeUpstream, TestClient[web.Request, web.Application]],
+    setup: tuple[FakeUpstream, Client],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Its new sandbox's edge kills it MOVE_GRACE_S after the start if it holds no

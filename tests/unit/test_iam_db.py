@@ -268,6 +268,49 @@ def test_a_move_the_apiserver_did_not_finish_is_settled_by_the_edges(
         db.settle_moves("BAD", [], grace_s=0)
 
 
+def test_a_moved_sandbox_resumed_at_home_after_the_new_one_ended_is_counted_again(
+    db: IamDb, clock: Clock
+) -> None:
+    """Its move renamed the allocation, then the apiserver died; the sandbox was resumed at
+    home and the new one ended (freeing the allocation): it is counted again, once, as the
+    move counted it."""
+    db.put_project(Project("p", 0, 0, 0))
+    old, new = sid("ab12", 1), sid("cd34", 2)
+    db.admit("p", old, 1.5, 64)
+    db.move_allocation(old, new)
+    assert db.release(new) is not None  # the new one ended
+    assert db.usage("p").sandboxes == 0
+    assert db.settle_moves("ab12", [old], grace_s=300, running=[old]) == ([], [old])  # young
+    clock.now += 301
+    assert db.settle_moves("ab12", [old], grace_s=300, running=[old]) == ([], [])
+    [a] = db.allocations()
+    assert (a.sandbox_id, a.project, a.cpu, a.memory_mb) == (old, "p", 1.5, 64)
+    assert db.settle_moves("ab12", [old], grace_s=300, running=[old]) == ([], [])  # forgotten
+    u = db.usage("p")
+    assert (u.sandboxes, u.cpu, u.memory_mb) == (1, 1.5, 64)
+    assert db.reconcile("ab12", [old], grace_s=0) == []
+
+
+def test_move_rows_from_before_they_kept_the_allocation_are_read(tmp_path: Path) -> None:
+    """A database whose ``moves`` table predates the amounts gets the columns; its rows have
+    none, so a source resumed at home after its new sandbox ended stays unallocated."""
+    old, new = sid("ab12", 1), sid("cd34", 2)
+    raw = sqlite3.connect(tmp_path / "iam.db")
+    raw.execute("CREATE TABLE moves (old TEXT PRIMARY KEY, new TEXT NOT NULL, "
+                "edge_id TEXT NOT NULL, at REAL NOT NULL)")  # fmt: skip
+    raw.execute("INSERT INTO moves VALUES (?, ?, 'ab12', 0)", (old, new))
+    raw.commit()
+    raw.close()
+    db = IamDb(tmp_path / "iam.db", clock=Clock())
+    try:
+        db.put_project(Project("p", 0, 0, 0))
+        assert db.settle_moves("ab12", [old], grace_s=300, running=[old]) == ([], [old])
+        assert db.allocations() == []
+    finally:
+        db.close()
+    IamDb(tmp_path / "iam.db").close()  # opened again: the columns are there already
+
+
 def test_reconcile_drops_dead_allocations_after_grace(db: IamDb, clock: Clock) -> None:
     db.put_project(Project("p", 0, 0, 0))
     for i in range(3):

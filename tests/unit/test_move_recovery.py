@@ -6,22 +6,16 @@ step) or through the steps ``dsec.apiserver.sandbox_move`` takes."""
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
 import pytest
 import pytest_asyncio
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
-from dsec.apiserver import sandbox_move, sandboxes, snapshot_copy
-from dsec.apiserver.app import errors_and_auth
-from dsec.apiserver.auth import Authenticator, Principal
-from dsec.apiserver.context import CTX, Ctx
-from dsec.apiserver.upstream import Upstream
+from dsec.apiserver import sandbox_move
+from dsec.apiserver.auth import Principal
 from dsec.core import errors
 from dsec.core.admission import NodeCapacity
 from dsec.core.ids import new_sandbox_id
@@ -36,10 +30,11 @@ from dsec.obs import Metrics
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.convert import spec_from_pb
 from dsec.testing.fake_backend import FakeBackend
+from tests.unit.moveapp import COPY, QUIET, Entry, resume_client
 
 ALICE = Caller(project="alice", subject="alice", admin=False)
 ALICE_KEY = Principal(subject="alice", project="alice", role="member", key_id="k1")
-pytestmark = pytest.mark.filterwarnings("ignore::aiohttp.web_exceptions.NotAppKeyWarning")
+pytestmark = QUIET
 SPEC = SandboxSpec(backend="microvm", memory_mb=256, timeout_s=3600)
 
 
@@ -163,6 +158,32 @@ async def test_a_sandbox_resumed_at_home_mid_move_keeps_it_and_the_new_one_goes(
     assert world.iam.usage("alice").sandboxes == 1
 
 
+@pytest.mark.asyncio
+async def test_a_sandbox_resumed_at_home_after_its_new_one_ended_is_counted_again(
+    world: World,
+) -> None:
+    """The apiserver renamed the allocation and died, the sandbox was resumed on its own
+    edge, and the new one ended (its allocation with it): the sandbox runs at home under its
+    own id, counted once, as before the move."""
+    old = await world.create("e0a1")
+    await world.edges["e0a1"].pause(old, ALICE)
+    new = await world.create("f00d", moved_from=old)
+    world.iam.move_allocation(old, new)
+    await world.edges["e0a1"].resume(old, ALICE)
+    await world.edges["f00d"].kill(new, ALICE)
+    assert world.iam.usage("alice").sandboxes == 0  # running, and counted nowhere
+    world.now += MOVE_SETTLE_S + 1
+    await world.reconcile()
+    assert (world.state(old), world.state(new)) == (State.RUNNING, State.STOPPED)
+    assert world.edges["e0a1"].get(old, ALICE).moved_to == ""
+    assert [a.sandbox_id for a in world.iam.allocations()] == [old]
+    world.now += max(MOVE_GRACE_S, DEFAULT_RECONCILE_GRACE_S) + 1
+    await world.reconcile()
+    assert world.state(old) is State.RUNNING
+    assert [a.sandbox_id for a in world.iam.allocations()] == [old]
+    assert world.iam.usage("alice").sandboxes == 1
+
+
 class Died(BaseException):
     """The apiserver process ends here: nothing after this step runs, not even its undo."""
 
@@ -191,7 +212,7 @@ class EdgeStub:
     async def CreateSandbox(
         self, req: pb.CreateSandboxRequest, metadata: Any, **_: Any
     ) -> pb.SandboxInfo:
-        assert req.from_snapshot == "snp-copy"  # (the copy itself runs in tests/integration)
+        assert req.from_snapshot == COPY
         rec = await self.m.create(req.sandbox_id, spec_from_pb(req.spec), project=req.project,
                                   owner=req.owner, caller=self._caller(metadata),
                                   moved_from=req.moved_from)  # fmt: skip
@@ -204,16 +225,6 @@ class EdgeStub:
     async def EndMovedSandbox(self, req: pb.MovedSandbox, metadata: Any, **_: Any) -> Any:
         rec = await self.m.end_moved(req.sandbox_id, req.moved_to, self._caller(metadata))
         return info_to_pb(rec, self.m.edge_id)
-
-
-@dataclass
-class Entry:
-    edge_id: str
-    healthy: bool = True
-
-    @property
-    def view(self) -> Any:
-        return pb.EdgeView(status=pb.EdgeStatus(backends=["microvm"]))
 
 
 class Apiserver:
@@ -242,16 +253,6 @@ class Apiserver:
         return self.stubs[entry.edge_id]
 
 
-class Auth:
-    async def principal(self, request: web.Request) -> Principal:
-        return ALICE_KEY
-
-
-async def _copied(request: web.Request, snapshot_id: str, source: Entry, target: Entry,
-                  use: Callable[[str], Awaitable[Any]], **_: Any) -> Any:  # fmt: skip
-    return await use("snp-copy")
-
-
 async def _no_undo(*_: Any, **__: Any) -> None:
     return None  # a dead apiserver undoes nothing
 
@@ -261,17 +262,12 @@ async def _no_undo(*_: Any, **__: Any) -> None:
 async def test_an_apiserver_dying_in_its_resume_handler(
     world: World, monkeypatch: pytest.MonkeyPatch, dies_at: str
 ) -> None:
-    monkeypatch.setattr(snapshot_copy, "on_edge", _copied)
     monkeypatch.setattr(sandbox_move, "_undo", _no_undo)
     up = Apiserver(world)
-    app = web.Application(middlewares=[errors_and_auth])
-    app[CTX] = Ctx(upstream=cast(Upstream, up), auth=cast(Authenticator, Auth()),
-                   metrics=Metrics("test"), components={})  # fmt: skip
-    app.router.add_post("/v1/sandboxes/{sandbox_id}/resume", sandboxes.resume)
     old = await world.create("e0a1")
     await world.edges["e0a1"].pause(old, ALICE)
     up.dies_at = dies_at
-    async with TestClient(TestServer(app)) as client:
+    async with resume_client(up, ALICE_KEY, monkeypatch) as client:
         with pytest.raises(aiohttp.ServerDisconnectedError):  # the caller sees it die
             await client.post(f"/v1/sandboxes/{old}/resume", json={"edge": "f00d"})
     [new] = [r.id for r in world.edges["f00d"].live_records()]

@@ -1,108 +1,44 @@
-"""The asyncio SDK's keep-alive pool for JSON calls (dsec.sdk.ahttp1) against a real HTTP
-server (the same one as the blocking pool's tests), and against aiohttp's server."""
+"""What only the asyncio SDK's keep-alive pool for JSON calls (dsec.sdk.ahttp1) does:
+concurrent calls, and answers from aiohttp's server (by length, chunked, empty, until
+close). What both pools do is tested on both in tests/unit/test_sdk_http1.py."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
 
-from dsec.core.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from dsec.core.errors import InvalidArgument
 from dsec.sdk.ahttp1 import AsyncHttp1Pool
 from dsec.sdk.wire import Request
-from tests.unit.test_sdk_http1 import _Server
-from tests.unit.test_sdk_http1 import server as _server_fixture
-
-server = _server_fixture
-
-
-def _pool(srv: _Server) -> AsyncHttp1Pool:
-    url = f"http://127.0.0.1:{srv.server_address[1]}/api"
-    return AsyncHttp1Pool(url, {"Authorization": "Bearer k"}, False)
+from tests.unit.poolkit import AUTH, pool_server
 
 
 @pytest.mark.asyncio
-async def test_calls_reuse_one_connection_and_carry_the_headers(server: _Server) -> None:
-    pool = _pool(server)
-    for i in range(5):
-        status, body = await pool.request(Request("POST", "/x", timeout=5), str(i).encode())
-        assert status == 200
-        assert body == b'{"got":"' + str(i).encode() + b'","auth":"Bearer k"}'
-    assert server.connections == 1
-    pool.close()
+async def test_concurrent_calls_each_get_their_own_answer() -> None:
+    with pool_server() as server:
+        pool = AsyncHttp1Pool(server.url, AUTH, False)
+        got = await asyncio.gather(
+            *(pool.request(Request("POST", "/x", timeout=5), str(i).encode()) for i in range(8))
+        )
+        assert [b for _, b in got] == [b'{"got":"%d","auth":"Bearer k"}' % i for i in range(8)]
+        assert server.connections == 8
+        assert len(pool._idle) == 8
+        pool.close()
 
 
 @pytest.mark.asyncio
-async def test_concurrent_calls_each_get_their_own_answer(server: _Server) -> None:
-    pool = _pool(server)
-    got = await asyncio.gather(
-        *(pool.request(Request("POST", "/x", timeout=5), str(i).encode()) for i in range(8))
-    )
-    assert [b for _, b in got] == [b'{"got":"%d","auth":"Bearer k"}' % i for i in range(8)]
-    assert server.connections == 8
-    assert len(pool._idle) == 8
-    pool.close()
-
-
-@pytest.mark.asyncio
-async def test_a_connection_the_server_closed_while_idle_is_replaced(server: _Server) -> None:
-    pool = _pool(server)
-    assert (await pool.request(Request("POST", "/x", timeout=5), b"a"))[0] == 200
-    for conn in list(pool._idle):
-        assert conn.transport is not None
-        conn.transport.get_extra_info("socket").shutdown(socket.SHUT_RD)  # EOF, as a close
-    await asyncio.sleep(0.05)  # the loop sees the EOF
-    assert (await pool.request(Request("POST", "/x", timeout=5), b"b"))[0] == 200
-    assert server.connections == 2
-    assert server.posts == 2
-    pool.close()
-
-
-@pytest.mark.asyncio
-async def test_a_post_the_server_dropped_is_not_sent_twice(server: _Server) -> None:
-    pool = _pool(server)
-    assert (await pool.request(Request("POST", "/x", timeout=5), b"a"))[0] == 200
-    server.mode = "drop"
-    with pytest.raises(Unavailable):
-        await pool.request(Request("POST", "/x", timeout=5), b"b")
-    assert server.posts == 2  # ran once: not retried on a new connection
-    server.mode = "ok"
-    assert (await pool.request(Request("POST", "/x", timeout=5), b"c"))[0] == 200
-    pool.close()
-
-
-@pytest.mark.asyncio
-async def test_no_answer_in_time_is_deadline_exceeded(server: _Server) -> None:
-    server.mode = "slow"
-    pool = _pool(server)
-    with pytest.raises(DeadlineExceeded):
-        await pool.request(Request("POST", "/x", timeout=0.2), b"a")
-    assert not pool._idle  # a connection with an answer still to come is not reused
-    pool.close()
-
-
-@pytest.mark.asyncio
-async def test_nothing_listening_is_unavailable() -> None:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    pool = AsyncHttp1Pool(f"http://127.0.0.1:{port}", {}, False)
-    with pytest.raises(Unavailable):
-        await pool.request(Request("GET", "/x", timeout=1), None)
-
-
-@pytest.mark.asyncio
-async def test_header_or_path_injection_is_refused(server: _Server) -> None:
-    pool = _pool(server)
-    with pytest.raises(InvalidArgument):
-        await pool.request(Request("GET", "/x y", timeout=1), None)
-    with pytest.raises(InvalidArgument):
-        await pool.request(Request("GET", "/x", headers=(("X-A", "1\r\nX-B: 2"),)), None)
-    assert server.connections == 0
+async def test_header_or_path_injection_is_refused() -> None:
+    with pool_server() as server:
+        pool = AsyncHttp1Pool(server.url, AUTH, False)
+        with pytest.raises(InvalidArgument):
+            await pool.request(Request("GET", "/x y", timeout=1), None)
+        with pytest.raises(InvalidArgument):
+            await pool.request(Request("GET", "/x", headers=(("X-A", "1\r\nX-B: 2"),)), None)
+        assert server.connections == 0
     with pytest.raises(InvalidArgument):
         AsyncHttp1Pool("http://127.0.0.1:1", {"Authorization": "Bearer k\r\nX: y"}, False)
 
@@ -142,8 +78,6 @@ def chunky() -> Iterator[tuple[str, list[str]]]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     loop.run_until_complete(site.start())
     port = runner.addresses[0][1]
-    import threading
-
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
     yield f"http://127.0.0.1:{port}", seen

@@ -7,6 +7,8 @@ Both the path form ``/v1/sandboxes/{id}/ports/{port}/...`` and host-style routin
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from dsec.agent import protocol
@@ -32,6 +34,8 @@ HOP_HEADERS = frozenset(
 )
 # Our own credentials never reach the sandbox's server.
 CREDENTIAL_HEADERS = ("Authorization", "X-Dsec-Token")
+# How long reaching the port may take (the edge, its agent, the agent's own 10 s connect).
+CONNECT_TIMEOUT_S = 20.0
 
 
 class EdgeTcpPipe:
@@ -42,7 +46,20 @@ class EdgeTcpPipe:
         self.result: dict[str, object] = {}
 
     @classmethod
-    async def open(cls, request: web.Request, sandbox_id: str, port: int) -> EdgeTcpPipe:
+    async def open(
+        cls, request: web.Request, sandbox_id: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S
+    ) -> EdgeTcpPipe:
+        """Connected to ``port``. Raises DeadlineExceeded when that takes over ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await cls._open(request, sandbox_id, port)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"port {port} of sandbox {sandbox_id} did not connect within {timeout_s:g} s"
+            ) from None
+
+    @classmethod
+    async def _open(cls, request: web.Request, sandbox_id: str, port: int) -> EdgeTcpPipe:
         c, p = ctx(request), principal(request)
         stream = await relay.EdgeStream.open(c, p, sandbox_id, {"op": "tcp", "port": port})
         try:

@@ -24,7 +24,9 @@ If this apiserver dies mid-move, the edges finish it from the iam's reconcile an
 allocation ``MOVE_GRACE_S`` after it started (died before step 3) its edge kills it and the
 sandbox stays paused at home; if the allocation was renamed (died before step 4), the iam
 remembers the move and after ``MOVE_SETTLE_S`` the source edge ends the paused sandbox as
-moved, leaving the same tombstone.
+moved, leaving the same tombstone. A source resumed at home meanwhile stays there: the
+allocation goes back to it (or, if the new sandbox ended since and freed it, it is counted
+anew as the move counted it) and the new sandbox, holding none, is killed.
 """
 
 from __future__ import annotations

@@ -18,11 +18,15 @@ from typing import Protocol
 
 from aiohttp import web
 
-from dsec.core.errors import Unavailable
+from dsec.core.errors import DeadlineExceeded, Unavailable
 
 MAX_HEAD = 64 * 1024
 MAX_REFUSAL_BODY = 1024 * 1024
 REFUSAL_READ_S = 5.0
+# How long the server may take to answer the upgrade request. Without a bound, a server
+# that accepted the connection but never answers would hold the client's connection open
+# (and a client whose own handshake timeout fired cannot always close it until we do).
+ANSWER_TIMEOUT_S = 30.0
 CLIENT_QUEUE_HIGH = 64  # chunks queued from the client before it is paused
 CLOSE_GRACE_S = 5.0
 HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"})
@@ -80,7 +84,17 @@ def _parse_head(head: bytes) -> tuple[int, str, list[tuple[str, str]]]:
     return int(parts[1]), parts[2] if len(parts) > 2 else "", headers
 
 
-async def _read_head(pipe: Pipe) -> tuple[bytes, bytes]:
+async def _read_head(pipe: Pipe, timeout_s: float) -> tuple[bytes, bytes]:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _head(pipe)
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"the server did not answer the upgrade request within {timeout_s:g} s"
+        ) from None
+
+
+async def _head(pipe: Pipe) -> tuple[bytes, bytes]:
     buf = b""
     while (end := buf.find(b"\r\n\r\n")) < 0:
         if len(buf) > MAX_HEAD:
@@ -141,11 +155,23 @@ async def _client_to_server(feed: _ClientFeed, pipe: Pipe) -> None:
     await pipe.close_write()
 
 
-async def splice(request: web.Request, pipe: Pipe, head: bytes) -> web.StreamResponse:
-    """Forward the upgrade request ``head`` and then the connection; the pipe is closed after."""
+async def _server_to_client(pipe: Pipe, resp: web.StreamResponse) -> None:
+    while chunk := await pipe.recv():
+        await resp.write(chunk)
+
+
+async def splice(
+    request: web.Request, pipe: Pipe, head: bytes, *, answer_timeout_s: float = ANSWER_TIMEOUT_S
+) -> web.StreamResponse:
+    """Forward the upgrade request ``head`` and then the connection; the pipe is closed after.
+
+    Raises:
+        DeadlineExceeded: the server sent no answer within ``answer_timeout_s``.
+        Unavailable: it closed the connection instead, or answered something not HTTP.
+    """
     try:
         await pipe.send(head)
-        resp_head, rest = await _read_head(pipe)
+        resp_head, rest = await _read_head(pipe, answer_timeout_s)
         status, reason, headers = _parse_head(resp_head)
         if status != 101:
             return await _refusal(pipe, status, reason, headers, rest)
@@ -159,18 +185,25 @@ async def splice(request: web.Request, pipe: Pipe, head: bytes) -> web.StreamRes
         if rest:
             await resp.write(rest)
         up = asyncio.create_task(_client_to_server(feed, pipe))
+        down = asyncio.create_task(_server_to_client(pipe, resp))
         try:
-            while chunk := await pipe.recv():
-                await resp.write(chunk)
-            # The server is done: the client may still be closing; then drop it.
-            with contextlib.suppress(TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(up), CLOSE_GRACE_S)
-        except (ConnectionError, RuntimeError):
-            pass  # the client went away while we were writing
+            await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            # The server closing its side ends the connection (the pipe's call is over:
+            # nothing the client sends reaches it now), and a WebSocket client waits for
+            # that close before it closes its own: it is dropped at once, after what was
+            # written to it. The client leaving first: the server may still answer a
+            # half-close, as a raw "tcp" upgrade may; WebSocket clients do not half-close,
+            # so there the server gets CLOSE_GRACE_S to close. Then both are dropped.
+            if not down.done():
+                if request.headers.get("Upgrade", "").lower() == "websocket":
+                    await asyncio.wait({down}, timeout=CLOSE_GRACE_S)
+                else:
+                    await asyncio.wait({down})
         finally:
-            up.cancel()
-            with contextlib.suppress(BaseException):
-                await up
+            for task in (up, down):
+                task.cancel()
+                with contextlib.suppress(BaseException):  # its end is the connection's
+                    await task
             if request.transport is not None:
                 request.transport.close()
         return resp

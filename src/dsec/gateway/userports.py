@@ -24,6 +24,7 @@ TOKEN_HEADERS = ("E2B-Traffic-Access-Token", "X-Access-Token")
 # Never passed on to the sandbox's server.
 DROP = (*TOKEN_HEADERS, "Authorization", "E2b-Sandbox-Id", "E2b-Sandbox-Port")
 READ_CHUNK = 64 * 1024
+CONNECT_TIMEOUT_S = 10.0  # to the apiserver (TCP and TLS)
 
 
 def port_token(request: web.Request) -> str:
@@ -52,9 +53,14 @@ class StreamPipe:
         tls = u.scheme == "https"
         ctx = ssl.create_default_context() if tls else None  # honours SSL_CERT_FILE
         try:
-            reader, writer = await asyncio.open_connection(
-                u.hostname, u.port or (443 if tls else 80), ssl=ctx
-            )
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(
+                    u.hostname, u.port or (443 if tls else 80), ssl=ctx
+                )
+        except TimeoutError:
+            raise Unavailable(
+                f"cannot reach the apiserver at {url} within {CONNECT_TIMEOUT_S:g} s"
+            ) from None
         except OSError as exc:
             raise Unavailable(f"cannot reach the apiserver at {url}: {exc}") from None
         return cls(reader, writer)
@@ -83,4 +89,7 @@ async def splice_port(request: web.Request, sandbox_id: str, port: int) -> web.S
     head = upgrade.request_head(
         request, target, netloc, DROP, extra=[("Authorization", f"Bearer {token}")]
     )
-    return await upgrade.splice(request, await StreamPipe.open(api_url), head)
+    # The apiserver behind us waits for the port (ports.CONNECT_TIMEOUT_S) and then the
+    # answer (upgrade.ANSWER_TIMEOUT_S) and says which failed: wait longer than both.
+    pipe = await StreamPipe.open(api_url)
+    return await upgrade.splice(request, pipe, head, answer_timeout_s=2 * upgrade.ANSWER_TIMEOUT_S)

@@ -167,6 +167,27 @@ CREATE TABLE IF NOT EXISTS grants (
 """
 
 
+# What a move row keeps of the allocation it renamed (columns added to databases from before
+# them; their rows have project ''): enough to count the source again if it runs at home
+# once the new sandbox, and its allocation, are gone (QuotasMixin.settle_moves).
+_MOVES_ALLOCATION = (
+    ("project", "TEXT NOT NULL DEFAULT ''"),
+    ("cpu_milli", "INTEGER NOT NULL DEFAULT 0"),
+    ("memory_mb", "INTEGER NOT NULL DEFAULT 0"),
+)
+
+
+def _add_columns(db: sqlite3.Connection, table: str, columns: tuple[tuple[str, str], ...]) -> None:
+    have = {str(r[1]) for r in db.execute(f"PRAGMA table_info({table})")}
+    for name, decl in columns:
+        if name not in have:
+            try:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+            except sqlite3.OperationalError as e:  # another process added it just now
+                if "duplicate column" not in str(e):
+                    raise
+
+
 class IamDb(QuotasMixin):
     """The IAM tables behind one SQLite connection; not thread-safe: use from one thread."""
 
@@ -187,6 +208,7 @@ class IamDb(QuotasMixin):
             self._db.executescript(_SCHEMA)
             self._db.executescript(audit.SCHEMA)
             self._db.executescript(_REVOCATIONS)
+            _add_columns(self._db, "moves", _MOVES_ALLOCATION)
             try:
                 self._db.executescript(_USAGE)
             except sqlite3.Error:

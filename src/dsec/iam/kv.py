@@ -31,7 +31,6 @@ burst of admissions is decided in one transaction.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import time
@@ -652,7 +651,7 @@ class KvIam:
             rec = {**_load(have_old), "t": self._clock()}
             stm.delete(_alloc_key(old))
             stm.put(_alloc_key(new), _dump(rec))
-            stm.put(_move_key(old), _dump({"n": new, "t": rec["t"]}))
+            stm.put(_move_key(old), _dump({**rec, "n": new}))  # the allocation, as renamed
             return _alloc(new, rec)
 
         result: Allocation = await self._atomic(fn)
@@ -681,10 +680,36 @@ class KvIam:
             await self._atomic(forget)
         moved, unallocated, back = settled(live, held, moves, cutoff, running)
         for old, new in back:
-            with contextlib.suppress(NotFound):  # the new one is gone too: nothing to give
+            try:
                 await self.move_allocation(new, old)
-                unallocated.remove(old)
+            except NotFound:  # the new one is gone too, its allocation with it
+                if not await self._count_again(old, new):
+                    continue
+            unallocated.remove(old)
         return moved, unallocated
+
+    async def _count_again(self, old: str, new: str) -> bool:
+        """As :meth:`dsec.iam.quotas.QuotasMixin._count_again`."""
+
+        async def fn(stm: Stm) -> bool:
+            raw = await stm.get(_move_key(old))
+            rec = _load(raw) if raw is not None else {}
+            if rec.get("n") != new or "p" not in rec:  # from before moves kept the amounts
+                return False
+            if await stm.get(_k("projects", rec["p"])) is None:
+                return False
+            if await stm.get(_alloc_key(old)) is None:
+                for level in projects.ancestors(rec["p"]):
+                    got = await stm.get(_k("usage", level))
+                    n, c, m = _load(got) if got else (0, 0, 0)
+                    stm.put(_k("usage", level), _dump([n + 1, c + rec["c"], m + rec["m"]]))
+                alloc = {"p": rec["p"], "c": rec["c"], "m": rec["m"], "t": self._clock()}
+                stm.put(_alloc_key(old), _dump(alloc))
+            stm.delete(_move_key(old))
+            return True
+
+        done: bool = await self._atomic(fn)
+        return done
 
     async def reconcile(self, edge_id: str, live: Sequence[str], grace_s: float) -> list[str]:
         validate_edge_id(edge_id)
@@ -764,7 +789,8 @@ def _alloc_key(sandbox_id: str) -> bytes:
 
 
 def _move_key(old: str) -> bytes:
-    """A sandbox moved to another edge, under its old id: ``{"n": new id, "t": when}``."""
+    """A sandbox moved to another edge, under its old id: ``{"n": new id, "t": when}`` and
+    the allocation it had (``p``, ``c``, ``m``: project, millicores, MiB)."""
     return _k("moves", edge_of(old), old)
 
 

@@ -9,7 +9,6 @@ whole subtree, so admission checks every ancestor (see ``dsec.core.projects``).
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -223,9 +222,11 @@ class QuotasMixin:
             now = self._clock()  # the new edge's reconcile grace covers it as an admission
             db.execute("UPDATE allocations SET sandbox_id = ?, edge_id = ?, created_at = ? "
                        "WHERE sandbox_id = ?", (new, edge_of(new), now, old))  # fmt: skip
-            db.execute("INSERT OR REPLACE INTO moves VALUES (?, ?, ?, ?)",
-                       (old, new, edge_of(old), now))  # fmt: skip
-        return replace(rows[old], sandbox_id=new, edge_id=edge_of(new), created_at=now)
+            a = rows[old]
+            db.execute("INSERT OR REPLACE INTO moves (old, new, edge_id, at, project, cpu_milli, "
+                       "memory_mb) VALUES (?, ?, ?, ?, ?, ?, ?)", (old, new, edge_of(old), now,
+                       a.project, milli(a.cpu), a.memory_mb))  # fmt: skip
+        return replace(a, sandbox_id=new, edge_id=edge_of(new), created_at=now)
 
     def settle_moves(
         self, edge_id: str, live: Sequence[str], grace_s: float, running: Sequence[str] = ()
@@ -238,7 +239,9 @@ class QuotasMixin:
             moved if paused: the apiserver that moved them did not); ``unallocated``, every
             live id holding no allocation. A moved one ``running`` again (resumed on its own
             edge before the apiserver could end it) gets its allocation back, as the apiserver
-            would have done: the new one is then unallocated on its edge. Moves older than
+            would have done: the new one is then unallocated on its edge; if the new one has
+            ended meanwhile, taking the allocation with it, the source is counted again as
+            the move counted it (even over a quota lowered since: it runs). Moves older than
             ``grace_s`` whose source is no longer live are forgotten.
         """
         validate_edge_id(edge_id)
@@ -254,10 +257,29 @@ class QuotasMixin:
                 db.executemany("DELETE FROM moves WHERE old = ? AND at <= ?", done)
         moved, unallocated, back = settled(live, held, moves, cutoff, running)
         for old, new in back:
-            with contextlib.suppress(NotFound):  # the new one is gone too: nothing to give
+            try:
                 self.move_allocation(new, old)
-                unallocated.remove(old)
+            except NotFound:  # the new one is gone too, its allocation with it
+                if not self._count_again(old, new):
+                    continue
+            unallocated.remove(old)
         return moved, unallocated
+
+    def _count_again(self, old: str, new: str) -> bool:
+        """Give moved sandbox ``old`` (running at home) the allocation its move renamed to
+        ``new`` (ended since, freeing it) anew, and forget the move; False if the move row
+        predates the amounts (or the project is gone): it then stays unallocated."""
+        with self._write() as db:
+            row = db.execute("SELECT project, cpu_milli, memory_mb FROM moves "
+                             "WHERE old = ? AND new = ?", (old, new)).fetchone()  # fmt: skip
+            if row is None or not row[0]:
+                return False
+            if not db.execute("SELECT 1 FROM projects WHERE name = ?", (row[0],)).fetchone():
+                return False
+            db.execute("INSERT OR IGNORE INTO allocations VALUES (?, ?, ?, ?, ?, ?)",
+                       (old, row[0], edge_of(old), row[1], row[2], self._clock()))  # fmt: skip
+            db.execute("DELETE FROM moves WHERE old = ?", (old,))
+        return True
 
     def reconcile(self, edge_id: str, live: Sequence[str], grace_s: float) -> list[str]:
         """Drop allocations of ``edge_id`` whose sandbox is not in ``live``.
