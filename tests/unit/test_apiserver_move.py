@@ -106,8 +106,21 @@ class FakeUpstream:
     async def edges(self, fresh: bool = False) -> list[Entry]:
         return [Entry("e0a1"), Entry("f00d")]
 
-    def edge_stub(self, entry: Entry, *, plain: bool = False) -> FakeEdge:
+    def edge_stub(self, entry: Entry) -> FakeEdge:
         return self.src if entry.edge_id == "e0a1" else self.dst
+
+    def edge_stream(self, entry: Entry) -> Creates:
+        return Creates(self.edge_stub(entry))
+
+
+@dataclass
+class Creates:
+    """The apiserver's creates on an edge (``edge_stream``), over the fake's CreateSandbox."""
+
+    edge: FakeEdge
+
+    async def create(self, req: pb.CreateSandboxRequest, metadata: Any, timeout: float) -> Any:
+        return await self.edge.CreateSandbox(req, metadata=metadata, timeout=timeout)
 
 
 @pytest_asyncio.fixture

@@ -249,8 +249,21 @@ class Apiserver:
     async def edges(self, fresh: bool = False) -> list[Entry]:
         return [Entry(e) for e in self.stubs]
 
-    def edge_stub(self, entry: Entry, *, plain: bool = False) -> EdgeStub:
+    def edge_stub(self, entry: Entry) -> EdgeStub:
         return self.stubs[entry.edge_id]
+
+    def edge_stream(self, entry: Entry) -> Creates:
+        return Creates(self.stubs[entry.edge_id])
+
+
+@dataclass
+class Creates:
+    """The apiserver's creates on an edge (``edge_stream``), over the fake's CreateSandbox."""
+
+    edge: EdgeStub
+
+    async def create(self, req: pb.CreateSandboxRequest, metadata: Any, timeout: float) -> Any:
+        return await self.edge.CreateSandbox(req, metadata=metadata, timeout=timeout)
 
 
 async def _no_undo(*_: Any, **__: Any) -> None:

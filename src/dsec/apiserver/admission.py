@@ -1,7 +1,8 @@
 """Starting one sandbox on one edge, the way every create does it (plain, from a snapshot,
 for a trajectory): the iam admits it against the project tree's quotas first (in the
 apiserver's shared ``AdmitMany`` batch), then the edge creates it and has the final say; if
-the edge refuses or the call fails, the admission is released again.
+the edge refuses or the call fails, the admission is released again. The edge's create
+goes as a message of the apiserver's kept stream to it (:mod:`dsec.apiserver.edge_stream`).
 """
 
 from __future__ import annotations
@@ -46,15 +47,13 @@ async def admit_and_create(
         create = pb.CreateSandboxRequest(spec=req_spec, project=project, owner=p.subject,
                                          sandbox_id=sid, from_snapshot=from_snapshot)  # fmt: skip
         try:
-            info = await rpc(
-                f"edge {entry.edge_id}",
-                c.upstream.edge_stub(entry, plain=True).CreateSandbox(
-                    create, metadata=p.metadata(), timeout=create_deadline_s(spec.backend)
-                ),
+            info = await c.upstream.edge_stream(entry).create(
+                create, p.metadata(), create_deadline_s(spec.backend)
             )
         except BaseException as exc:
             await asyncio.shield(release(request, [sid]))
             if isinstance(exc, Unavailable):  # full, or unreachable (died since its report)
+                c.metrics.inc("create_edge_unavailable", code=exc.code)
                 last = exc
                 continue
             raise

@@ -85,10 +85,7 @@ async def resume_on(
                                          sandbox_id=new_id, from_snapshot=copy_id,
                                          moved_from=info.id)  # fmt: skip
         deadline = create_deadline_s(info.spec.backend)
-        call = c.upstream.edge_stub(target, plain=True).CreateSandbox(
-            create, metadata=md, timeout=deadline
-        )
-        made: pb.SandboxInfo = await rpc(f"edge {target.edge_id}", call)
+        made = await c.upstream.edge_stream(target).create(create, md, deadline)
         started.append(monotonic())
         return made
 

@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import grpc
 
+from dsec.apiserver.edge_stream import EdgeStream
 from dsec.apiserver.iam_batch import IamBatch
 from dsec.apiserver.placement import Placement
 from dsec.core.errors import SandboxNotFound, Unavailable
@@ -56,13 +57,14 @@ class Upstream:
         self._iam_ch = secure_channel(pki, name, iam)
         self._watcher_ch = secure_channel(pki, name, watcher)
         self.iam = pb_grpc.IamStub(self._iam_ch)
-        # the hot paths (every create's admission, audit entry and edge call) go over
+        # the hot paths (every create's admission, audit entry and edge create) go over
         # channels without the error-translating interceptor and translate themselves
         self._iam_plain = secure_channel(pki, name, iam, translate=False)
         self.iam_batch = IamBatch(pb_grpc.IamStub(self._iam_plain))
         self.watcher = pb_grpc.WatcherStub(self._watcher_ch)
         self._edge_channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
-        self._plain_edges: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
+        self._streams: dict[str, tuple[str, EdgeStream]] = {}
+        self._closing: set[asyncio.Future[None]] = set()
         self._view: list[EdgeEntry] = []
         self._view_at = 0.0
         self._fetching: asyncio.Future[list[EdgeEntry]] | None = None
@@ -103,21 +105,37 @@ class Upstream:
                     return self.edge_stub(e)
         raise SandboxNotFound(f"no sandbox {sandbox_id} (its edge {edge_id} is unknown)")
 
-    def edge_stub(self, entry: EdgeEntry, *, plain: bool = False) -> pb_grpc.EdgeAsyncStub:
-        """The edge's stub; ``plain``: one whose unary calls raise ``AioRpcError`` (await
-        them through :func:`rpc`), for the create path."""
-        table = self._plain_edges if plain else self._edge_channels
-        cached = table.get(entry.edge_id)
+    def edge_stream(self, entry: EdgeEntry) -> EdgeStream:
+        """The edge's creates (:mod:`dsec.apiserver.edge_stream`): one kept stream per edge,
+        over a channel without the error-translating interceptor."""
+        cached = self._streams.get(entry.edge_id)
+        if cached is not None and cached[0] == entry.address:
+            return cached[1]
+        if cached is not None:  # the edge came back at another address
+            closing = asyncio.ensure_future(cached[1].aclose(channel=True))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        channel = secure_channel(self._pki, self._name, entry.address, translate=False)
+        stream = EdgeStream(channel, f"edge {entry.edge_id}")
+        self._streams[entry.edge_id] = (entry.address, stream)
+        return stream
+
+    def edge_stub(self, entry: EdgeEntry) -> pb_grpc.EdgeAsyncStub:
+        """The edge's stub (its unary calls raise DsecErrors)."""
+        cached = self._edge_channels.get(entry.edge_id)
         if cached is not None and cached[0] == entry.address:
             return cached[2]
-        ch = secure_channel(self._pki, self._name, entry.address, translate=not plain)
+        ch = secure_channel(self._pki, self._name, entry.address)
         stub = pb_grpc.EdgeStub(ch)
-        table[entry.edge_id] = (entry.address, ch, stub)
+        self._edge_channels[entry.edge_id] = (entry.address, ch, stub)
         return stub
 
     async def aclose(self) -> None:
+        for _, stream in self._streams.values():
+            await stream.aclose(channel=True)
+        await asyncio.gather(*self._closing, return_exceptions=True)
         await self._iam_ch.close()
         await self._iam_plain.close()
         await self._watcher_ch.close()
-        for _, ch, _ in [*self._edge_channels.values(), *self._plain_edges.values()]:
+        for _, ch, _ in self._edge_channels.values():
             await ch.close()

@@ -224,9 +224,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         reports = await asyncio.to_thread(backend_report.report, candidates)
         return backend_report.to_pb(edge_id, reports)
 
-    pb_grpc.add_EdgeServicer_to_server(
-        EdgeService(manager, status, images, list_backends=list_backends), server
-    )
+    service = EdgeService(manager, status, images, list_backends=list_backends)
+    pb_grpc.add_EdgeServicer_to_server(service, server)
     await server.start()
     metrics_runner = (
         await serve_metrics(metrics, *_split(args.metrics_listen)) if args.metrics_listen else None
@@ -280,6 +279,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         for t in loops:
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
+        service.refuse_creates(f"edge {edge_id} is shutting down")  # as stop() refuses calls
         await server.stop(grace=2)
         if args.stop_sandboxes_on_exit:
             await manager.stop_all("edge shut down")

@@ -26,6 +26,7 @@ from dsec.core.errors import (
 )
 from dsec.core.lifecycle import State
 from dsec.edge import agent_client
+from dsec.edge.create_stream import CreateStreamServicer
 from dsec.edge.images.reference import parse_reference
 from dsec.edge.images.service import EdgeImages, image_to_pb
 from dsec.edge.manager import Caller, SandboxManager
@@ -33,7 +34,6 @@ from dsec.edge.named_snapshots import NamedSnapshots, SnapshotRecord
 from dsec.edge.records import SandboxRecord
 from dsec.edge.snapshot_transfer import SnapshotTransfer
 from dsec.rpc._gen import dsec_pb2 as pb
-from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.convert import policy_from_pb, spec_from_pb, spec_to_pb
 
 REPLY_LIMIT = 32 * 1024 * 1024
@@ -98,7 +98,7 @@ def _parse_request(raw: bytes) -> dict[str, Any]:
     return req
 
 
-class EdgeService(pb_grpc.EdgeServicer):
+class EdgeService(CreateStreamServicer):
     def __init__(
         self,
         manager: SandboxManager,

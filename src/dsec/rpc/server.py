@@ -13,6 +13,9 @@ certificate of our CA. Every handler registered on it is wrapped so that, per ca
    bundle: a connection made before a CA rotation finished is refused from then on);
 3. the call is counted and timed in the daemon's metrics, when given.
 
+A stream whose messages each stand for a call of their own (``@authorize_each_message``)
+has every message authorized again, as that call would be.
+
 Handlers learn who called with :func:`peer_identity`.
 """
 
@@ -24,7 +27,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
 
@@ -205,6 +208,27 @@ class _Guard:
                 self.metrics.observe("rpc", time.perf_counter() - start, method=self.label)
 
 
+_EACH_MESSAGE = "_dsec_authorize_each_message"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def authorize_each_message(handler: F) -> F:
+    """Mark a stream-request handler whose messages each stand for a call: each one is
+    authorized again (role, and the trust bundle the caller's certificate must still be
+    in) before the handler reads it, so a long-lived stream is refused from the moment a
+    new unary call would be; the refusal ends the stream with its status."""
+    setattr(handler, _EACH_MESSAGE, True)
+    return handler
+
+
+async def _authorized(
+    requests: AsyncIterator[Any], guard: _Guard, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Any]:
+    async for request in requests:
+        guard.authorize(context)
+        yield request
+
+
 def _wrap_handler(
     handler: grpc.RpcMethodHandler[Any, Any], guard: _Guard
 ) -> grpc.RpcMethodHandler[Any, Any]:
@@ -217,8 +241,11 @@ def _wrap_handler(
         fn, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
     else:
         fn, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    each = handler.request_streaming and getattr(fn, _EACH_MESSAGE, False)
     wrapped = (
-        _wrap_generator(fn, guard) if inspect.isasyncgenfunction(fn) else _wrap_call(fn, guard)
+        _wrap_generator(fn, guard, each)
+        if inspect.isasyncgenfunction(fn)
+        else _wrap_call(fn, guard)
     )
     new: grpc.RpcMethodHandler[Any, Any] = factory(
         wrapped,
@@ -248,11 +275,15 @@ def _wrap_call(fn: Callable[..., Any], guard: _Guard) -> Callable[..., Awaitable
     return call
 
 
-def _wrap_generator(fn: Callable[..., Any], guard: _Guard) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_generator(
+    fn: Callable[..., Any], guard: _Guard, each: bool = False
+) -> Callable[..., AsyncIterator[Any]]:
     async def generate(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         start = time.perf_counter()
         try:
             guard.authorize(context)
+            if each:
+                request = _authorized(request, guard, context)
             async for item in fn(request, context):
                 yield item
         except grpc.aio.AbortError:

@@ -99,6 +99,15 @@ class LocalCluster:
         _wait_port(port, p.proc, p.log)
         return p
 
+    def restart(self, p: Proc) -> Proc:
+        """Start an edge that ended again (same home, same address); returns it once it
+        listens."""
+        argv = [str(a) for a in p.proc.args]  # type: ignore[union-attr]
+        again = _spawn(p.name, p.home, p.address, argv, _env(p.home, self.root))
+        self.edges[self.edges.index(p)] = again
+        _wait_port(int(p.address.rpartition(":")[2]), again.proc, again.log)
+        return again
+
     def stop(self, p: Proc, sig: int = signal.SIGTERM) -> None:
         if p.proc.poll() is None:
             p.proc.send_signal(sig)

@@ -4,8 +4,11 @@ Each simulated edge is a real ``dsec.v1.Edge`` gRPC server with its own mTLS ide
 leaf of the cluster CA) that reports heartbeats to the watcher like a real edge and keeps
 the final say on admission: it reserves CPU and memory against its capacity and answers
 "node full" when a sandbox does not fit. It runs no sandboxes: a create only books the
-resources and returns a running SandboxInfo; a kill frees them. Many of them share one
-process (``python -m dsec.testing.simulated_edges``), so 100 edges fit on a laptop.
+resources and returns a running SandboxInfo; a kill frees them. Creates come the way they
+come to a real edge: on the apiserver's kept ``CreateStream``, served by the real edge's
+code (:class:`dsec.edge.create_stream.CreateStreamServicer`) over this ``CreateSandbox``.
+Many of them share one process (``python -m dsec.testing.simulated_edges``), so 100 edges
+fit on a laptop.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import grpc
 
 from dsec.core.errors import InvalidArgument, NodeFull, SandboxNotFound
 from dsec.core.ids import RANDOM_BYTES, edge_of, new_sandbox_id
+from dsec.edge.create_stream import CreateStreamServicer
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.client import secure_channel
@@ -34,7 +38,7 @@ _Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
 @dataclass
-class SimulatedEdge(pb_grpc.EdgeServicer):
+class SimulatedEdge(CreateStreamServicer):
     """One simulated edge's books: what it has reserved, against what it has."""
 
     edge_id: str
@@ -148,6 +152,8 @@ async def run(pki: Path, edge_ids: list[str], watcher: str, preload: int,
     finally:
         beat.cancel()
         await asyncio.gather(beat, return_exceptions=True)
+        for e in edges:
+            e.refuse_creates(f"simulated edge {e.edge_id} is shutting down")
         for s in servers:
             await s.stop(1)
         for ch in channels:

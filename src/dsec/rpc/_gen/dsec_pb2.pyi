@@ -1007,6 +1007,96 @@ class EdgeStatus(_message.Message):
 Global___EdgeStatus: _TypeAlias = EdgeStatus  # noqa: Y015
 
 @_typing.final
+class CreateStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    CREATE_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """chosen by the caller, unique on its stream"""
+    timeout_s: _builtins.float
+    """the unary call's deadline, from when it was sent"""
+    cancel: _builtins.bool
+    """the caller gave up on create `id`: stop it (no reply)"""
+    @_builtins.property
+    def create(self) -> Global___CreateSandboxRequest: ...
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """what the unary call carries as call metadata"""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        create: Global___CreateSandboxRequest | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        timeout_s: _builtins.float = ...,
+        cancel: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create", b"create"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "create", b"create", "id", b"id", "metadata", b"metadata", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateStreamRequest: _TypeAlias = CreateStreamRequest  # noqa: Y015
+
+@_typing.final
+class CreateStreamReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    INFO_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    error_code: _builtins.str
+    """or refused/failed: the DsecError's code (as x-dsec-code)"""
+    error_message: _builtins.str
+    @_builtins.property
+    def info(self) -> Global___SandboxInfo:
+        """created"""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        info: Global___SandboxInfo | None = ...,
+        error_code: _builtins.str = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "id", b"id", "info", b"info"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateStreamReply: _TypeAlias = CreateStreamReply  # noqa: Y015
+
+@_typing.final
 class MovedSandbox(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -184,6 +184,11 @@ class EdgeStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
                 _registered_method=True)
+        self.CreateStream = channel.stream_stream(
+                '/dsec.v1.Edge/CreateStream',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateStreamRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateStreamReply.FromString,
+                _registered_method=True)
 
 
 class EdgeServicer:
@@ -384,6 +389,16 @@ class EdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateStream(self, request_iterator, context):
+        """Creates as messages of one kept stream (an apiserver keeps one per edge) instead of a
+        unary CreateSandbox each: every request is the CreateSandbox call it stands for, with
+        that call's metadata and deadline, run by the same handler; each reply names its
+        request. The edge sends its (empty) initial metadata as soon as it serves the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -536,6 +551,11 @@ def add_EdgeServicer_to_server(servicer, server):
                     servicer.DropSnapshotCopies,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.SerializeToString,
+            ),
+            'CreateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.CreateStream,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateStreamRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateStreamReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1348,6 +1368,33 @@ class Edge:
             '/dsec.v1.Edge/DropSnapshotCopies',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.SnapshotRef.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.v1.Edge/CreateStream',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateStreamRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.CreateStreamReply.FromString,
             options,
             channel_credentials,
             insecure,

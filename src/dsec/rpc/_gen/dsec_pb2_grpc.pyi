@@ -82,6 +82,12 @@ class EdgeStub:
     """
     DropSnapshotCopies: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.Empty]
     """The snapshot was deleted on its edge: drop this edge's cached copies of its files."""
+    CreateStream: _grpc.StreamStreamMultiCallable[_dsec_pb2.CreateStreamRequest, _dsec_pb2.CreateStreamReply]
+    """Creates as messages of one kept stream (an apiserver keeps one per edge) instead of a
+    unary CreateSandbox each: every request is the CreateSandbox call it stands for, with
+    that call's metadata and deadline, run by the same handler; each reply names its
+    request. The edge sends its (empty) initial metadata as soon as it serves the stream.
+    """
 
 @_typing.type_check_only
 class EdgeAsyncStub(EdgeStub):
@@ -133,6 +139,12 @@ class EdgeAsyncStub(EdgeStub):
     """
     DropSnapshotCopies: _aio.UnaryUnaryMultiCallable[_dsec_pb2.SnapshotRef, _dsec_pb2.Empty]  # type: ignore[assignment]
     """The snapshot was deleted on its edge: drop this edge's cached copies of its files."""
+    CreateStream: _aio.StreamStreamMultiCallable[_dsec_pb2.CreateStreamRequest, _dsec_pb2.CreateStreamReply]  # type: ignore[assignment]
+    """Creates as messages of one kept stream (an apiserver keeps one per edge) instead of a
+    unary CreateSandbox each: every request is the CreateSandbox call it stands for, with
+    that call's metadata and deadline, run by the same handler; each reply names its
+    request. The edge sends its (empty) initial metadata as soon as it serves the stream.
+    """
 
 class EdgeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -361,6 +373,18 @@ class EdgeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.Empty, _abc.Awaitable[_dsec_pb2.Empty]]:
         """The snapshot was deleted on its edge: drop this edge's cached copies of its files."""
+
+    @_abc_1.abstractmethod
+    def CreateStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_dsec_pb2.CreateStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_dsec_pb2.CreateStreamReply], _abc.AsyncIterator[_dsec_pb2.CreateStreamReply]]:
+        """Creates as messages of one kept stream (an apiserver keeps one per edge) instead of a
+        unary CreateSandbox each: every request is the CreateSandbox call it stands for, with
+        that call's metadata and deadline, run by the same handler; each reply names its
+        request. The edge sends its (empty) initial metadata as soon as it serves the stream.
+        """
 
 def add_EdgeServicer_to_server(servicer: EdgeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

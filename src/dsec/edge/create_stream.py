@@ -1,0 +1,157 @@
+"""The edge's end of ``CreateStream``: creates that come as messages of one kept stream
+(an apiserver keeps one per edge; ``dsec.apiserver.edge_stream`` is the other end).
+
+Each message is the ``CreateSandbox`` call it stands for, and runs through the servicer's
+own ``CreateSandbox`` handler, so a create does the same on either path; what the handler
+reads of its call (the caller's metadata, the time left) comes from the message
+(:class:`MessageContext`). Creates run concurrently and are answered as they finish,
+each reply naming its request; a DsecError goes back as its code and message, what the
+unary call's status and ``x-dsec-code`` trailer carry. The server's guard authorizes every
+message again, as it would each unary call (:func:`dsec.rpc.server.authorize_each_message`).
+
+Deadlines and cancellation are the unary call's: a create still running when its
+``timeout_s`` ends is cancelled and answered ``deadline_exceeded``; a ``cancel`` message
+(the caller gave up) cancels it unanswered; the stream ending (the caller went away)
+cancels them all. Once the edge is shutting down (:meth:`CreateStreamServicer.refuse_creates`)
+new creates are answered ``unavailable``, as a unary call to a stopping server is, and the
+caller places them elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import grpc
+
+from dsec.core.errors import DeadlineExceeded, DsecError, Internal, InvalidArgument, Unavailable
+from dsec.rpc._gen import dsec_pb2 as pb
+from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
+from dsec.rpc.server import authorize_each_message
+
+_log = logging.getLogger("dsec.edge.create_stream")
+_Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+class MessageContext:
+    """What a create handler reads of its call's context, for a create that came as a
+    stream message: that message's metadata and deadline, the stream's peer."""
+
+    def __init__(self, stream: _Ctx, metadata: tuple[tuple[str, str], ...], deadline: float | None):
+        self._stream = stream
+        self._metadata = metadata
+        self._deadline = deadline
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    def auth_context(self) -> Any:
+        return self._stream.auth_context()
+
+    def peer(self) -> str:
+        return self._stream.peer()
+
+
+def _error_reply(rid: int, err: DsecError) -> pb.CreateStreamReply:
+    return pb.CreateStreamReply(id=rid, error_code=err.code, error_message=err.message)
+
+
+class CreateStreamServicer(pb_grpc.EdgeServicer):
+    """An Edge servicer's ``CreateStream``, over its own ``CreateSandbox``."""
+
+    _refusing = ""  # why new creates are refused ("" while they are taken)
+
+    async def CreateSandbox(
+        self, request: pb.CreateSandboxRequest, context: _Ctx
+    ) -> pb.SandboxInfo:  # each servicer's own
+        raise NotImplementedError
+
+    def refuse_creates(self, why: str) -> None:
+        """Answer every create from now on ``unavailable: why`` (the edge is stopping)."""
+        self._refusing = why
+
+    async def _create(self, msg: pb.CreateStreamRequest, stream: _Ctx) -> pb.CreateStreamReply:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + msg.timeout_s if msg.timeout_s > 0 else None
+        context = MessageContext(stream, tuple(msg.metadata.items()), deadline)
+        try:
+            async with asyncio.timeout_at(deadline) as limit:
+                info = await self.CreateSandbox(msg.create, cast(_Ctx, context))
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            return _error_reply(msg.id, DeadlineExceeded("the create ran past its deadline"))
+        return pb.CreateStreamReply(id=msg.id, info=info)
+
+    async def _answer(
+        self, msg: pb.CreateStreamRequest, stream: _Ctx, replies: asyncio.Queue[Any]
+    ) -> None:
+        try:
+            reply = await self._create(msg, stream)
+        except asyncio.CancelledError:
+            return  # its caller gave up on it, or the stream ended
+        except DsecError as exc:
+            reply = _error_reply(msg.id, exc)
+        except Exception as exc:  # as the guard answers for a unary handler's bug
+            _log.error("create raised %r", exc, exc_info=exc,
+                       extra={"fields": {"sandbox": msg.create.sandbox_id}})  # fmt: skip
+            reply = _error_reply(msg.id, Internal(f"internal error in Edge/CreateSandbox: "
+                                                  f"{type(exc).__name__}"))  # fmt: skip
+        replies.put_nowait(reply)
+
+    @authorize_each_message
+    async def CreateStream(
+        self, request_iterator: AsyncIterator[pb.CreateStreamRequest], context: _Ctx
+    ) -> AsyncIterator[pb.CreateStreamReply]:
+        # replies, then None when the caller has half-closed and every create has answered,
+        # or the exception that ended the requests (e.g. a message no longer authorized)
+        replies: asyncio.Queue[pb.CreateStreamReply | BaseException | None] = asyncio.Queue()
+        running: dict[int, asyncio.Task[None]] = {}
+
+        def forget(rid: int, _: object) -> None:
+            running.pop(rid, None)
+
+        async def take() -> None:
+            try:
+                async for msg in request_iterator:
+                    if msg.cancel:
+                        task = running.get(msg.id)
+                        if task is not None:
+                            task.cancel()
+                    elif msg.id in running:
+                        err = InvalidArgument(f"create {msg.id} is already running")
+                        replies.put_nowait(_error_reply(msg.id, err))
+                    elif self._refusing:
+                        replies.put_nowait(_error_reply(msg.id, Unavailable(self._refusing)))
+                    else:
+                        task = asyncio.create_task(self._answer(msg, context, replies))
+                        running[msg.id] = task
+                        task.add_done_callback(functools.partial(forget, msg.id))
+                while running:
+                    await asyncio.wait(list(running.values()))
+                replies.put_nowait(None)
+            except Exception as exc:
+                replies.put_nowait(exc)
+
+        await context.send_initial_metadata(())  # "served" (an edge without it: UNIMPLEMENTED)
+        pump = asyncio.create_task(take())
+        try:
+            while (item := await replies.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            pump.cancel()
+            for task in list(running.values()):
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(pump, *running.values(), return_exceptions=True)
