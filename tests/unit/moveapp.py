@@ -42,6 +42,16 @@ class Entry:
         return pb.EdgeView(status=pb.EdgeStatus(backends=["microvm"]))
 
 
+@dataclass
+class Creates:
+    """The apiserver's creates on an edge (``edge_stream``), over a fake's CreateSandbox."""
+
+    edge: Any
+
+    async def create(self, req: pb.CreateSandboxRequest, metadata: Any, timeout: float) -> Any:
+        return await self.edge.CreateSandbox(req, metadata=metadata, timeout=timeout)
+
+
 class OneCaller:
     """The authenticator: every request is ``principal``'s."""
 

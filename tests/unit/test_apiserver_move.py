@@ -18,7 +18,7 @@ from dsec.apiserver.auth import Principal
 from dsec.core.errors import DsecError, InvalidState, NodeFull, QuotaExceeded, Unavailable
 from dsec.core.spec import MOVE_GRACE_S
 from dsec.rpc._gen import dsec_pb2 as pb
-from tests.unit.moveapp import COPY, QUIET, Client, Entry, resume_client
+from tests.unit.moveapp import COPY, QUIET, Client, Creates, Entry, resume_client
 
 ALICE = Principal(subject="alice", project="acme", role="member", key_id="k1")
 OLD = "sbx-e0a1-" + "a" * 20
@@ -111,16 +111,6 @@ class FakeUpstream:
 
     def edge_stream(self, entry: Entry) -> Creates:
         return Creates(self.edge_stub(entry))
-
-
-@dataclass
-class Creates:
-    """The apiserver's creates on an edge (``edge_stream``), over the fake's CreateSandbox."""
-
-    edge: FakeEdge
-
-    async def create(self, req: pb.CreateSandboxRequest, metadata: Any, timeout: float) -> Any:
-        return await self.edge.CreateSandbox(req, metadata=metadata, timeout=timeout)
 
 
 @pytest_asyncio.fixture

@@ -30,7 +30,7 @@ from dsec.obs import Metrics
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.convert import spec_from_pb
 from dsec.testing.fake_backend import FakeBackend
-from tests.unit.moveapp import COPY, QUIET, Entry, resume_client
+from tests.unit.moveapp import COPY, QUIET, Creates, Entry, resume_client
 
 ALICE = Caller(project="alice", subject="alice", admin=False)
 ALICE_KEY = Principal(subject="alice", project="alice", role="member", key_id="k1")
@@ -254,16 +254,6 @@ class Apiserver:
 
     def edge_stream(self, entry: Entry) -> Creates:
         return Creates(self.stubs[entry.edge_id])
-
-
-@dataclass
-class Creates:
-    """The apiserver's creates on an edge (``edge_stream``), over the fake's CreateSandbox."""
-
-    edge: EdgeStub
-
-    async def create(self, req: pb.CreateSandboxRequest, metadata: Any, timeout: float) -> Any:
-        return await self.edge.CreateSandbox(req, metadata=metadata, timeout=timeout)
 
 
 async def _no_undo(*_: Any, **__: Any) -> None:
