@@ -61,8 +61,8 @@ from dsec.rpc.tls import Identity, ensure_pki
 from dsec.sdk import AsyncClient, AsyncSandbox
 from dsec.store.api import Put
 from dsec.store.etcd import EtcdStore
-from dsec.testing.cluster import free_port
 from dsec.testing.etcd import etcd_binary, etcd_cluster
+from dsec.testing.ports import free_port
 
 EDGES = 100
 PROJECTS = 100

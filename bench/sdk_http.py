@@ -25,6 +25,7 @@ import httpx
 
 from dsec.sdk.http1 import Http1Pool
 from dsec.sdk.wire import Request, auth_headers, json_body
+from dsec.testing.ports import free_port
 
 SERVER = """
 import sys
@@ -42,13 +43,6 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print
 def _cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _wait_listening(port: int, timeout: float = 60) -> None:
@@ -83,7 +77,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
     load_before = [round(x, 2) for x in os.getloadavg()]

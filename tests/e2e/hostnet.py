@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from dsec.testing.platform import RunningPlatform, free_port_base
+from dsec.testing.platform import RunningPlatform
+from dsec.testing.ports import free_port_base
 
 DOMAIN = "dsec.test"
 

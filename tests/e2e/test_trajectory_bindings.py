@@ -4,7 +4,6 @@ edge refuses a call sent as for an unbound sandbox once the sandbox is marked bo
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,13 @@ import pytest
 
 from dsec.sdk import Client, Sandbox
 from dsec.testing.platform import RunningPlatform
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from dsec.testing.ports import free_port
 
 
 @pytest.fixture
 def second_apiserver(platform: RunningPlatform, tmp_path: Path) -> Iterator[str]:
     """Another apiserver of the same platform (same home, iam, watcher and log)."""
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     lay = platform.layout
     argv = [sys.executable, "-m", "dsec.apiserver", "--home", str(platform.paths.home)]
     argv += ["--listen", addr, "--iam", lay.iam, "--watcher", lay.watcher]

@@ -10,7 +10,8 @@ import pytest_asyncio
 
 from dsec.core.errors import StoreUnavailable
 from dsec.store.etcd import EtcdStore
-from dsec.testing.etcd import EtcdCluster, etcd_binary, etcd_cluster, free_port
+from dsec.testing.etcd import EtcdCluster, etcd_binary, etcd_cluster
+from dsec.testing.ports import free_port
 from dsec.testing.store_checks import CHECKS
 
 pytestmark = pytest.mark.skipif(

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from dsec.core.errors import InvalidArgument, Unavailable
 from dsec.daemon import daemon_arg_parser, parse_hostport, run_daemon
+from dsec.testing.ports import free_port
 
 
 @pytest.fixture
@@ -77,14 +77,8 @@ def test_common_flags() -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_watcher_process_serves_health_and_stops_on_sigterm(tmp_path: Path) -> None:
-    mport = _free_port()
+    mport = free_port()
     cmd = [sys.executable, "-m", "dsec.watcher", "--home", str(tmp_path), "--listen",
            "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{mport}"]  # fmt: skip
     env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}

@@ -25,12 +25,7 @@ from pathlib import Path
 
 from dsec.paths import Paths
 from dsec.rpc.tls import Identity, ensure_pki
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from dsec.testing.ports import free_port
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60) -> None:

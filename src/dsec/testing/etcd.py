@@ -14,7 +14,6 @@ import ipaddress
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -31,18 +30,13 @@ from dsec.core.errors import Unavailable
 from dsec.store._gen import etcd_v3_subset_pb2 as pb
 from dsec.store._gen import etcd_v3_subset_pb2_grpc as pbg
 from dsec.store.etcd import EtcdTls
+from dsec.testing.ports import free_port
 
 START_TIMEOUT_S = 20.0
 
 
 def etcd_binary() -> str | None:
     return shutil.which("etcd")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:

@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from dsec.core.errors import DsecError
 from dsec.paths import Paths
 from dsec.supervisor import EDGE_ARGS_ENV, PORTS, Layout, healthy, layout_path
+from dsec.testing.ports import free_port_base
 
 
 def requirements_missing() -> str | None:
@@ -38,24 +38,6 @@ def requirements_missing() -> str | None:
     if not (data / "agent" / "init").exists():
         return f"the agent bundle is not built in {data} (run scripts/install)"
     return None
-
-
-def free_port_base(count: int = PORTS) -> int:
-    for _ in range(200):
-        base = 20000 + int.from_bytes(os.urandom(2), "big") % 30000
-        socks = []
-        try:
-            for i in range(count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 @dataclass
@@ -109,7 +91,7 @@ def running_platform(
     paths = Paths(home=top / "home", data=Paths.from_env().data, run=top / "run")
     paths.home.mkdir()
     paths.logs.mkdir()
-    base = free_port_base()
+    base = free_port_base(PORTS)
     cgroup_parent = f"dsectest-{os.urandom(4).hex()}"  # its own: checked and removed after
     edge_args = ["--cgroup-parent", cgroup_parent, *edge_args]
     argv = [sys.executable, "-m", "dsec.supervisor", str(paths.home), str(base)]

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import tarfile
@@ -39,6 +38,7 @@ from dsec.edge.images.registry import (
     RegistryClient,
     sha256_digest,
 )
+from dsec.testing.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +71,6 @@ def skip_reason() -> str | None:
     if shutil.which("docker-registry") is None:
         return "needs docker-registry (apt-get install docker-registry)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _self_signed(root: Path) -> tuple[Path, Path]:
@@ -126,7 +120,7 @@ def local_registry(
     """Run ``docker-registry`` on 127.0.0.1 (htpasswd auth when a username is given, HTTPS
     with a self-signed certificate when ``tls``)."""
     root = Path(tempfile.mkdtemp(prefix="dsec-registry-"))
-    port = _free_port()
+    port = free_port()
     storage = root / "data"
     storage.mkdir()
     lines = [
