@@ -365,3 +365,19 @@ def test_http_errors(agent: LocalAgent):
     assert agent.call(bad, stdin=b"").error_code == "invalid_argument"
     bad_header = {**req, "headers": [["X", "a\nb"]]}
     assert agent.call(bad_header, stdin=b"").error_code == "invalid_argument"
+
+
+def test_http_gives_up_on_a_silent_server(agent: LocalAgent):
+    import socket
+    import time
+
+    with socket.socket() as listener:  # accepts (the kernel's backlog) but never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        req = {"op": "http", "port": listener.getsockname()[1], "method": "GET", "path": "/",
+               "read_timeout": 0.5}  # fmt: skip
+        t0 = time.monotonic()
+        reply = agent.call(req, stdin=b"")
+        assert reply.error_code == "deadline_exceeded"
+        assert 0.4 < time.monotonic() - t0 < 10
+        assert agent.call({**req, "read_timeout": -1}, stdin=b"").error_code == "invalid_argument"

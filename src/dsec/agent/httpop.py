@@ -4,6 +4,11 @@ A deliberately small client (``http.client`` would pull the ``email`` package in
 agent, ~3 MiB): it sends the request with ``Connection: close``, streams the client's body
 (``Content-Length`` when the caller gave one, chunked otherwise), then answers the event
 ``response{status, headers}`` and the decoded body as ``O`` frames.
+
+A server that stops answering does not hold the call forever: each read from it, and each
+write of the client's body to it, may wait at most ``read_timeout`` seconds (60 by default,
+like common reverse proxies); past that the call fails ``deadline_exceeded`` (504 before the
+response head, an aborted body after it).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 256
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "upgrade"})
@@ -100,6 +106,7 @@ def op_http(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
         raise args.bad(f"invalid request path {path!r}")
     _no_ctl(path, "the path")
     headers = _request_headers(req)
+    idle = args.opt_timeout(req, "read_timeout") or READ_TIMEOUT_S
     names = {k.lower() for k, _ in headers}
     first = conn.read_frame()
     has_body = first is not None and first[0] == KIND_IN
@@ -121,12 +128,16 @@ def op_http(conn: Conn, req: dict[str, Any]) -> dict[str, Any]:
         up.close()
         raise AgentError("unavailable", f"cannot connect to port {port}: {exc.strerror}") from None
     try:
-        up.settimeout(None)
+        up.settimeout(idle)
         up.sendall((head + "\r\n").encode("latin-1", errors="replace"))
         if has_body:
             assert first is not None
             _send_body(conn, up, first[1], chunked)
         return _relay_response(conn, _Reader(up), method)
+    except TimeoutError:
+        raise AgentError(
+            "deadline_exceeded", f"the server on port {port} was silent for {idle:g} s"
+        ) from None
     finally:
         up.close()
 
