@@ -480,14 +480,7 @@ class TrajectoryLog:
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
             if not quota_checked:
                 await self.check_quota(t.project)
-            new = replace(
-                t,
-                steps=t.steps + 1,
-                bytes=t.bytes + size,
-                cursor=t.steps + 1,
-                mode="record",
-                updated_at=self.clock(),
-            )
+            new = t.appended(size, self.clock())
             put = _record_put(new)
             res = await self.store.txn(
                 [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), put]
