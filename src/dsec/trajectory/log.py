@@ -107,7 +107,7 @@ def _quota_key(project: str) -> bytes:
 
 
 def _record_put(t: Trajectory) -> Put:
-    return Put(_meta_key(t.id), json.dumps(t.to_json()).encode())
+    return Put(_meta_key(t.id), t.encode())
 
 
 def _levels(project: str) -> list[str]:
@@ -305,7 +305,7 @@ class TrajectoryLog:
         key = _meta_key(tid)
         res = await self.store.txn(
             [Compare(key, Target.CREATE, Op.EQ, 0)],
-            [Put(key, json.dumps(fresh.to_json()).encode())],
+            [_record_put(fresh)],
         )
         if res.succeeded:
             self._usage.note(key, res.revision, project, 0)
