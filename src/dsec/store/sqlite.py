@@ -13,11 +13,15 @@ the fsync instead of queueing one each. With ``synchronous=NORMAL`` a commit nev
 the disk (the WAL is fsynced at checkpoints), so a transaction is committed on the event
 loop's thread when the connection is free, without the two thread hand-offs (their wake-ups
 cost more than the commit); the connection is then shared by both threads under a lock.
-When the store thread holds the connection (a lease, a compaction), or the transaction is
-large (a range delete, many keys, much data), it is queued to the store thread as with
-``FULL``. Both ways go through one commit (:meth:`_commit_queued`, under the lock) and one
-settlement on the loop (:meth:`_settle`: committed batches are published, and their
-transactions answered, in commit order, whichever thread committed them). Why two threads
+A transaction that finds nothing queued is committed alone (:meth:`_commit_alone`: no
+future, no queue) and returns at once, like the memory store's; it yields to the loop first
+only when another commit on the loop came before it in the same pass of the loop, so a task
+writing in a loop still lets others run. When the store thread holds the connection (a
+lease, a compaction), or the transaction is large (a range delete, many keys, much data),
+it is queued to the store thread as with ``FULL``. Every way goes through :meth:`_write`
+under the lock and one settlement on the loop (:meth:`_settle`: committed batches are
+published, and their transactions answered, in commit order, whichever thread committed
+them). Why two threads
 commit at all: a commit on the loop saves the hand-offs but blocks every other request for
 its duration, which is fine for a small transaction without an fsync and not for an fsync
 (``FULL``), a range delete of a long trajectory or a compaction.
