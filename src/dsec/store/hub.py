@@ -20,6 +20,8 @@ History = Callable[[bytes, int], Awaitable[tuple[int, list[WatchBatch]]]]
 
 def filter_batch(batch: WatchBatch, prefix: bytes) -> WatchBatch | None:
     events = tuple(e for e in batch.events if e.kv.key.startswith(prefix))
+    if len(events) == len(batch.events):
+        return batch  # (batches are frozen: the watcher may have this one)
     return WatchBatch(batch.revision, events) if events else None
 
 

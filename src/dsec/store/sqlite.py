@@ -13,11 +13,15 @@ the fsync instead of queueing one each. With ``synchronous=NORMAL`` a commit nev
 the disk (the WAL is fsynced at checkpoints), so a transaction is committed on the event
 loop's thread when the connection is free, without the two thread hand-offs (their wake-ups
 cost more than the commit); the connection is then shared by both threads under a lock.
-When the store thread holds the connection (a lease, a compaction), or the transaction is
-large (a range delete, many keys, much data), it is queued to the store thread as with
-``FULL``. Both ways go through one commit (:meth:`_commit_queued`, under the lock) and one
-settlement on the loop (:meth:`_settle`: committed batches are published, and their
-transactions answered, in commit order, whichever thread committed them). Why two threads
+A transaction that finds nothing queued is committed alone (:meth:`_commit_alone`: no
+future, no queue) and returns at once, like the memory store's; it yields to the loop first
+only when another commit on the loop came before it in the same pass of the loop, so a task
+writing in a loop still lets others run. When the store thread holds the connection (a
+lease, a compaction), or the transaction is large (a range delete, many keys, much data),
+it is queued to the store thread as with ``FULL``. Every way goes through :meth:`_write`
+under the lock and one settlement on the loop (:meth:`_settle`: committed batches are
+published, and their transactions answered, in commit order, whichever thread committed
+them). Why two threads
 commit at all: a commit on the loop saves the hand-offs but blocks every other request for
 its duration, which is fine for a small transaction without an fsync and not for an fsync
 (``FULL``), a range delete of a long trajectory or a compaction.
@@ -105,6 +109,7 @@ INSERT OR IGNORE INTO meta VALUES ('rev', 1), ('compact_rev', 0);
 """
 
 _KV_COLS = "key, value, create_rev, mod_rev, version, lease"
+_SELECT_ONE = f"SELECT {_KV_COLS} FROM kv WHERE key = ?"
 
 
 @functools.cache
@@ -117,6 +122,12 @@ def _upsert(n: int) -> str:
         "value = excluded.value, mod_rev = excluded.mod_rev, version = version + 1, "
         "lease = excluded.lease RETURNING key, create_rev, version"
     )
+
+
+@functools.cache
+def _log_changes(n: int) -> str:
+    """One statement writing ``n`` rows of history (one round trip, not ``n``)."""
+    return "INSERT INTO changes VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * n)
 
 
 def _kv(row: tuple[Any, ...]) -> KeyValue:
@@ -177,6 +188,7 @@ class SqliteStore(StoreHelpers):
         self._inline = synchronous == "NORMAL"
         self._lock = threading.Lock()  # (held by whichever thread uses the connection)
         self._commits = 0  # since the last WAL checkpoint
+        self._streak = False  # (a transaction committed on the loop in this pass of it)
         self._checkpointing = False
 
     @classmethod
@@ -227,7 +239,7 @@ class SqliteStore(StoreHelpers):
     def _read_one(self, key: bytes) -> KeyValue | None:
         # fetchall: run the statement to its end, so no read transaction stays open (it
         # would keep WAL checkpoints from restarting the log).
-        rows = self._reading().execute(f"SELECT {_KV_COLS} FROM kv WHERE key = ?", (key,))
+        rows = self._reading().execute(_SELECT_ONE, (key,))
         found = rows.fetchall()
         return _kv(found[0]) if found else None
 
@@ -364,14 +376,28 @@ class SqliteStore(StoreHelpers):
         return RangeResult(kvs, revision or now, more, len(rows))
 
     def _covered(self, db: sqlite3.Connection, c: Compare) -> list[KeyValue]:
+        if not c.prefix:
+            return [_kv(r) for r in db.execute(_SELECT_ONE, (c.key,)).fetchall()]
         where, args = _where_range("key", c.key, c.prefix)
         return [_kv(r) for r in db.execute(f"SELECT {_KV_COLS} FROM kv WHERE {where}", args)]
+
+    def _one(
+        self,
+        db: sqlite3.Connection,
+        compare: Sequence[Compare],
+        success: Sequence[TxnOp],
+        failure: Sequence[TxnOp],
+    ) -> TxnResult:
+        """One transaction inside :meth:`_write`: its compares, then the branch they chose."""
+        ok = all(c.holds(self._covered(db, c)) for c in compare)
+        rev, deleted = self._apply(db, success if ok else failure)
+        return TxnResult(ok, rev, tuple(deleted))
 
     def _apply(self, db: sqlite3.Connection, ops: Sequence[TxnOp]) -> tuple[int, list[int]]:
         """Apply ``ops`` at the next revision (inside :meth:`_write`); returns the store
         revision after and deletions."""
         rev = self._rev + 1
-        changed: list[tuple[int, Event]] = []
+        changed: list[Event] = []
         deleted: list[int] = []
         puts: list[Put] = []
         for op in ops:
@@ -386,9 +412,7 @@ class SqliteStore(StoreHelpers):
                 where, args = _where_range("key", op.key, op.prefix)
                 gone = [bytes(r[0]) for r in db.execute(f"SELECT key FROM kv WHERE {where}", args)]
                 db.execute(f"DELETE FROM kv WHERE {where}", args)
-                changed.extend(
-                    (rev, Event(EventType.DELETE, KeyValue(k, b"", 0, rev, 0))) for k in gone
-                )
+                changed.extend(Event(EventType.DELETE, KeyValue(k, b"", 0, rev, 0)) for k in gone)
                 deleted.append(len(gone))
         if puts:  # (after the deletes: check_txn allows no key both put and deleted)
             row: list[Any] = []
@@ -398,20 +422,21 @@ class SqliteStore(StoreHelpers):
             for op in puts:
                 create, version = stored[op.key]
                 kv = KeyValue(op.key, op.value, create, rev, version, op.lease)
-                changed.append((rev, Event(EventType.PUT, kv)))
+                changed.append(Event(EventType.PUT, kv))
         if not changed:
             return rev - 1, deleted
-        changed.sort(key=lambda p: p[1].kv.key)
-        db.executemany(
-            "INSERT INTO changes VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [
-                (rev, e.kv.key, int(e.type is EventType.DELETE), e.kv.value,
-                 e.kv.create_revision, e.kv.version, e.kv.lease)
-                for _, e in changed
-            ],
-        )  # fmt: skip
+        changed.sort(key=lambda e: e.kv.key)
+        rows = [
+            (rev, e.kv.key, int(e.type is EventType.DELETE), e.kv.value, e.kv.create_revision,
+             e.kv.version, e.kv.lease)
+            for e in changed
+        ]  # fmt: skip
+        if len(rows) <= INLINE_MAX_OPS:  # (the usual write: one statement)
+            db.execute(_log_changes(len(rows)), [v for r in rows for v in r])
+        else:
+            db.executemany(_log_changes(1), rows)
         self._rev = rev
-        self._pending.append(WatchBatch(rev, tuple(e for _, e in changed)))
+        self._pending.append(WatchBatch(rev, tuple(changed)))
         return rev, deleted
 
     def _txn_group(self) -> None:
@@ -434,10 +459,7 @@ class SqliteStore(StoreHelpers):
         out: list[TxnResult | BaseException] = []
 
         def one(db: sqlite3.Connection, item: _Queued) -> TxnResult:
-            compare, success, failure, _ = item
-            ok = all(c.holds(self._covered(db, c)) for c in compare)
-            rev, deleted = self._apply(db, success if ok else failure)
-            return TxnResult(ok, rev, tuple(deleted))
+            return self._one(db, *item[:3])
 
         def body(db: sqlite3.Connection) -> None:
             if len(items) == 1:  # (alone: a failure rolls back the whole write)
@@ -582,9 +604,21 @@ class SqliteStore(StoreHelpers):
         check_txn(compare, success, failure)
         if self._closed:
             raise StoreUnavailable("the store is closed")
+        small = self._inline and _small(compare, success, failure)
+        if small and not self._queued:
+            done = self._commit_alone(compare, success, failure)
+            if done is not None:
+                if self._streak:  # (another commit on the loop in this pass: let others run)
+                    await asyncio.sleep(0)
+                else:
+                    self._streak = True
+                    self._loop.call_soon(self._end_streak)
+                if isinstance(done, TxnResult):
+                    return done
+                raise done
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
-        if self._inline and _small(compare, success, failure) and self._commit_here():
+        if small and self._commit_here():
             await asyncio.sleep(0)  # (as a commit on the store thread, let other tasks run)
         elif not self._kicked:
             # (not awaited: the group settles every future of the queue, this one included;
@@ -593,6 +627,38 @@ class SqliteStore(StoreHelpers):
             self._kicked = True
             self._pool.submit(self._txn_group)
         return await fut
+
+    def _commit_alone(
+        self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp]
+    ) -> TxnResult | BaseException | None:
+        """(Inline mode, on the loop, nothing queued) commit this one transaction now, with
+        no future and no queue: its result, or its error; None if the connection is not
+        free or the write lock cannot be had without waiting (then it is queued)."""
+        if self._db is None or not self._lock.acquire(blocking=False):
+            return None
+        out: TxnResult | BaseException
+        try:
+            try:
+                self._begun = self._begin(self._db, wait=False)
+            except sqlite3.Error:
+                self._begun = False
+            if not self._begun:
+                return None
+            try:
+                out = self._write(lambda db: self._one(db, compare, success, failure))
+            except Exception as exc:  # (rolled back: nothing of it is published)
+                out = self._translate(exc)
+            if self._pending:
+                self._outbox.append((self._pending, [], []))
+                self._pending = []
+        finally:
+            self._begun = False
+            self._lock.release()
+        self._settle()  # (publishes earlier commits of the store thread first, then this one)
+        return out
+
+    def _end_streak(self) -> None:
+        self._streak = False
 
     def _commit_here(self) -> bool:
         """(Inline mode, on the loop) commit the queue now if the connection is free and
