@@ -7,7 +7,6 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from dsec.testing.trajectory_checks import CHECKS, step
 from dsec.trajectory.blobs import FileBlobStore
 from dsec.trajectory.canon import canonical, field_at, first_difference
 from dsec.trajectory.log import TrajectoryLog, _Usage
-from dsec.trajectory.records import Trajectory
 from dsec.trajectory.setup import open_log, open_store
 
 
@@ -183,33 +181,3 @@ async def test_usage_is_summed_once_then_follows_every_writer(kind: str, tmp_pat
     finally:
         await mine.aclose()
         await store.aclose()
-
-
-def test_a_record_encodes_as_its_fields_and_appends_carry_the_rest_along() -> None:
-    """``Trajectory.encode`` (the stored record: the fields an append changes encoded each
-    time, the rest once per record) decodes to the record, also for the copies
-    ``appended`` makes and for a record changed otherwise (``replace``)."""
-    t = Trajectory(
-        id="x",
-        project="p",
-        name='n"\u00e9',
-        created_at=1.0,
-        updated_at=2.0,
-        steps=3,
-        bytes=10,
-        mode="replay",
-        cursor=1,
-        spec={"a": [1, {"b": None}]},
-        divergence={"step": 1, "at": 1.5},
-        checkpoints=[{"step": 1, "image": "i"}],
-    )
-    one = t.appended(5, 3.25)
-    moved = (one.steps, one.bytes, one.cursor, one.mode, one.updated_at)
-    assert moved == (4, 15, 4, "record", 3.25)
-    two = one.appended(7, 4.5)
-    other = replace(two, on_mismatch="fail", spec={"b": 2})
-    for rec in (t, one, two, other):
-        stored = json.loads(rec.encode())
-        assert stored == json.loads(json.dumps(rec.to_json()))
-        assert Trajectory.from_json(stored) == rec
-    assert json.loads(other.encode())["spec"] == {"b": 2}, "a replaced record encodes anew"

@@ -13,15 +13,11 @@ the fsync instead of queueing one each. With ``synchronous=NORMAL`` a commit nev
 the disk (the WAL is fsynced at checkpoints), so a transaction is committed on the event
 loop's thread when the connection is free, without the two thread hand-offs (their wake-ups
 cost more than the commit); the connection is then shared by both threads under a lock.
-A transaction that finds nothing queued is committed alone (:meth:`_commit_alone`: no
-future, no queue) and returns at once, like the memory store's; it yields to the loop first
-only when another commit on the loop came before it in the same pass of the loop, so a task
-writing in a loop still lets others run. When the store thread holds the connection (a
-lease, a compaction), or the transaction is large (a range delete, many keys, much data),
-it is queued to the store thread as with ``FULL``. Every way goes through :meth:`_write`
-under the lock and one settlement on the loop (:meth:`_settle`: committed batches are
-published, and their transactions answered, in commit order, whichever thread committed
-them). Why two threads
+When the store thread holds the connection (a lease, a compaction), or the transaction is
+large (a range delete, many keys, much data), it is queued to the store thread as with
+``FULL``. Both ways go through one commit (:meth:`_commit_queued`, under the lock) and one
+settlement on the loop (:meth:`_settle`: committed batches are published, and their
+transactions answered, in commit order, whichever thread committed them). Why two threads
 commit at all: a commit on the loop saves the hand-offs but blocks every other request for
 its duration, which is fine for a small transaction without an fsync and not for an fsync
 (``FULL``), a range delete of a long trajectory or a compaction.
@@ -188,7 +184,6 @@ class SqliteStore(StoreHelpers):
         self._inline = synchronous == "NORMAL"
         self._lock = threading.Lock()  # (held by whichever thread uses the connection)
         self._commits = 0  # since the last WAL checkpoint
-        self._streak = False  # (a transaction committed on the loop in this pass of it)
         self._checkpointing = False
 
     @classmethod
@@ -381,18 +376,6 @@ class SqliteStore(StoreHelpers):
         where, args = _where_range("key", c.key, c.prefix)
         return [_kv(r) for r in db.execute(f"SELECT {_KV_COLS} FROM kv WHERE {where}", args)]
 
-    def _one(
-        self,
-        db: sqlite3.Connection,
-        compare: Sequence[Compare],
-        success: Sequence[TxnOp],
-        failure: Sequence[TxnOp],
-    ) -> TxnResult:
-        """One transaction inside :meth:`_write`: its compares, then the branch they chose."""
-        ok = all(c.holds(self._covered(db, c)) for c in compare)
-        rev, deleted = self._apply(db, success if ok else failure)
-        return TxnResult(ok, rev, tuple(deleted))
-
     def _apply(self, db: sqlite3.Connection, ops: Sequence[TxnOp]) -> tuple[int, list[int]]:
         """Apply ``ops`` at the next revision (inside :meth:`_write`); returns the store
         revision after and deletions."""
@@ -459,7 +442,10 @@ class SqliteStore(StoreHelpers):
         out: list[TxnResult | BaseException] = []
 
         def one(db: sqlite3.Connection, item: _Queued) -> TxnResult:
-            return self._one(db, *item[:3])
+            compare, success, failure, _ = item
+            ok = all(c.holds(self._covered(db, c)) for c in compare)
+            rev, deleted = self._apply(db, success if ok else failure)
+            return TxnResult(ok, rev, tuple(deleted))
 
         def body(db: sqlite3.Connection) -> None:
             if len(items) == 1:  # (alone: a failure rolls back the whole write)
@@ -604,21 +590,9 @@ class SqliteStore(StoreHelpers):
         check_txn(compare, success, failure)
         if self._closed:
             raise StoreUnavailable("the store is closed")
-        small = self._inline and _small(compare, success, failure)
-        if small and not self._queued:
-            done = self._commit_alone(compare, success, failure)
-            if done is not None:
-                if self._streak:  # (another commit on the loop in this pass: let others run)
-                    await asyncio.sleep(0)
-                else:
-                    self._streak = True
-                    self._loop.call_soon(self._end_streak)
-                if isinstance(done, TxnResult):
-                    return done
-                raise done
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
-        if small and self._commit_here():
+        if self._inline and _small(compare, success, failure) and self._commit_here():
             await asyncio.sleep(0)  # (as a commit on the store thread, let other tasks run)
         elif not self._kicked:
             # (not awaited: the group settles every future of the queue, this one included;
@@ -627,38 +601,6 @@ class SqliteStore(StoreHelpers):
             self._kicked = True
             self._pool.submit(self._txn_group)
         return await fut
-
-    def _commit_alone(
-        self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp]
-    ) -> TxnResult | BaseException | None:
-        """(Inline mode, on the loop, nothing queued) commit this one transaction now, with
-        no future and no queue: its result, or its error; None if the connection is not
-        free or the write lock cannot be had without waiting (then it is queued)."""
-        if self._db is None or not self._lock.acquire(blocking=False):
-            return None
-        out: TxnResult | BaseException
-        try:
-            try:
-                self._begun = self._begin(self._db, wait=False)
-            except sqlite3.Error:
-                self._begun = False
-            if not self._begun:
-                return None
-            try:
-                out = self._write(lambda db: self._one(db, compare, success, failure))
-            except Exception as exc:  # (rolled back: nothing of it is published)
-                out = self._translate(exc)
-            if self._pending:
-                self._outbox.append((self._pending, [], []))
-                self._pending = []
-        finally:
-            self._begun = False
-            self._lock.release()
-        self._settle()  # (publishes earlier commits of the store thread first, then this one)
-        return out
-
-    def _end_streak(self) -> None:
-        self._streak = False
 
     def _commit_here(self) -> bool:
         """(Inline mode, on the loop) commit the queue now if the connection is free and

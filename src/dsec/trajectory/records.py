@@ -4,10 +4,8 @@ policy) and one step (canonical request, result, and what re-running it needs)."
 from __future__ import annotations
 
 import base64
-import builtins
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -53,36 +51,6 @@ class Trajectory:
         """The record's fields (a new dict; nested values are shared, not copied: encoding
         every append's record must not deep-copy its spec)."""
         return {name: getattr(self, name) for name in _TRAJECTORY_FIELDS}
-
-    def encode(self) -> builtins.bytes:
-        """The record as stored (a JSON object). The fields an append changes (steps,
-        bytes, mode, cursor, updated_at) are encoded each time; the rest (name, policy,
-        spec, checkpoints...) once per record object, and the copies :meth:`appended`
-        makes carry that part along, so an append does not encode the spec again."""
-        head = self.__dict__.get("_head")
-        if head is None:
-            rest = {k: getattr(self, k) for k in _TRAJECTORY_FIELDS if k not in _APPEND_FIELDS}
-            head = json.dumps(rest)[:-1]  # (without its closing brace)
-            object.__setattr__(self, "_head", head)
-        at = self.updated_at
-        when = float.__repr__(at) if math.isfinite(at) else json.dumps(at)
-        return (
-            f'{head}, "steps": {int(self.steps)}, "bytes": {int(self.bytes)}, '
-            f'"mode": {json.dumps(self.mode)}, "cursor": {int(self.cursor)}, "updated_at": {when}}}'
-        ).encode()
-
-    def appended(self, size: int, at: float) -> Trajectory:
-        """The record after one more step of ``size`` encoded bytes, at ``at``: in record
-        mode, the cursor at the end. (A copy of the fields, nested values shared, made
-        without ``dataclasses.replace``, whose field-by-field checks and frozen sets cost
-        more than the rest of the record's part of an append.)"""
-        new = object.__new__(Trajectory)
-        fields = new.__dict__
-        fields.update(self.__dict__)
-        steps = self.steps + 1
-        fields.update(steps=steps, bytes=self.bytes + size, cursor=steps, mode="record")
-        fields["updated_at"] = at
-        return new
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Trajectory:
@@ -133,7 +101,6 @@ class Step:
 
 
 _TRAJECTORY_FIELDS = tuple(f.name for f in fields(Trajectory))
-_APPEND_FIELDS = frozenset({"steps", "bytes", "mode", "cursor", "updated_at"})
 _STEP_FIELDS = tuple(f.name for f in fields(Step))
 # (one encoder: json.dumps with options builds a new one per call)
 _STEP_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
