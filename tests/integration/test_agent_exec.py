@@ -75,6 +75,10 @@ def test_concurrent_calls_each_get_a_thread_and_few_stay(agent: LocalAgent):
     assert agent.call({"op": "ping"}).result["version"] == 1
 
 
+def test_sync_writes_out_and_answers(agent: LocalAgent):
+    assert agent.call({"op": "sync"}).result == {}
+
+
 def test_exec_output_and_exit_code(agent: LocalAgent):
     reply = agent.call({"op": "exec", "cmd": "printf out; printf err >&2; exit 3"})
     assert reply.result["exit_code"] == 3
