@@ -13,7 +13,7 @@ import _signal  # type: ignore[import-not-found]  # no stub; `signal` would impo
 import os
 import time
 
-from dsec.agent import protocol, server
+from dsec.agent import protocol, server, users
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -124,6 +124,7 @@ def fork_chronus(listen_fd: int) -> None:
 def main() -> None:
     """Serve forever on the inherited listening socket."""
     listener = server.listener_from_env()
+    users.freeze_env()
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # never pass an ignored SIGINT on
     try:  # commands default to the home directory; starting there lets exec use vfork
         os.chdir(os.environ.get("HOME") or "/")
