@@ -491,10 +491,22 @@ class MicrovmBackend:
         snapshot stops it. Otherwise every guest restored from the snapshot (each fork
         child again) does it after its restore: the ext4 journal commit and the block
         layer run in code translated again under TCG, ~1,500 blocks (~20 ms) of the first
-        call. Best effort: a guest that does not answer in time is snapshotted as it is."""
+        call. It waits for aether to close the call's connection too, so its thread is not
+        still ending (socket teardown, the interpreter's part) when the guest is stopped:
+        ~800 blocks more after each restore. Best effort: a guest that does not answer in
+        time is snapshotted as it is."""
         sock = Path(meta["agent_socket"])
-        with contextlib.suppress(DsecError, OSError, ProtocolError, asyncio.IncompleteReadError):
-            await agent_client.call(sock, {"op": "sync"}, timeout=GUEST_SYNC_TIMEOUT_S)
+        with contextlib.suppress(
+            DsecError, OSError, ProtocolError, asyncio.IncompleteReadError, TimeoutError
+        ):
+            async with asyncio.timeout(GUEST_SYNC_TIMEOUT_S):
+                stream = await agent_client.open_stream(sock, {"op": "sync"})
+                try:
+                    async for _ in stream:
+                        pass
+                    await stream.until_closed()
+                finally:
+                    await stream.aclose()
 
     async def _attach(
         self,
