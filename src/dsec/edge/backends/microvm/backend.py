@@ -84,7 +84,7 @@ RESTORE_TIMEOUT_S = 30.0
 # On top of guest RAM: QEMU itself (~50 MiB resident), its TCG code buffer, page tables.
 VMM_OVERHEAD_MIB = qemu.TCG_TB_MIB + 128
 MAX_FORK = 64
-GUEST_SYNC_TIMEOUT_S = 5.0  # the guest's sync before a snapshot (best effort)
+GUEST_SYNC_TIMEOUT_S = 3.0  # the guest's sync before a snapshot (best effort)
 PINNED = "pinned"  # in a template directory: a named snapshot (holds the source sandbox id)
 # snapshots being taken in by this process (any backend instance: they share directories)
 _IMPORTS: set[snapshot_copy.Importer] = set()
@@ -494,13 +494,13 @@ class MicrovmBackend:
         call. It waits for aether to close the call's connection too, so its thread is not
         still ending (socket teardown, the interpreter's part) when the guest is stopped:
         ~800 blocks more after each restore. Best effort: a guest that does not answer in
-        time is snapshotted as it is."""
+        time (``GUEST_SYNC_TIMEOUT_S``) is snapshotted as it is."""
         sock = Path(meta["agent_socket"])
         with contextlib.suppress(
             DsecError, OSError, ProtocolError, asyncio.IncompleteReadError, TimeoutError
         ):
             async with asyncio.timeout(GUEST_SYNC_TIMEOUT_S):
-                stream = await agent_client.open_stream(sock, {"op": "sync"})
+                stream = await agent_client.open_stream(sock, {"op": "sync"}, connect_retry_s=0)
                 try:
                     async for _ in stream:
                         pass
