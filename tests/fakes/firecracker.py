@@ -9,7 +9,8 @@ appended to) and optionally ``FAKE_FC_MODE``: ``hang`` (never opens the API),
 that fails at once), ``refuse:<METHOD> <path>`` (answers that request with a fault).
 The vsock socket answers ``CONNECT <port>`` with ``OK``; on the agent port it then plays
 the guest's channel multiplexer (HELLO -> READY, the identity recorded; every channel
-echoes), on any other port it echoes bytes.
+echoes, but the ``sync`` the edge sends before a snapshot is answered as aether does), on
+any other port it echoes bytes.
 
 ``python -m tests.fakes.firecracker --jailer <jailer args> -- <firecracker args>`` plays
 the jailer: it makes the chroot directory, then runs the fake Firecracker with paths
@@ -29,8 +30,11 @@ from typing import Any
 
 from aiohttp import web
 
+from dsec.agent import protocol
 from dsec.edge.backends.microvm import frames
 from tests.fakes.swagger import Spec
+
+SYNC_REQUEST = protocol.encode_json({"op": "sync"})
 
 PRE_BOOT = ("/machine-config", "/boot-source", "/drives/", "/network-interfaces/", "/vsock",
             "/balloon")  # fmt: skip
@@ -164,6 +168,9 @@ class FakeFirecracker:
                         f.write(json.dumps({"hello": json.loads(payload or b"{}"),
                                             "pid": os.getpid()}) + "\n")  # fmt: skip
                     writer.write(frames.frame(frames.READY, 0))
+                elif kind == frames.DATA and payload == SYNC_REQUEST:  # as aether answers
+                    writer.write(frames.frame(frames.DATA, chan, protocol.result({})))
+                    writer.write(frames.frame(frames.CLOSE, chan))
                 elif kind == frames.DATA:
                     writer.write(frames.frame(frames.DATA, chan, payload))
                 elif kind == frames.CLOSE:

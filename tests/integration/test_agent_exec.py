@@ -41,6 +41,44 @@ def test_ping(agent: LocalAgent):
     assert res["version"] == 1
 
 
+def thread_ids(pid: int) -> set[int]:
+    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_calls_one_after_another_reuse_waiting_threads(agent: LocalAgent):
+    from dsec.agent.server import IDLE_WORKERS
+
+    seen: set[int] = set()  # aether's threads alive during each call (the serving one too)
+    for _ in range(20):
+        reply = agent.call({"op": "exec", "cmd": "ls /proc/$PPID/task"})
+        seen |= {int(t) for t in reply.stdout.split()}
+    # one thread per call would show 20 serving threads; reused ones are a handful
+    assert len(seen) <= 1 + IDLE_WORKERS + 1, seen
+
+
+def test_concurrent_calls_each_get_a_thread_and_few_stay(agent: LocalAgent):
+    from dsec.agent.server import IDLE_WORKERS
+
+    assert agent.proc is not None
+    n = IDLE_WORKERS + 4
+    streams = [agent.stream({"op": "exec", "cmd": "sleep 0.5; echo done"}) for _ in range(n)]
+    start = time.monotonic()
+    replies = [s.collect() for s in streams]
+    for s in streams:
+        s.close()
+    assert time.monotonic() - start < 0.5 * n / 2  # they ran at once, not one after another
+    assert all(r.stdout == b"done\n" for r in replies)
+    deadline = time.monotonic() + 5
+    while len(thread_ids(agent.proc.pid)) > 1 + IDLE_WORKERS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(thread_ids(agent.proc.pid)) <= 1 + IDLE_WORKERS  # the rest exited
+    assert agent.call({"op": "ping"}).result["version"] == 1
+
+
+def test_sync_writes_out_and_answers(agent: LocalAgent):
+    assert agent.call({"op": "sync"}).result == {}
+
+
 def test_exec_output_and_exit_code(agent: LocalAgent):
     reply = agent.call({"op": "exec", "cmd": "printf out; printf err >&2; exit 3"})
     assert reply.result["exit_code"] == 3

@@ -81,9 +81,15 @@ async def test_lifecycle_pause_resume_fork_destroy(
         usage = await be.usage(sid)
         assert usage.get("memory_bytes", 0) > 0
 
+        scratch = paths.state_dir / "scratch.qcow2"
+        allocated = scratch.stat().st_blocks * 512
+        await _sh(sock, "head -c 4M /dev/urandom > /root/blob")
         qemu_pid = be._vms[sid].vmm.pid
         await be.pause(sid)
         assert (await be.state(sid))[0] is RuntimeState.PAUSED
+        # the guest synced before the snapshot: what it wrote is on its disk (not dirty in
+        # its page cache, to be written out, journal commit and all, after each restore)
+        assert scratch.stat().st_blocks * 512 - allocated >= 4 << 20
         assert not Path(f"/proc/{qemu_pid}").exists(), "pause frees the VMM"
         assert (paths.state_dir / "snapshots" / "current" / "manifest.json").exists()
         await be.resume(sid)

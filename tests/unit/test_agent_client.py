@@ -244,3 +244,29 @@ async def test_stream_input_after_the_agent_answered_and_closed_keeps_the_answer
     assert len(frames) == 1
     final = stream.final or {}
     assert final["error"]["code"] == "unavailable"
+
+
+@pytest.mark.asyncio
+async def test_until_closed_waits_for_the_agent_to_close_after_its_answer(sock_dir: Path) -> None:
+    closed_at: list[float] = []
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_frame(r)
+        w.write(protocol.result({}))
+        await w.drain()
+        await asyncio.sleep(0.3)  # the agent's thread is still ending its call
+        w.write(b"late bytes")
+        closed_at.append(asyncio.get_running_loop().time())
+
+    server = await _serve(sock_dir / "a.sock", script)
+    try:
+        stream = await agent_client.open_stream(sock_dir / "a.sock", {"op": "sync"})
+        frames = [f async for f in stream]
+        assert stream.final == {"result": {}}
+        assert len(frames) == 1
+        await stream.until_closed()
+        assert closed_at
+        assert asyncio.get_running_loop().time() >= closed_at[0]
+        await stream.aclose()
+    finally:
+        server.close()

@@ -36,3 +36,32 @@ def test_resolve_by_name_and_uid_with_groups(etc: Path) -> None:
     assert users.resolve(0).name == "root"
     with pytest.raises(AgentError, match="no user 'carol'"):
         users.resolve("carol")
+
+
+def test_own_user_is_read_again_when_passwd_changes(etc: Path) -> None:
+    import os
+
+    me = os.getuid()
+    (etc / "passwd").write_text(f"me:x:{me}:{os.getgid()}::/home/one:/bin/sh\n")
+    first = users.resolve(None)
+    assert (first.name, first.home) == ("me", "/home/one")
+    assert users.resolve(None) is first  # unchanged files: not parsed again
+    (etc / "passwd").write_text(f"me:x:{me}:{os.getgid()}::/home/second:/bin/sh\n")
+    assert users.resolve(None).home == "/home/second"
+    (etc / "group").write_text("extra:x:4242:me\n")
+    assert users.resolve(None).groups == (4242,)
+
+
+def test_a_frozen_environment_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(users, "_frozen_env", None)
+    monkeypatch.setenv("DSEC_IMAGE_USER", "app")
+    monkeypatch.setenv("KEEP_ME", "1")
+    users.freeze_env()
+    monkeypatch.setenv("DSEC_IMAGE_USER", "other")
+    monkeypatch.setenv("KEEP_ME", "2")
+    assert users.image_user() == "app"
+    env = users.base_env()
+    assert env["KEEP_ME"] == "1"
+    assert "DSEC_IMAGE_USER" not in env
+    env["KEEP_ME"] = "changed"  # a copy: the next command gets the agent's again
+    assert users.base_env()["KEEP_ME"] == "1"

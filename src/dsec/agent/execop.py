@@ -142,7 +142,9 @@ def op_exec(
         raise
     finally:
         proc.close_pipes()
-    duration = round((time.monotonic() - started) * 1000, 3)
+    # ms to the µs without round(): its float formatting and parsing were code a restored
+    # microVM translated again for its first exec
+    duration = int((time.monotonic() - started) * 1e6 + 0.5) / 1000
     assert proc.returncode is not None
     result = {**exit_fields(proc.returncode), "timed_out": timed_out, "duration_ms": duration}
     if outputs is not None:

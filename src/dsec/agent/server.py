@@ -1,5 +1,11 @@
 """The accept loop shared by aether and chronus: one thread per connection, one call each.
 
+A thread that served its call waits for the next connection (up to ``IDLE_WORKERS`` wait)
+instead of exiting, so a call usually starts no thread: in a restored or forked microVM
+under TCG a new thread's clone, its Python thread state and its exit are kernel and
+interpreter code translated again for the first call (and a thread still exiting when a
+snapshot stopped the guest finished after the restore).
+
 A handler gets the connection and the decoded request. It either returns the result
 object (sent as the final frame) or answers itself through :class:`Conn` (streamed ops)
 and returns ``None``. Errors it raises are answered as error frames.
@@ -28,6 +34,7 @@ if TYPE_CHECKING:
 
 
 REQUEST_TIMEOUT_S = 60.0  # a client must send its request this soon after connecting
+IDLE_WORKERS = 4  # threads kept waiting for a connection after their call
 
 
 def log(name: str, message: str) -> None:
@@ -39,7 +46,9 @@ def log(name: str, message: str) -> None:
 
 
 def serve(listener: _socket.socket, resolve: Resolver, name: str) -> None:
-    """Accept connections forever, handling each in its own (daemon) thread."""
+    """Accept connections forever, each served by an idle worker thread or a new one."""
+    idle: list[_Worker] = []
+    guard = _thread.allocate_lock()
     while True:
         try:
             fd, _ = listener._accept()  # type: ignore[attr-defined]  # C-level accept
@@ -48,7 +57,40 @@ def serve(listener: _socket.socket, resolve: Resolver, name: str) -> None:
             time.sleep(0.1)
             continue
         sock = _socket.socket(listener.family, listener.type, listener.proto, fd)
-        _thread.start_new_thread(handle, (sock, resolve, name))
+        with guard:
+            worker = idle.pop() if idle else None
+        if worker is None:
+            _thread.start_new_thread(_work, (_Worker(sock), idle, guard, resolve, name))
+        else:
+            worker.sock = sock
+            worker.go.release()
+
+
+class _Worker:
+    """A (daemon) thread's connection to serve and the lock it waits on for the next one."""
+
+    __slots__ = ("go", "sock")
+
+    def __init__(self, sock: _socket.socket) -> None:
+        self.sock: _socket.socket | None = sock
+        self.go = _thread.allocate_lock()
+        self.go.acquire()  # released by serve() when it hands this worker a connection
+
+
+def _work(
+    worker: _Worker, idle: list[_Worker], guard: _thread.LockType, resolve: Resolver, name: str
+) -> None:
+    """Serve the worker's connection, then wait in ``idle`` for the next (or exit when
+    enough wait already)."""
+    while True:
+        sock, worker.sock = worker.sock, None
+        assert sock is not None
+        handle(sock, resolve, name)
+        with guard:
+            if len(idle) >= IDLE_WORKERS:
+                return
+            idle.append(worker)
+        worker.go.acquire()
 
 
 def handle(sock: _socket.socket, resolve: Resolver, name: str) -> None:

@@ -30,6 +30,14 @@ AGENT_VARS = frozenset(
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 ETC = os.environ.get("DSEC_AGENT_ETC", "/etc")
 
+# Set by freeze_env() in aether: its environment as a plain dict (it does not change once
+# aether runs). Every exec reads the environment; os.environ's mapping decodes each
+# variable in Python and answers a missing one by raising KeyError, code that a restored
+# microVM under TCG translates again for its first exec.
+_frozen_env: dict[str, str] | None = None
+# The agent's own user and the files it was read from (their stat fields).
+_own: tuple[tuple[object, ...], User] | None = None
+
 
 class User:
     """A resolved user (a plain slotted class: ``dataclasses`` would cost the agent 1.6 MiB)."""
@@ -90,12 +98,35 @@ def resolve(spec: str | int | None) -> User:
         AgentError: ``invalid_argument`` for a name that is not in ``/etc/passwd``.
     """
     if spec is None:
-        uid: int | None = os.getuid()
-        name = None
-    elif isinstance(spec, int) or spec.isdigit():
+        return _own_user()
+    uid: int | None
+    if isinstance(spec, int) or spec.isdigit():
         uid, name = int(spec), None
     else:
         uid, name = None, spec
+    return _lookup(uid, name)
+
+
+def _own_user() -> User:
+    """The agent's own user, read again only when /etc/passwd or /etc/group changed: every
+    exec resolves it, and a restored microVM's first exec parsed them in code translated
+    again."""
+    global _own
+    stamp: tuple[object, ...] = (ETC, os.getuid(), *_stamp("passwd"), *_stamp("group"))
+    if _own is None or _own[0] != stamp:
+        _own = (stamp, _lookup(os.getuid(), None))
+    return _own[1]
+
+
+def _stamp(name: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(f"{ETC}/{name}")
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _lookup(uid: int | None, name: str | None) -> User:
     for fields in _lines("passwd"):
         if len(fields) < 7 or not fields[2].isdigit() or not fields[3].isdigit():
             continue
@@ -116,13 +147,13 @@ def image_user() -> str | None:
     ``name``, ``uid``, ``name:group`` and ``uid:gid`` are accepted; the group part is not
     used (the user's own primary group applies).
     """
-    value = os.environ.get("DSEC_IMAGE_USER", "").partition(":")[0]
+    value = _env().get("DSEC_IMAGE_USER", "").partition(":")[0]
     return value or None
 
 
 def image_workdir() -> str | None:
     """The image's ``WorkingDir`` when it names a directory other than ``/``."""
-    value = os.environ.get("DSEC_IMAGE_WORKDIR", "")
+    value = _env().get("DSEC_IMAGE_WORKDIR", "")
     return value if value.startswith("/") and value != "/" else None
 
 
@@ -134,9 +165,19 @@ def default_cwd(user: User) -> str:
     return user.home if os.path.isdir(user.home) else "/"
 
 
+def freeze_env() -> None:
+    """Read the environment once from now on (aether calls it at start)."""
+    global _frozen_env
+    _frozen_env = dict(os.environ)
+
+
+def _env() -> dict[str, str] | os._Environ[str]:
+    return os.environ if _frozen_env is None else _frozen_env
+
+
 def base_env() -> dict[str, str]:
     """The agent's environment minus its own variables."""
-    env = {k: v for k, v in os.environ.items() if k not in AGENT_VARS}
+    env = {k: v for k, v in _env().items() if k not in AGENT_VARS}
     env.setdefault("PATH", DEFAULT_PATH)
     return env
 

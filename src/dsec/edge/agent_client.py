@@ -138,6 +138,14 @@ class AgentStream:
         while (frame := await self.recv()) is not None:
             yield frame
 
+    async def until_closed(self) -> None:
+        """Wait until the agent closed its end (after its final frame: it has done with
+        the call); anything still sent is dropped."""
+        loop = asyncio.get_running_loop()
+        self._buf.clear()
+        while await loop.sock_recv(self._sock, RECV_SIZE):
+            pass
+
     async def aclose(self) -> None:
         self._sock.close()
 
