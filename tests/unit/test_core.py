@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import inspect
+import os
 import re
 
 import pytest
@@ -20,6 +22,12 @@ def test_sandbox_id_is_fixed_width_dns_label_and_names_its_edge() -> None:
     assert ids.is_sandbox_id(sid)
     assert ids.new_sandbox_id("e0a1", bytes(range(13))) == sid  # deterministic in its input
     assert ids.new_sandbox_id("e0a1", bytes(range(1, 14))) != sid
+
+
+def test_sandbox_id_random_part_is_the_base32_of_its_bytes() -> None:
+    for raw in (bytes(13), b"\xff" * 13, bytes(range(13)), os.urandom(13), os.urandom(16)):
+        b32 = base64.b32encode(raw[:13]).decode().lower()[:20]
+        assert ids.new_sandbox_id("e0a1", raw) == f"sbx-e0a1-{b32}"
 
 
 @pytest.mark.parametrize(
