@@ -498,7 +498,7 @@ def test_admissions_and_audit_entries_commit_together(
     assert entries[0].ts > 0
     assert d.verify_audit() == (before + 2, None, entries[1].hash)
 
-    def broken(*_: object) -> None:
+    def broken(*_: object, **__: object) -> None:
         raise sqlite3.OperationalError("disk I/O error")
 
     monkeypatch.setattr(iam_audit, "append_many", broken)

@@ -502,11 +502,8 @@ class IamDb(QuotasMixin):
 
     def append_audit_many(self, events: Sequence[AuditEvent]) -> list[AuditEvent]:
         """Append several events in one transaction (one disk sync), in order."""
-        from dataclasses import replace
-
         with self._write() as db:
-            now = self._clock()
-            return audit.append_many(db, [e if e.ts else replace(e, ts=now) for e in events])
+            return audit.append_many(db, events, now=self._clock())
 
     def query_audit(self, q: audit.AuditQuery) -> list[AuditEvent]:
         try:
