@@ -141,8 +141,9 @@ CREATE TABLE IF NOT EXISTS allocations (
     memory_mb INTEGER NOT NULL,
     created_at REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS allocations_by_project
-    ON allocations(project, cpu_milli, memory_mb);
+-- usage is read from project_usage, never summed over a project's rows: no index by project
+-- (each admission would write one more page of it)
+DROP INDEX IF EXISTS allocations_by_project;
 CREATE INDEX IF NOT EXISTS allocations_by_edge ON allocations(edge_id, created_at);
 CREATE TABLE IF NOT EXISTS moves (
     old TEXT PRIMARY KEY,
