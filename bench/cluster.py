@@ -26,8 +26,10 @@ by side compare. Each row reports the CPU time per create of every process on th
 (``/proc/<pid>/stat`` before and after the run; the bench's own HTTP clients too), the CPU
 the processes spend idle (heartbeats, polling) and what a create adds beyond it, and how
 many ``AdmitMany`` calls the apiserver made per create (from its ``/metrics``; absent for
-code that does not count them). ``BENCH_PYSPY=DIR`` samples every process with py-spy
-during the run.
+code that does not count them), and the CPU time a fixed piece of Python takes in the
+bench's process before and after the run (``calibration_ms``): when the rounds' CPU per
+create drifts by the same ratio, the machine drifted, not the code or its state.
+``BENCH_PYSPY=DIR`` samples every process with py-spy during the run.
 
 Prints a Markdown table and writes ``bench/results/cluster.json``.
 """
@@ -130,6 +132,18 @@ async def load_kv(home: Path, store: EtcdStore) -> None:
     puts += [Put(kvlayout.usage_key(lv), kvlayout.dump(u)) for lv, u in usage.items()]
     for i in range(0, len(puts), 120):
         await store.txn((), puts[i : i + 120])
+
+
+def _calibrate() -> float:
+    """CPU ms of a fixed piece of pure Python (the best of 5): how fast this machine runs
+    Python just now. Rounds whose CPU per create differ by the same ratio differ by the
+    machine (its clock, what shares its caches), not by the code or the state."""
+    best = float("inf")
+    for _ in range(5):
+        t = time.process_time()
+        sum(i * i for i in range(100_000))
+        best = min(best, time.process_time() - t)
+    return round(best * 1000, 2)
 
 
 def _cpu_s(pid: int) -> float:
@@ -308,6 +322,7 @@ async def run_one(
         idle0 = [_cpu_s(p.pid) for p in procs]
         await asyncio.sleep(IDLE_S)  # what each process spends with no creates (heartbeats)
         idle = [(_cpu_s(p.pid) - b) * 1000 / IDLE_S for p, b in zip(procs, idle0, strict=True)]
+        calibration = _calibrate()
         spies = _profile(procs, names, seconds)
         batches0 = await _batch_counts(api) if apiservers == 1 else None
         before = [_cpu_s(p.pid) for p in procs]
@@ -340,6 +355,7 @@ async def run_one(
         }
         result["apiservers"] = apiservers
         result["load_average"] = os.getloadavg()
+        result["calibration_ms"] = (calibration, _calibrate())  # before and after the run
         result["inventory_load_s"] = round(loaded_s, 1)
         return result
     finally:
@@ -384,9 +400,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     r = await run_one(b, home, args.seconds, args.concurrency, args.apiservers,
                                       src=src, sqlite_template=t)  # fmt: skip
                     shutil.rmtree(home, ignore_errors=True)
+                    cpu = sum(r["cpu_ms_per_create"].values())
                     print(f"  {name}, round {rnd + 1}: {r['creates_per_s']}/s, "
-                          f"p99 {r['p99_ms']} ms, load {r['load_average'][0]:.1f}",
-                          flush=True)  # fmt: skip
+                          f"p99 {r['p99_ms']} ms, {cpu:.2f} CPU ms per create, "
+                          f"calibration {r['calibration_ms'][0]} ms, "
+                          f"load {r['load_average'][0]:.1f}", flush=True)  # fmt: skip
                     out.setdefault(name, []).append(r)
     finally:
         shutil.rmtree(root, ignore_errors=True)

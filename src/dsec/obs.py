@@ -7,13 +7,15 @@ process and rendered in the Prometheus text format at ``/metrics``.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -52,32 +54,40 @@ def log(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields: o
 
 
 class Metrics:
-    """A small thread-safe registry; names follow Prometheus conventions."""
+    """A small thread-safe registry; names follow Prometheus conventions.
+
+    A series is kept under its labels in the order the caller gave them (no sort on the hot
+    path: a call site always names them in the same order); :meth:`render` merges series
+    whose labels differ only in order. A histogram keeps a count per bucket, summed into
+    Prometheus's cumulative buckets when rendered.
+    """
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        # per bucket (the last one: above every bound), then count and sum
         self._hist: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
         self._help: dict[str, str] = {}
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
+        key = (name, tuple(labels.items()))
         with self._lock:
             self._counters[key] = self._counters.get(key, 0.0) + value
 
     def set(self, name: str, value: float, **labels: str) -> None:
         with self._lock:
-            self._gauges[(name, tuple(sorted(labels.items())))] = value
+            self._gauges[(name, tuple(labels.items()))] = value
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
+        key = (name, tuple(labels.items()))
+        bucket = bisect.bisect_left(_BUCKETS, seconds)  # the first bound >= seconds
         with self._lock:
-            h = self._hist.setdefault(key, [0.0] * (len(_BUCKETS) + 2))
-            for i, bound in enumerate(_BUCKETS):
-                if seconds <= bound:
-                    h[i] += 1
+            h = self._hist.get(key)
+            if h is None:
+                h = self._hist[key] = [0.0] * (len(_BUCKETS) + 3)
+            h[bucket] += 1
             h[-2] += 1  # count
             h[-1] += seconds  # sum
 
@@ -92,18 +102,42 @@ class Metrics:
     def render(self) -> str:
         lines: list[str] = []
         with self._lock:
-            for (name, labels), v in sorted(self._counters.items()):
-                lines.append(f"{self.prefix}_{name}_total{_fmt(labels)} {v:g}")
-            for (name, labels), v in sorted(self._gauges.items()):
-                lines.append(f"{self.prefix}_{name}{_fmt(labels)} {v:g}")
-            for (name, labels), h in sorted(self._hist.items()):
-                full = f"{self.prefix}_{name}_seconds"
-                for i, bound in enumerate(_BUCKETS):
-                    lines.append(f"{full}_bucket{_fmt((*labels, ('le', f'{bound:g}')))} {h[i]:g}")
-                lines.append(f"{full}_bucket{_fmt((*labels, ('le', '+Inf')))} {h[-2]:g}")
-                lines.append(f"{full}_count{_fmt(labels)} {h[-2]:g}")
-                lines.append(f"{full}_sum{_fmt(labels)} {h[-1]:.6f}")
+            counters, gauges = _merged(self._counters, sum), _merged(self._gauges, _last)
+            hists = _merged(self._hist, _add_lists)
+        for (name, labels), v in sorted(counters.items()):
+            lines.append(f"{self.prefix}_{name}_total{_fmt(labels)} {v:g}")
+        for (name, labels), v in sorted(gauges.items()):
+            lines.append(f"{self.prefix}_{name}{_fmt(labels)} {v:g}")
+        for (name, labels), h in sorted(hists.items()):
+            full = f"{self.prefix}_{name}_seconds"
+            below = 0.0
+            for i, bound in enumerate(_BUCKETS):
+                below += h[i]
+                lines.append(f"{full}_bucket{_fmt((*labels, ('le', f'{bound:g}')))} {below:g}")
+            lines.append(f"{full}_bucket{_fmt((*labels, ('le', '+Inf')))} {h[-2]:g}")
+            lines.append(f"{full}_count{_fmt(labels)} {h[-2]:g}")
+            lines.append(f"{full}_sum{_fmt(labels)} {h[-1]:.6f}")
         return "\n".join(lines) + "\n"
+
+
+_Key = tuple[str, tuple[tuple[str, str], ...]]
+_T = TypeVar("_T")
+
+
+def _merged(series: dict[_Key, _T], combine: Callable[[list[_T]], _T]) -> dict[_Key, _T]:
+    """``series`` keyed by their sorted labels; values of the same series combined."""
+    groups: dict[_Key, list[_T]] = {}
+    for (name, labels), v in series.items():
+        groups.setdefault((name, tuple(sorted(labels))), []).append(v)
+    return {k: vs[0] if len(vs) == 1 else combine(vs) for k, vs in groups.items()}
+
+
+def _last(values: list[float]) -> float:
+    return values[-1]
+
+
+def _add_lists(values: list[list[float]]) -> list[float]:
+    return [sum(col) for col in zip(*values, strict=True)]
 
 
 def _fmt(labels: tuple[tuple[str, str], ...]) -> str:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import inspect
+import json
+import os
 import re
 
 import pytest
 
-from dsec.core import admission, errors, ids, lifecycle, spec
+from dsec.core import admission, audit, errors, ids, lifecycle, spec
 from dsec.core.lifecycle import Event, State
 
 
@@ -20,6 +24,12 @@ def test_sandbox_id_is_fixed_width_dns_label_and_names_its_edge() -> None:
     assert ids.is_sandbox_id(sid)
     assert ids.new_sandbox_id("e0a1", bytes(range(13))) == sid  # deterministic in its input
     assert ids.new_sandbox_id("e0a1", bytes(range(1, 14))) != sid
+
+
+def test_sandbox_id_random_part_is_the_base32_of_its_bytes() -> None:
+    for raw in (bytes(13), b"\xff" * 13, bytes(range(13)), os.urandom(13), os.urandom(16)):
+        b32 = base64.b32encode(raw[:13]).decode().lower()[:20]
+        assert ids.new_sandbox_id("e0a1", raw) == f"sbx-e0a1-{b32}"
 
 
 @pytest.mark.parametrize(
@@ -155,3 +165,15 @@ def test_project_paths() -> None:
     assert projects.contains("a/b", "a/b")
     assert not projects.contains("a", "ab/c")
     assert not projects.contains("a/b", "a")
+
+
+def test_audit_hash_is_the_sha256_of_the_sorted_compact_json_of_the_entry() -> None:
+    first = audit.chain(None, audit.AuditEvent(ts=0.0, actor="a", action="x.y"), now=12.5)
+    second = audit.chain(first, audit.AuditEvent(ts=3.0, actor="b", action="x.z", target="t"))
+    assert (first.ts, first.seq, first.prev_hash) == (12.5, 1, audit.GENESIS)
+    assert (second.ts, second.seq, second.prev_hash) == (3.0, 2, first.hash)  # its own time
+    for e in (first, second):  # the definition stored logs were hashed with
+        body = {k: v for k, v in dataclasses.asdict(e).items() if k != "hash"}
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        assert e.hash == hashlib.sha256(text.encode()).hexdigest()
+    assert audit.verify([first, second]) is None

@@ -498,7 +498,7 @@ def test_admissions_and_audit_entries_commit_together(
     assert entries[0].ts > 0
     assert d.verify_audit() == (before + 2, None, entries[1].hash)
 
-    def broken(*_: object) -> None:
+    def broken(*_: object, **__: object) -> None:
         raise sqlite3.OperationalError("disk I/O error")
 
     monkeypatch.setattr(iam_audit, "append_many", broken)
@@ -536,3 +536,24 @@ def test_on_a_store_a_failed_audit_append_leaves_the_admissions_standing(
         assert [a.sandbox_id for a in await kv.allocations()] == [sid("ab12", 1)]
 
     asyncio.run(run())
+
+
+def test_an_admission_writes_no_index_of_allocations_by_project(tmp_path: Path) -> None:
+    d = IamDb(tmp_path / "iam.db")
+    d.put_project(Project("p", 10, 0, 0))
+    d.admit("p", sid("ab12", 1), 1.0, 64)
+    d.close()
+    raw = sqlite3.connect(tmp_path / "iam.db")  # as a database from before left it
+    raw.execute("CREATE INDEX allocations_by_project ON allocations(project, cpu_milli, memory_mb)")
+    raw.close()
+    d = IamDb(tmp_path / "iam.db")
+    try:
+        indexes = {
+            r[0] for r in d._db.execute("SELECT name FROM sqlite_master WHERE type = 'index'")
+        }
+        assert "allocations_by_project" not in indexes  # usage comes from project_usage
+        assert "allocations_by_edge" in indexes  # reconcile reads an edge's allocations
+        d.admit("p", sid("ab12", 2), 1.0, 64)
+        assert d.usage("p").sandboxes == 2
+    finally:
+        d.close()

@@ -202,14 +202,20 @@ async def test_authenticate_round_trip_latency(iam: Iam) -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("via", ["unary", "stream", "unary: the iam has no stream"])
 async def test_apiserver_batches_admissions_and_audit(
-    iam: Iam, monkeypatch: pytest.MonkeyPatch
+    iam: Iam, monkeypatch: pytest.MonkeyPatch, via: str
 ) -> None:
     """500 concurrent creates' admissions and audit entries through the apiserver's
-    IamBatch: exactly the remaining quota admitted, every entry chained, far fewer calls."""
+    IamBatch (as AdmitMany calls, or messages of its AdmitStream; an iam without the stream
+    gets calls): exactly the remaining quota admitted, every entry chained, far fewer calls."""
+    from dsec.apiserver import iam_batch
     from dsec.apiserver.iam_batch import IamBatch
 
-    async with iam.channel("apiserver") as ch:
+    if via.startswith("unary: "):  # a method this iam does not serve: UNIMPLEMENTED
+        monkeypatch.setattr(iam_batch, "METHOD", "/dsec.v1.Iam/AdmitStreamOfTheFuture")
+    plain = secure_channel(iam.home / "pki", "apiserver", iam.target, translate=False)
+    async with iam.channel("apiserver") as ch, plain:
         stub = pb_grpc.IamStub(ch)
         await stub.PutProject(pb.Project(name="rl", max_sandboxes=400), timeout=5)
         for i in range(100):
@@ -223,7 +229,7 @@ async def test_apiserver_batches_admissions_and_audit(
             return real(*args, **kwargs)  # type: ignore[arg-type]
 
         monkeypatch.setattr(stub, "AdmitMany", counting)
-        batch = IamBatch(stub)
+        batch = IamBatch(stub, channel=None if via == "unary" else plain)
         refusals: list[str] = []
 
         async def create(i: int) -> str:
@@ -243,7 +249,8 @@ async def test_apiserver_batches_admissions_and_audit(
         assert results.count("ok") == 300
         assert results.count("quota_exceeded") == 200
         assert all("max_sandboxes 400" in m for m in refusals)
-        assert calls < 250, calls  # two items per create, coalesced
+        assert batch.calls < 250, batch.calls  # two items per create, coalesced
+        assert calls == (0 if via == "stream" else batch.calls)
         usage = await stub.GetUsage(pb.ProjectRef(project="rl"), timeout=5)
         assert usage.sandboxes == 400
         got = await stub.QueryAudit(pb.AuditQuery(action="sandbox.create", limit=1000), timeout=5)
@@ -260,3 +267,37 @@ async def test_apiserver_batches_admissions_and_audit(
         out = await asyncio.gather(bad, good, return_exceptions=True)
         assert isinstance(out[0], e.NotFound)
         assert out[1] is None
+        await batch.aclose()
+
+
+@pytest.mark.asyncio
+async def test_admission_stream_is_authorized_and_reopened_after_it_broke(iam: Iam) -> None:
+    from dsec.apiserver.iam_batch import IamBatch
+
+    def plain(name: str) -> grpc.aio.Channel:
+        return secure_channel(iam.home / "pki", name, iam.target, translate=False)
+
+    async with plain("apiserver") as ch, plain(iam.edge_id) as edge_ch:
+        stub = pb_grpc.IamStub(ch)
+        await stub.PutProject(pb.Project(name="rl", max_sandboxes=10), timeout=5)
+        # an edge may not admit (the stream is refused as a call would be), nor by calls
+        for refused in (IamBatch(pb_grpc.IamStub(edge_ch), channel=edge_ch),
+                        IamBatch(pb_grpc.IamStub(edge_ch))):  # fmt: skip
+            with pytest.raises(e.PermissionDenied, match=f"edge/{iam.edge_id}"):
+                await refused.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 1)))
+        batch = IamBatch(stub, channel=ch)
+        await batch.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 1)))
+        first = batch._stream
+        assert first is not None
+        assert not first.broken
+        first.call.cancel()  # the stream breaks (a lost connection, the iam restarting)
+        await asyncio.sleep(0.1)
+        assert first.broken
+        await batch.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 2)))
+        assert batch._stream is not None
+        assert batch._stream is not first  # a new one
+        with pytest.raises(e.QuotaExceeded):  # the iam's refusals come back as its errors
+            await asyncio.gather(*(batch.admit(pb.AdmitRequest(
+                project="rl", sandbox_id=sid("ab12", 10 + i))) for i in range(9)))  # fmt: skip
+        assert (await stub.GetUsage(pb.ProjectRef(project="rl"), timeout=5)).sandboxes == 10
+        await batch.aclose()

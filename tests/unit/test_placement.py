@@ -12,10 +12,11 @@ from dsec.core import errors
 from dsec.rpc._gen import dsec_pb2 as pb
 
 
-def _edge(edge_id: str, used_mb: int, *, healthy: bool = True, backend: str = "container"):
+def _edge(edge_id: str, used_mb: int, *, healthy: bool = True, backend: str = "container",
+          seen: float = 0.0):  # fmt: skip
     status = pb.EdgeStatus(edge_id=edge_id, memory_total_mb=1000, memory_allocated_mb=used_mb,
                            backends=[backend])  # fmt: skip
-    view = pb.EdgeView(status=status, healthy=healthy, last_seen=time.time() - 1)
+    view = pb.EdgeView(status=status, healthy=healthy, last_seen=seen or time.time() - 1)
     return EdgeEntry(edge_id, f"127.0.0.1:{len(edge_id)}", healthy, view)
 
 
@@ -63,3 +64,20 @@ def test_spread_over_many_edges_scores_a_sample_and_stays_even() -> None:
     # Only one edge with room: the sample misses it most of the time; the full scan finds it.
     full = [_edge(f"f{n:03d}", 4000) for n in range(99)] + [_edge("room", 0)]
     assert [e.edge_id for e in p.order(full, "container", 100, limit=3)] == ["room"]
+
+
+def test_a_new_report_replaces_the_placements_it_includes() -> None:
+    p = Placement("spread")
+    before = [_edge("aaaa", 0), _edge("bbbb", 200)]
+    for _ in range(4):  # 400 MiB on aaaa since its report: bbbb has more room now
+        p.placed("aaaa", 100)
+    assert p.order(before, "container", 100)[0].edge_id == "bbbb"
+    # the next reports include them (aaaa 400 MiB allocated, seen after the placements):
+    # counted once, from the report, not again on top of it
+    now = time.time()
+    after = [_edge("aaaa", 400, seen=now), _edge("bbbb", 500, seen=now)]
+    assert [e.edge_id for e in p.order(after, "container", 100)] == ["aaaa", "bbbb"]
+    p.placed("bbbb", 300)  # after those reports: counted until the next one
+    assert [e.edge_id for e in p.order(after, "container", 100)] == ["aaaa", "bbbb"]
+    p.placed("aaaa", 500)
+    assert [e.edge_id for e in p.order(after, "container", 100)] == ["bbbb", "aaaa"]

@@ -3,7 +3,8 @@
 Filter: healthy edges that offer the backend and, by their last report, have room for the
 memory asked for. Score: the memory left after what the edge reported plus what this
 apiserver placed there since that report (so a burst between two heartbeats does not pile
-onto one edge). Order: ``spread`` puts the emptiest edge first (of
+onto one edge; what a report already includes is dropped when a new view of the reports
+arrives, so scoring an edge is one lookup). Order: ``spread`` puts the emptiest edge first (of
 :data:`SPREAD_SAMPLE` edges picked at random when there are more: the power of K choices,
 which spreads nearly as evenly at a fraction of the cost), ``pack`` the fullest that
 still fits (to keep whole nodes free); ties are broken at random so several apiservers do
@@ -13,7 +14,6 @@ answers "node full".
 
 from __future__ import annotations
 
-import heapq
 import operator
 import random
 import time
@@ -63,16 +63,17 @@ class Placement:
         self._recent.setdefault(edge_id, deque()).append((time.time(), memory_mb))
         self._pending[edge_id] = self._pending.get(edge_id, 0) + memory_mb
 
-    def _pending_mb(self, o: _Offer, now: float) -> int:
-        recent = self._recent.get(o.entry.edge_id)
-        if not recent:
-            return 0
-        cutoff = max(o.seen, now - _FORGET_S)
-        total = self._pending[o.entry.edge_id]
-        while recent and recent[0][0] <= cutoff:  # in the report now, or too old
-            total -= recent.popleft()[1]
-        self._pending[o.entry.edge_id] = total
-        return total
+    def _forget_reported(self, seen: dict[str, float], now: float) -> None:
+        """Drop the placements a report includes (made before it), or older than _FORGET_S."""
+        for edge_id, recent in list(self._recent.items()):
+            cutoff = max(seen.get(edge_id, 0.0), now - _FORGET_S)
+            total = self._pending[edge_id]
+            while recent and recent[0][0] <= cutoff:
+                total -= recent.popleft()[1]
+            if recent:
+                self._pending[edge_id] = total
+            else:
+                del self._recent[edge_id], self._pending[edge_id]
 
     def _offers_of(self, edges: list[EdgeEntry]) -> list[_Offer]:
         if edges is not self._view:  # a new view from the watcher
@@ -85,13 +86,14 @@ class Placement:
             ]  # fmt: skip
             self._by_backend = {}
             self._shuffled = {}
+            self._forget_reported({o.entry.edge_id: o.seen for o in self._offers}, time.time())
         return self._offers
 
-    def _fit(self, offer: list[_Offer], memory_mb: int, now: float) -> list[_Scored]:
+    def _fit(self, offer: list[_Offer], memory_mb: int) -> list[_Scored]:
         out = []
-        recent, rnd = self._recent, random.random
+        pending, rnd = self._pending, random.random
         for o in offer:
-            room = o.room_mb - self._pending_mb(o, now) if o.entry.edge_id in recent else o.room_mb
+            room = o.room_mb - pending.get(o.entry.edge_id, 0)
             if room >= memory_mb:
                 out.append((room, rnd(), o.entry))
         return out
@@ -120,14 +122,12 @@ class Placement:
             raise BackendUnavailable(
                 f"no edge offers backend {backend!r} (offered: {', '.join(offered) or 'none'})"
             )
-        now = time.time()
         fit = []
         if self.policy == "spread" and len(offer) > SPREAD_SAMPLE:
-            fit = self._fit(self._sample(backend, offer), memory_mb, now)
+            fit = self._fit(self._sample(backend, offer), memory_mb)
         if not fit:  # pack looks at every edge; so does spread when its sample is full
-            fit = self._fit(offer, memory_mb, now)
+            fit = self._fit(offer, memory_mb)
         if not fit:
             raise NodeFull(f"no edge has {memory_mb} MiB free for this sandbox")
-        pick = heapq.nlargest if self.policy == "spread" else heapq.nsmallest
-        best = pick(limit or len(fit), fit, key=_SCORE)
-        return [e for _, _, e in best]
+        fit.sort(key=_SCORE, reverse=self.policy == "spread")  # a few dozen: cheaper than heapq's
+        return [e for _, _, e in fit[: limit or len(fit)]]

@@ -58,9 +58,10 @@ class Upstream:
         self._watcher_ch = secure_channel(pki, name, watcher)
         self.iam = pb_grpc.IamStub(self._iam_ch)
         # the hot paths (every create's admission, audit entry and edge create) go over
-        # channels without the error-translating interceptor and translate themselves
+        # channels without the error-translating interceptor and translate themselves, as
+        # messages of kept streams (iam_batch, edge_stream)
         self._iam_plain = secure_channel(pki, name, iam, translate=False)
-        self.iam_batch = IamBatch(pb_grpc.IamStub(self._iam_plain))
+        self.iam_batch = IamBatch(pb_grpc.IamStub(self._iam_plain), channel=self._iam_plain)
         self.watcher = pb_grpc.WatcherStub(self._watcher_ch)
         self._edge_channels: dict[str, tuple[str, grpc.aio.Channel, pb_grpc.EdgeAsyncStub]] = {}
         self._streams: dict[str, tuple[str, EdgeStream]] = {}
@@ -131,6 +132,7 @@ class Upstream:
         return stub
 
     async def aclose(self) -> None:
+        await self.iam_batch.aclose()
         for _, stream in self._streams.values():
             await stream.aclose(channel=True)
         await asyncio.gather(*self._closing, return_exceptions=True)

@@ -46,22 +46,25 @@ class AuditEvent:
             raise InvalidArgument("audit details too long")
 
 
-_HASHED = tuple(f.name for f in fields(AuditEvent) if f.name != "hash")
+# sorted: a dict built in this order dumps as ``sort_keys`` would, without the sort
+_HASHED = tuple(sorted(f.name for f in fields(AuditEvent) if f.name != "hash"))
 
 
 def _payload(e: AuditEvent, **override: object) -> bytes:
     """What the hash covers: every field but the hash, as sorted compact JSON."""
     body = {name: getattr(e, name) for name in _HASHED}
-    body.update(override)
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body.update(override)  # fields of the event: their place in the order stays
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
-def chain(prev: AuditEvent | None, event: AuditEvent) -> AuditEvent:
-    """``event`` as the entry after ``prev``: numbered, linked and hashed."""
+def chain(prev: AuditEvent | None, event: AuditEvent, *, now: float = 0.0) -> AuditEvent:
+    """``event`` as the entry after ``prev``: numbered, linked and hashed (an event without
+    a time, ``ts`` 0, takes ``now``)."""
     seq = (prev.seq + 1) if prev else 1
     prev_hash = prev.hash if prev else GENESIS
-    digest = hashlib.sha256(_payload(event, seq=seq, prev_hash=prev_hash)).hexdigest()
-    return replace(event, seq=seq, prev_hash=prev_hash, hash=digest)
+    ts = event.ts or now
+    digest = hashlib.sha256(_payload(event, ts=ts, seq=seq, prev_hash=prev_hash)).hexdigest()
+    return replace(event, ts=ts, seq=seq, prev_hash=prev_hash, hash=digest)
 
 
 def verify(entries: Iterable[AuditEvent], *, after: AuditEvent | None = None) -> int | None:

@@ -11,7 +11,6 @@ Randomness comes in as a parameter: this module does no I/O.
 
 from __future__ import annotations
 
-import base64
 import re
 
 from dsec.core.errors import InvalidArgument, SandboxNotFound, SnapshotNotFound
@@ -39,8 +38,20 @@ def new_sandbox_id(edge_id: str, random_bytes: bytes) -> str:
     validate_edge_id(edge_id)
     if len(random_bytes) < RANDOM_BYTES:
         raise ValueError(f"need {RANDOM_BYTES} random bytes, got {len(random_bytes)}")
-    suffix = base64.b32encode(random_bytes[:RANDOM_BYTES]).decode().lower()[:RANDOM_LEN]
-    return f"{SANDBOX_PREFIX}-{edge_id}-{suffix}"
+    return f"{SANDBOX_PREFIX}-{edge_id}-{_base32_head(random_bytes)}"
+
+
+_B32 = "abcdefghijklmnopqrstuvwxyz234567"  # RFC 4648's alphabet, lowercase
+_B32_PAIRS = [a + b for a in _B32 for b in _B32]  # 10 bits -> 2 characters
+_HEAD_SHIFTS = tuple(range(RANDOM_LEN * 5 - 10, -1, -10))
+
+
+def _base32_head(random_bytes: bytes) -> str:
+    """The first RANDOM_LEN characters of the lowercase base32 of the first RANDOM_BYTES
+    bytes (the first 100 bits, 10 at a time): ``base64.b32encode``'s, without its loop
+    over every 5-byte group (a sandbox id is made for every create)."""
+    bits = int.from_bytes(random_bytes[:RANDOM_BYTES], "big") >> (RANDOM_BYTES * 8 - RANDOM_LEN * 5)
+    return "".join([_B32_PAIRS[(bits >> s) & 1023] for s in _HEAD_SHIFTS])
 
 
 def edge_of(sandbox_id: str) -> str:

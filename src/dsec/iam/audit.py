@@ -65,14 +65,16 @@ def append(db: sqlite3.Connection, event: AuditEvent) -> AuditEvent:
     return append_many(db, [event])[0]
 
 
-def append_many(db: sqlite3.Connection, events: Sequence[AuditEvent]) -> list[AuditEvent]:
-    """Insert ``events`` in order after the current head (read once); call inside a write
-    transaction."""
+def append_many(
+    db: sqlite3.Connection, events: Sequence[AuditEvent], *, now: float = 0.0
+) -> list[AuditEvent]:
+    """Insert ``events`` in order after the current head (read once), those without a time
+    at ``now``; call inside a write transaction."""
     out: list[AuditEvent] = []
     prev = head(db)
     insert = f"INSERT INTO audit ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
     for event in events:
-        prev = chain(prev, event)
+        prev = chain(prev, event, now=now)
         db.execute(insert, [getattr(prev, c) for c in _COLUMNS])
         out.append(prev)
     return out

@@ -141,8 +141,9 @@ CREATE TABLE IF NOT EXISTS allocations (
     memory_mb INTEGER NOT NULL,
     created_at REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS allocations_by_project
-    ON allocations(project, cpu_milli, memory_mb);
+-- usage is read from project_usage, never summed over a project's rows: no index by project
+-- (each admission would write one more page of it)
+DROP INDEX IF EXISTS allocations_by_project;
 CREATE INDEX IF NOT EXISTS allocations_by_edge ON allocations(edge_id, created_at);
 CREATE TABLE IF NOT EXISTS moves (
     old TEXT PRIMARY KEY,
@@ -502,11 +503,8 @@ class IamDb(QuotasMixin):
 
     def append_audit_many(self, events: Sequence[AuditEvent]) -> list[AuditEvent]:
         """Append several events in one transaction (one disk sync), in order."""
-        from dataclasses import replace
-
         with self._write() as db:
-            now = self._clock()
-            return audit.append_many(db, [e if e.ts else replace(e, ts=now) for e in events])
+            return audit.append_many(db, events, now=self._clock())
 
     def query_audit(self, q: audit.AuditQuery) -> list[AuditEvent]:
         try:

@@ -128,7 +128,7 @@ class QuotasMixin:
         with self._write() as db:
             verdicts = self._admit_each(db, admissions)
             now = self._clock()
-            entries = audit.append_many(db, [e if e.ts else replace(e, ts=now) for e in events])
+            entries = audit.append_many(db, events, now=now)
         return verdicts, entries
 
     def _admit_each(

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from dsec.core.audit import AuditEvent
 from dsec.core.batching import Batcher
 from dsec.core.errors import DsecError, Internal, PermissionDenied, QuotaExceeded, Unauthenticated
+from dsec.iam.admit_stream import AdmitStreamRpc
 from dsec.iam.audit_rpcs import AuditRpcs, actor_of, event_from
 from dsec.iam.join_rpcs import JoinTokenRpcs
 from dsec.iam.records import Admission, KeyRecord, Project
@@ -47,7 +48,7 @@ DEFAULT_RECONCILE_GRACE_S = 30.0
 MOVE_SETTLE_S = 300.0
 
 
-class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
+class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, AdmitStreamRpc, pb_grpc.IamServicer):
     """Serves the Iam RPCs from an :class:`IamState` it owns (closed by :meth:`close`)."""
 
     def __init__(
@@ -153,7 +154,10 @@ class IamService(AuditRpcs, TokenRpcs, JoinTokenRpcs, pb_grpc.IamServicer):
         """Admissions and audit entries an apiserver coalesced: they join this iam's own
         queues (one transaction each per burst). An entry that cannot be appended fails
         the call, as AppendAudit would."""
-        peer = peer_identity(context).spiffe_id
+        return await self.admit_batch(request, peer_identity(context).spiffe_id)
+
+    async def admit_batch(self, request: pb.AdmitBatch, peer: str) -> pb.AdmitBatchReply:
+        """:meth:`AdmitMany` for caller ``peer`` (its SPIFFE id)."""
         items: list[Admission | AuditEvent] = [
             Admission(r.project, r.sandbox_id, r.cpu, r.memory_mb, r.edge_id)
             for r in request.admissions

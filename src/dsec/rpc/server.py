@@ -175,15 +175,23 @@ class _Guard:
         self.metrics = metrics
         self.trust = trust
 
-    def authorize(self, context: HasAuthContext) -> None:
+    def authorize(self, context: HasAuthContext) -> bytes:
+        """Check the caller; returns its certificate (PEM) for :meth:`still_trusted`."""
         auth = context.auth_context()
-        if self.trust is not None:
-            pem = next(iter(auth.get("x509_pem_cert", ())), b"")
-            if not self.trust.accepts(pem):  # e.g. issued by a CA a rotation has dropped
-                raise Unauthenticated("peer certificate is not issued by a CA this server trusts")
+        pem = next(iter(auth.get("x509_pem_cert", ())), b"")
+        self.still_trusted(pem)
         peer = _identity_in(auth)
         if peer.role not in self.roles:
             raise PermissionDenied(f"{peer.spiffe_id} may not call {self.method}")
+        return pem
+
+    def still_trusted(self, pem: bytes) -> None:
+        """What of :meth:`authorize`'s answer can change while a connection stays up: whether
+        the trust bundle (reloaded on a rotation) still holds the CA that issued ``pem``.
+        The caller's identity, and so its role, is its certificate's, fixed for the
+        connection."""
+        if self.trust is not None and not self.trust.accepts(pem):  # e.g. a CA dropped
+            raise Unauthenticated("peer certificate is not issued by a CA this server trusts")
 
     async def fail(self, context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
         """Abort the call for ``exc``; always raises ``grpc.aio.AbortError``."""
@@ -222,10 +230,13 @@ def authorize_each_message(handler: F) -> F:
 
 
 async def _authorized(
-    requests: AsyncIterator[Any], guard: _Guard, context: grpc.aio.ServicerContext[Any, Any]
+    requests: AsyncIterator[Any], guard: _Guard, pem: bytes
 ) -> AsyncIterator[Any]:
+    """The messages of a stream the guard admitted with certificate ``pem``, each checked
+    again before it is read as a unary call would be (the parts that can change: the trust
+    bundle; the role a certificate carries cannot, nor can a connection's certificate)."""
     async for request in requests:
-        guard.authorize(context)
+        guard.still_trusted(pem)
         yield request
 
 
@@ -281,9 +292,9 @@ def _wrap_generator(
     async def generate(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         start = time.perf_counter()
         try:
-            guard.authorize(context)
+            pem = guard.authorize(context)
             if each:
-                request = _authorized(request, guard, context)
+                request = _authorized(request, guard, pem)
             async for item in fn(request, context):
                 yield item
         except grpc.aio.AbortError:

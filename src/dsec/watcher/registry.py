@@ -113,7 +113,7 @@ class EdgeRegistry:
         }
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
-            tmp.write_text(json.dumps(doc, indent=1))
+            tmp.write_text(json.dumps(doc, separators=(",", ":")))  # C encoder: no indent
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)

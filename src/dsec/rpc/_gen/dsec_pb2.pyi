@@ -1803,6 +1803,66 @@ class AdmitBatchReply(_message.Message):
 Global___AdmitBatchReply: _TypeAlias = AdmitBatchReply  # noqa: Y015
 
 @_typing.final
+class AdmitStreamRequest(_message.Message):
+    """AdmitMany calls as messages of one kept stream (an apiserver keeps one to the iam): each
+    message is the call it stands for, answered by a reply naming it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """chosen by the caller, unique on its stream"""
+    @_builtins.property
+    def batch(self) -> Global___AdmitBatch: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        batch: Global___AdmitBatch | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitStreamRequest: _TypeAlias = AdmitStreamRequest  # noqa: Y015
+
+@_typing.final
+class AdmitStreamReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    REPLY_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    error_code: _builtins.str
+    """or its failure: the DsecError's code (as x-dsec-code)"""
+    error_message: _builtins.str
+    @_builtins.property
+    def reply(self) -> Global___AdmitBatchReply:
+        """the call's answer"""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        reply: Global___AdmitBatchReply | None = ...,
+        error_code: _builtins.str = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reply", b"reply"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "id", b"id", "reply", b"reply"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitStreamReply: _TypeAlias = AdmitStreamReply  # noqa: Y015
+
+@_typing.final
 class MoveAllocationRequest(_message.Message):
     """A sandbox moved to another edge under a new id: its allocation now names that id (the
     project's usage does not change at any moment).

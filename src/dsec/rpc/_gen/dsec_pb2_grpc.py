@@ -1470,6 +1470,11 @@ class IamStub:
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatch.SerializeToString,
                 response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatchReply.FromString,
                 _registered_method=True)
+        self.AdmitStream = channel.stream_stream(
+                '/dsec.v1.Iam/AdmitStream',
+                request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitStreamRequest.SerializeToString,
+                response_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitStreamReply.FromString,
+                _registered_method=True)
         self.QueryAudit = channel.unary_unary(
                 '/dsec.v1.Iam/QueryAudit',
                 request_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AuditQuery.SerializeToString,
@@ -1596,6 +1601,12 @@ class IamServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AdmitMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AdmitStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1734,6 +1745,11 @@ def add_IamServicer_to_server(servicer, server):
                     servicer.AdmitMany,
                     request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatch.FromString,
                     response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatchReply.SerializeToString,
+            ),
+            'AdmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AdmitStream,
+                    request_deserializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitStreamRequest.FromString,
+                    response_serializer=dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitStreamReply.SerializeToString,
             ),
             'QueryAudit': grpc.unary_unary_rpc_method_handler(
                     servicer.QueryAudit,
@@ -2093,6 +2109,33 @@ class Iam:
             '/dsec.v1.Iam/AdmitMany',
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatch.SerializeToString,
             dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsec.v1.Iam/AdmitStream',
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitStreamRequest.SerializeToString,
+            dsec_dot_rpc_dot___gen_dot_dsec__pb2.AdmitStreamReply.FromString,
             options,
             channel_credentials,
             insecure,

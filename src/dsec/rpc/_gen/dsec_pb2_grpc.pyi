@@ -404,6 +404,7 @@ class IamStub:
     GetUsage: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]
     AppendAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]
     AdmitMany: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AdmitBatch, _dsec_pb2.AdmitBatchReply]
+    AdmitStream: _grpc.StreamStreamMultiCallable[_dsec_pb2.AdmitStreamRequest, _dsec_pb2.AdmitStreamReply]
     QueryAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.AuditQuery, _dsec_pb2.AuditList]
     VerifyAudit: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.AuditVerdict]
     IssueToken: _grpc.UnaryUnaryMultiCallable[_dsec_pb2.IssueTokenRequest, _dsec_pb2.TokenReply]
@@ -435,6 +436,7 @@ class IamAsyncStub(IamStub):
     GetUsage: _aio.UnaryUnaryMultiCallable[_dsec_pb2.ProjectRef, _dsec_pb2.Usage]  # type: ignore[assignment]
     AppendAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditEntry, _dsec_pb2.Empty]  # type: ignore[assignment]
     AdmitMany: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AdmitBatch, _dsec_pb2.AdmitBatchReply]  # type: ignore[assignment]
+    AdmitStream: _aio.StreamStreamMultiCallable[_dsec_pb2.AdmitStreamRequest, _dsec_pb2.AdmitStreamReply]  # type: ignore[assignment]
     QueryAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.AuditQuery, _dsec_pb2.AuditList]  # type: ignore[assignment]
     VerifyAudit: _aio.UnaryUnaryMultiCallable[_dsec_pb2.Empty, _dsec_pb2.AuditVerdict]  # type: ignore[assignment]
     IssueToken: _aio.UnaryUnaryMultiCallable[_dsec_pb2.IssueTokenRequest, _dsec_pb2.TokenReply]  # type: ignore[assignment]
@@ -529,6 +531,13 @@ class IamServicer(metaclass=_abc_1.ABCMeta):
         request: _dsec_pb2.AdmitBatch,
         context: _ServicerContext,
     ) -> _typing.Union[_dsec_pb2.AdmitBatchReply, _abc.Awaitable[_dsec_pb2.AdmitBatchReply]]: ...
+
+    @_abc_1.abstractmethod
+    def AdmitStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_dsec_pb2.AdmitStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_dsec_pb2.AdmitStreamReply], _abc.AsyncIterator[_dsec_pb2.AdmitStreamReply]]: ...
 
     @_abc_1.abstractmethod
     def QueryAudit(
