@@ -120,3 +120,18 @@ def test_cli_table_rows() -> None:
     assert rows[1][-1] == "no kvm"
     assert rows[2][0] == "e2"
     assert rows[2][-1] == "down"
+
+
+def test_create_hint_becomes_what_creates_take_here() -> None:
+    """Once the edge made a few creates of a backend, their median is its create hint."""
+    times = backend_report.CreateTimes(keep=4, least=3)
+    times.note("container", 9.0)
+    times.note("container", 1.0)
+    before = {r.name: r for r in backend_report.report([FakeBackend()], times)}
+    assert before["container"].capabilities.create_seconds == 0.0  # two: the backend's own
+    for s in (2.0, 3.0, 4.0):  # the oldest (9.0) falls out of the last four
+        times.note("container", s)
+    after = {r.name: r for r in backend_report.report([FakeBackend()], times)}
+    assert after["container"].capabilities.create_seconds == 2.5
+    assert after["container"].capabilities.pause  # the rest as the backend says
+    assert times.median("vm") is None

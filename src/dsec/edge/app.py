@@ -221,7 +221,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     async def list_backends() -> pb.BackendList:
         from dsec.edge import backend_report
 
-        reports = await asyncio.to_thread(backend_report.report, candidates)
+        reports = await asyncio.to_thread(backend_report.report, candidates, manager.create_times)
         return backend_report.to_pb(edge_id, reports)
 
     service = EdgeService(manager, status, images, list_backends=list_backends)

@@ -6,8 +6,10 @@ with that reason, so ``dsec backends`` always shows the four substrates of the s
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsec.core.spec import BACKENDS
 from dsec.edge.backends.api import Availability, Backend, Capabilities, capabilities_of
@@ -21,8 +23,29 @@ class BackendReport:
     capabilities: Capabilities
 
 
-def report(candidates: Sequence[Backend]) -> list[BackendReport]:
-    """One entry per known backend name (in ``BACKENDS`` order), then any others."""
+class CreateTimes:
+    """How long this edge's last creates of each backend took (create -> agent answered;
+    not restores or forks): their median replaces a backend's own ``create_seconds``
+    estimate once there are ``least`` of them, so the hint says what creates take here."""
+
+    def __init__(self, keep: int = 16, least: int = 3) -> None:
+        self._keep = keep
+        self._least = least
+        self._seen: dict[str, deque[float]] = {}
+
+    def note(self, backend: str, seconds: float) -> None:
+        self._seen.setdefault(backend, deque(maxlen=self._keep)).append(seconds)
+
+    def median(self, backend: str) -> float | None:
+        seen = self._seen.get(backend, ())
+        return statistics.median(seen) if len(seen) >= self._least else None
+
+
+def report(
+    candidates: Sequence[Backend], measured: CreateTimes | None = None
+) -> list[BackendReport]:
+    """One entry per known backend name (in ``BACKENDS`` order), then any others;
+    ``measured``: the edge's create times (see :class:`CreateTimes`)."""
     by_name = {b.name: b for b in candidates}
     names = list(BACKENDS) + sorted(set(by_name) - set(BACKENDS))
     out: list[BackendReport] = []
@@ -36,7 +59,11 @@ def report(candidates: Sequence[Backend]) -> list[BackendReport]:
             avail = backend.availability()
         except Exception as exc:  # a broken check must not hide the other backends
             avail = Availability(False, f"availability check failed: {exc}")
-        out.append(BackendReport(name, avail, capabilities_of(backend)))
+        caps = capabilities_of(backend)
+        took = measured.median(name) if measured is not None else None
+        if took is not None:
+            caps = replace(caps, create_seconds=round(took, 2))
+        out.append(BackendReport(name, avail, caps))
     return out
 
 

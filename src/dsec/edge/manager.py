@@ -41,6 +41,7 @@ from dsec.core.lifecycle import Event, State
 from dsec.core.netpolicy import NetworkPolicy
 from dsec.core.spec import MAX_TIMEOUT_S, MOVE_GRACE_S, SandboxSpec
 from dsec.edge import agent_client
+from dsec.edge.backend_report import CreateTimes
 from dsec.edge.backends.api import Backend, RuntimeState, SandboxPaths, Started, capabilities_of
 from dsec.edge.records import RecordStore, SandboxRecord
 from dsec.obs import Metrics, log
@@ -108,6 +109,7 @@ class SandboxManager:
         self._watch_fds: dict[str, int] = {}
         self._creating: dict[str, asyncio.Event] = {}
         self._resuming: set[str] = set()  # a move must not end one being resumed here
+        self.create_times = CreateTimes()  # fresh creates only: the backends' create hint
         self._tasks: set[asyncio.Task[None]] = set()
         socket_root.mkdir(parents=True, exist_ok=True)
         state_root.mkdir(parents=True, exist_ok=True)
@@ -243,6 +245,8 @@ class SandboxManager:
         self._metrics.observe("sandbox_create", time.perf_counter() - started_at)
         self._metrics.inc("sandboxes_created", backend=spec.backend)
         total_s = time.perf_counter() - started_at
+        if start is None:
+            self.create_times.note(spec.backend, total_s)
         log(
             _log,
             "sandbox running",

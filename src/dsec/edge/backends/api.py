@@ -57,7 +57,9 @@ class Capabilities:
     Two hints for callers sizing work (benchmarks, schedulers), not enforced:
     ``min_vcpus`` is the least CPU share a sandbox starts in reasonable time with (a full
     VM boots systemd; at a quarter core that took minutes), ``create_seconds`` roughly how
-    long a create takes on an idle host (0 for either: no hint, a create is cheap).
+    long a create takes on an idle host (0 for either: no hint, a create is cheap); the
+    edge reports the median of its own recent creates instead once it has made a few
+    (``backend_report.CreateTimes``).
     """
 
     pause: bool = False
