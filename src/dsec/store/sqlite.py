@@ -592,9 +592,10 @@ class SqliteStore(StoreHelpers):
             raise StoreUnavailable("the store is closed")
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
-        if self._inline and _small(compare, success, failure) and self._commit_here():
-            await asyncio.sleep(0)  # (as a commit on the store thread, let other tasks run)
-        elif not self._kicked:
+        # (committed here: ``fut`` is settled and returns without a pass of the loop, as
+        # with the memory store)
+        here = self._inline and _small(compare, success, failure) and self._commit_here()
+        if not here and not self._kicked:
             # (not awaited: the group settles every future of the queue, this one included;
             # one hand-off back to the loop per commit instead of one per transaction, and
             # none submitted while a submitted group has not started draining the queue)
