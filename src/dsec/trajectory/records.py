@@ -4,6 +4,7 @@ policy) and one step (canonical request, result, and what re-running it needs)."
 from __future__ import annotations
 
 import base64
+import builtins
 import hashlib
 import json
 from dataclasses import dataclass, field, fields
@@ -52,7 +53,7 @@ class Trajectory:
         every append's record must not deep-copy its spec)."""
         return {name: getattr(self, name) for name in _TRAJECTORY_FIELDS}
 
-    def encode(self) -> bytes:
+    def encode(self) -> builtins.bytes:  # (``bytes`` here: the field)
         return _JSON.encode(self.__dict__).encode()  # (the fields, in their order)
 
     def appended(self, size: int, now: float) -> Trajectory:
