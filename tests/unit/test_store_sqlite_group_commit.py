@@ -25,10 +25,10 @@ async def test_concurrent_txns_share_commits_and_fail_alone(
     commits = 0
     write = store._write
 
-    def counting(body: Callable[[sqlite3.Connection], Any]) -> Any:
+    def counting(body: Callable[[sqlite3.Connection, bool], Any], *args: Any) -> Any:
         nonlocal commits
         commits += 1
-        return write(body)
+        return write(body, *args)
 
     monkeypatch.setattr(store, "_write", counting)
     try:

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
+from dsec.apiserver import app as apiserver_app
 from dsec.apiserver import relay
 from dsec.apiserver import trajectory_calls as traj
 from dsec.apiserver.auth import Principal
@@ -146,3 +148,66 @@ async def test_the_answer_waits_while_the_commit_is_held(
             store._lock.release()
     await asyncio.wait_for(call, 10)
     assert watched.events[-2:] == ["ran", "committed"]
+
+
+@pytest.mark.asyncio
+async def test_a_call_whose_client_went_away_is_still_recorded(
+    env: tuple[Ctx, _Watched, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client closes its connection while the call runs: the apiserver's runner does
+    not cancel the handler (no task shields the call), so the call that ran is recorded.
+    Cancelling handlers on a lost connection (aiohttp's ``handler_cancellation=True``)
+    cancels the call at the edge's answer and fails this test."""
+    c, watched, _ = env
+    running, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(*args: Any, **kwargs: Any) -> relay.Reply:
+        running.set()
+        await release.wait()
+        watched.events.append("ran")
+        return relay.Reply({"exit_code": 0}, b"late", b"", [], False)
+
+    monkeypatch.setattr(relay, "call", slow)
+    p = Principal("u", "p", "member", "k")
+
+    requests: list[web.Request] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        requests.append(request)
+        await traj.call(request, c, p, SBX, {"op": "exec", "cmd": "echo late"})
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/", handler)
+    runner = apiserver_app.runner(app)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        await asyncio.wait_for(running.wait(), 5)
+        writer.close()  # (the client goes away mid-call)
+        await writer.wait_closed()
+        for _ in range(500):  # (until the server saw the connection lost)
+            if requests[0].transport is None:
+                break
+            await asyncio.sleep(0.01)
+        assert requests[0].transport is None, "the server did not see the client go"
+        release.set()
+        tlog = c.trajectories
+        assert tlog is not None
+        t = await tlog.for_sandbox(SBX)
+        assert t is not None
+        for _ in range(500):
+            if (await tlog.get(t.id)).steps:
+                break
+            await asyncio.sleep(0.01)
+        assert watched.events == ["ran", "committed"], watched.events
+        step = await tlog.step(t.id, 0)
+        assert step is not None
+        assert step.result["stdout"] == "bGF0ZQ==", step  # (b"late")
+    finally:
+        release.set()
+        await runner.cleanup()

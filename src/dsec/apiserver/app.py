@@ -203,6 +203,14 @@ def make_app(
     return app
 
 
+def runner(app: web.Application) -> web.AppRunner:
+    """The apiserver's runner. A client that goes away mid-request does not cancel its
+    handler (said here, not left to aiohttp's default): a recorded runtime call that ran is
+    recorded whoever is still listening (``trajectory_calls.py``), with no task per call to
+    shield it."""
+    return web.AppRunner(app, access_log=None, handler_cancellation=False)
+
+
 def _split(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host or "127.0.0.1", int(port)
@@ -222,10 +230,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         max_age_s=args.trajectory_max_age_days * 86400, max_bytes=args.trajectory_max_bytes
     )
     app = make_app(upstream, components, trajectories=tlog, retention=retention, domain=args.domain)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
+    app_runner = runner(app)
+    await app_runner.setup()
     host, port = _split(args.listen)
-    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=args.reuse_port or None)
+    site = web.TCPSite(
+        app_runner, host, port, reuse_address=True, reuse_port=args.reuse_port or None
+    )
     await site.start()
     log(_log, "apiserver listening", address=args.listen, domain=args.domain or "")
     if args.tls_listen:
@@ -233,7 +243,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
             raise InvalidArgument("--tls-listen needs --domain (the certificate's name)")
         host, port = _split(args.tls_listen)
         ssl_ctx = web_ssl_context(paths.pki, args.domain)
-        await web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True).start()
+        await web.TCPSite(app_runner, host, port, ssl_context=ssl_ctx, reuse_address=True).start()
         log(_log, "apiserver listening (TLS)", address=args.tls_listen, domain=args.domain)
     renewer = asyncio.create_task(renew_forever(paths.pki, "apiserver", args.iam, stop))
     try:
@@ -241,7 +251,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     finally:
         renewer.cancel()
         await asyncio.gather(renewer, return_exceptions=True)
-        await runner.cleanup()
+        await app_runner.cleanup()
         await upstream.aclose()
         await tlog.aclose()
         await tlog.store.aclose()

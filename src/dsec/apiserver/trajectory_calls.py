@@ -19,7 +19,6 @@ seen the sandbox: ``trajectory_bindings.py``). For a bound one:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import time
@@ -297,29 +296,26 @@ async def _recorded(
 ) -> relay.Reply:
     """Run the call and record it before answering. ``epoch`` (default: the record's): the
     edge runs it only if the sandbox is still bound at that epoch, else refuses it
-    (TrajectoryBound) before it runs; "": no such check (the record was just read)."""
+    (TrajectoryBound) before it runs; "": no such check (the record was just read).
+    Not shielded: a client that goes away mid-call does not cancel its handler
+    (``app.runner``), so a call that ran is recorded."""
     epoch = b.t.epoch if epoch is None else epoch
-
-    async def run() -> relay.Reply:
-        try:
-            reply = await relay.call(
-                c, p, sandbox_id, req, stdin, deadline_s=deadline_s, trajectory_epoch=epoch
-            )
-        except TrajectoryBound:
-            raise  # refused before it ran: nothing to record
-        except DsecError as exc:
-            if exc.http_status >= 500:
-                raise
-            error = {"error": exc.to_wire()}
-            await record(
-                request, c, p, b, sandbox_id, req, canon, exc.http_status, error, payload=stdin
-            )
+    try:
+        reply = await relay.call(
+            c, p, sandbox_id, req, stdin, deadline_s=deadline_s, trajectory_epoch=epoch
+        )
+    except TrajectoryBound:
+        raise  # refused before it ran: nothing to record
+    except DsecError as exc:
+        if exc.http_status >= 500:
             raise
-        await record(request, c, p, b, sandbox_id, req, canon, 200, _pack(reply), payload=stdin)
-        return reply
-
-    # A client that goes away mid-call must not leave a call that ran but was not recorded.
-    return await asyncio.shield(run())
+        error = {"error": exc.to_wire()}
+        await record(
+            request, c, p, b, sandbox_id, req, canon, exc.http_status, error, payload=stdin
+        )
+        raise
+    await record(request, c, p, b, sandbox_id, req, canon, 200, _pack(reply), payload=stdin)
+    return reply
 
 
 # -- file transfers -----------------------------------------------------------------------
@@ -345,9 +341,7 @@ async def transfer(
             _unpack(step)
         return step.result, step.data
     b = await _for_recording(c.trajectories, b)
-    return await asyncio.shield(
-        _run_and_record(request, c, p, b, sandbox_id, req, canon, body, run)
-    )
+    return await _run_and_record(request, c, p, b, sandbox_id, req, canon, body, run)
 
 
 async def _for_recording(tlog: TrajectoryLog, b: Bound) -> Bound:

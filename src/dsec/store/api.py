@@ -76,9 +76,7 @@ class Compare:
     def holds(self, kvs: Sequence[KeyValue]) -> bool:
         """Evaluate against the keys the compare covers (at the transaction's revision)."""
         if not kvs:
-            if self.target is Target.VALUE:
-                return False
-            return _cmp(0, self.op, self.operand)
+            return self.check(None)
         for kv in kvs:
             if self.target is Target.VALUE:
                 actual: int | bytes = kv.value
@@ -88,9 +86,15 @@ class Compare:
                 actual = kv.create_revision
             else:
                 actual = kv.mod_revision
-            if not _cmp(actual, self.op, self.operand):
+            if not self.check(actual):
                 return False
         return True
+
+    def check(self, actual: int | bytes | None) -> bool:
+        """Evaluate against the tested field of one key (None: no such key)."""
+        if actual is None:
+            return self.target is not Target.VALUE and _cmp(0, self.op, self.operand)
+        return _cmp(actual, self.op, self.operand)
 
 
 def _cmp(actual: int | bytes, op: Op, operand: int | bytes) -> bool:

@@ -66,6 +66,7 @@ from .api import (
     Put,
     RangeResult,
     StoreHelpers,
+    Target,
     TxnOp,
     TxnResult,
     WatchBatch,
@@ -124,6 +125,22 @@ def _upsert(n: int) -> str:
 def _log_changes(n: int) -> str:
     """One statement writing ``n`` rows of history (one round trip, not ``n``)."""
     return "INSERT INTO changes VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * n)
+
+
+@functools.cache
+def _next_rev(reads: tuple[Target, ...]) -> str:
+    """Take the next revision, reading with it the field each of ``reads`` tests of one
+    key (NULL: no such key), one statement."""
+    cols = "".join(f", (SELECT {_COLUMN[t]} FROM kv WHERE key = ?)" for t in reads)
+    return f"UPDATE meta SET value = value + 1 WHERE name = 'rev' RETURNING value{cols}"
+
+
+_COLUMN = {
+    Target.VALUE: "value",
+    Target.VERSION: "version",
+    Target.CREATE: "create_rev",
+    Target.MOD: "mod_rev",
+}
 
 
 def _kv(row: tuple[Any, ...]) -> KeyValue:
@@ -289,9 +306,12 @@ class SqliteStore(StoreHelpers):
         rows = db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchall()
         return int(rows[0][0])
 
-    def _write(self, body: Callable[[sqlite3.Connection], T]) -> T:
+    def _write(
+        self, body: Callable[[sqlite3.Connection, bool], T], compare: Sequence[Compare] = ()
+    ) -> T:
         """Run ``body`` in one write transaction. The store revision is read once at its
-        start (``self._rev``; :meth:`_apply` advances it)."""
+        start (``self._rev``; :meth:`_apply` advances it), and with it the keys ``compare``
+        (single keys) tests: ``body`` gets whether they all hold."""
         db = self._db
         if db is None:
             raise StoreUnavailable("the store is closed")
@@ -301,11 +321,10 @@ class SqliteStore(StoreHelpers):
         try:
             # (one statement for the usual write, one revision: read the revision and take
             # the next; written again only if the write took none, or several)
-            rows = db.execute(
-                "UPDATE meta SET value = value + 1 WHERE name = 'rev' RETURNING value"
-            ).fetchall()
-            self._rev = start = int(rows[0][0]) - 1
-            out = body(db)
+            row = db.execute(_next_rev(tuple(c.target for c in compare)), [c.key for c in compare])
+            rev, *read = row.fetchall()[0]
+            self._rev = start = int(rev) - 1
+            out = body(db, all(c.check(v) for c, v in zip(compare, read, strict=True)))
             if self._rev != start + 1:
                 db.execute("UPDATE meta SET value = ? WHERE name = 'rev'", (self._rev,))
             db.execute("COMMIT")
@@ -441,15 +460,18 @@ class SqliteStore(StoreHelpers):
             return False  # an earlier call committed them
         out: list[TxnResult | BaseException] = []
 
-        def one(db: sqlite3.Connection, item: _Queued) -> TxnResult:
+        # (alone and with single-key compares: they are read with the revision)
+        alone = len(items) == 1 and not any(c.prefix for c in items[0][0])
+
+        def one(db: sqlite3.Connection, item: _Queued, held: bool | None = None) -> TxnResult:
             compare, success, failure, _ = item
-            ok = all(c.holds(self._covered(db, c)) for c in compare)
+            ok = all(c.holds(self._covered(db, c)) for c in compare) if held is None else held
             rev, deleted = self._apply(db, success if ok else failure)
             return TxnResult(ok, rev, tuple(deleted))
 
-        def body(db: sqlite3.Connection) -> None:
+        def body(db: sqlite3.Connection, held: bool) -> None:
             if len(items) == 1:  # (alone: a failure rolls back the whole write)
-                out.append(one(db, items[0]))
+                out.append(one(db, items[0], held if alone else None))
                 return
             for item in items:
                 published, rev = len(self._pending), self._rev
@@ -464,7 +486,7 @@ class SqliteStore(StoreHelpers):
                 db.execute("RELEASE txn")
 
         try:
-            self._write(body)
+            self._write(body, items[0][0] if alone else ())
         except BaseException as exc:
             out = [exc] * len(items)
         self._outbox.append((self._pending, [q[3] for q in items], out))
@@ -499,14 +521,14 @@ class SqliteStore(StoreHelpers):
     def _grant(self, ttl: int) -> int:
         lease = secrets.randbits(62) + 1
         self._write(
-            lambda db: db.execute(
+            lambda db, _: db.execute(
                 "INSERT INTO leases VALUES (?, ?, ?)", (lease, ttl, time.time() + ttl)
             )
         )
         return lease
 
     def _keepalive(self, lease: int) -> int:
-        def body(db: sqlite3.Connection) -> int:
+        def body(db: sqlite3.Connection, _: bool) -> int:
             rows = db.execute("SELECT ttl FROM leases WHERE id = ?", (lease,)).fetchall()
             row = rows[0] if rows else None
             if row is None:
@@ -519,7 +541,7 @@ class SqliteStore(StoreHelpers):
         return self._write(body)
 
     def _revoke(self, lease: int, *, missing_ok: bool = False) -> None:
-        def body(db: sqlite3.Connection) -> None:
+        def body(db: sqlite3.Connection, _: bool) -> None:
             if db.execute("DELETE FROM leases WHERE id = ?", (lease,)).rowcount == 0:
                 if missing_ok:
                     return
@@ -535,7 +557,7 @@ class SqliteStore(StoreHelpers):
         return [int(r[0]) for r in rows]
 
     def _compact(self, revision: int) -> None:
-        def body(db: sqlite3.Connection) -> None:
+        def body(db: sqlite3.Connection, _: bool) -> None:
             now, compact = self._meta("rev"), self._meta("compact_rev")
             if revision <= compact:
                 raise Compacted(f"revision {revision} is already compacted", compact)
@@ -592,9 +614,10 @@ class SqliteStore(StoreHelpers):
             raise StoreUnavailable("the store is closed")
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
-        if self._inline and _small(compare, success, failure) and self._commit_here():
-            await asyncio.sleep(0)  # (as a commit on the store thread, let other tasks run)
-        elif not self._kicked:
+        # (committed here: ``fut`` is settled and returns without a pass of the loop, as
+        # with the memory store)
+        here = self._inline and _small(compare, success, failure) and self._commit_here()
+        if not here and not self._kicked:
             # (not awaited: the group settles every future of the queue, this one included;
             # one hand-off back to the loop per commit instead of one per transaction, and
             # none submitted while a submitted group has not started draining the queue)

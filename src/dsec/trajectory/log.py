@@ -107,7 +107,7 @@ def _quota_key(project: str) -> bytes:
 
 
 def _record_put(t: Trajectory) -> Put:
-    return Put(_meta_key(t.id), json.dumps(t.to_json()).encode())
+    return Put(_meta_key(t.id), t.encode())
 
 
 def _levels(project: str) -> list[str]:
@@ -305,7 +305,7 @@ class TrajectoryLog:
         key = _meta_key(tid)
         res = await self.store.txn(
             [Compare(key, Target.CREATE, Op.EQ, 0)],
-            [Put(key, json.dumps(fresh.to_json()).encode())],
+            [Put(key, fresh.encode())],
         )
         if res.succeeded:
             self._usage.note(key, res.revision, project, 0)
@@ -480,14 +480,7 @@ class TrajectoryLog:
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
             if not quota_checked:
                 await self.check_quota(t.project)
-            new = replace(
-                t,
-                steps=t.steps + 1,
-                bytes=t.bytes + size,
-                cursor=t.steps + 1,
-                mode="record",
-                updated_at=self.clock(),
-            )
+            new = t.appended(size, self.clock())
             put = _record_put(new)
             res = await self.store.txn(
                 [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), put]

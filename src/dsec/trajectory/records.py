@@ -4,6 +4,7 @@ policy) and one step (canonical request, result, and what re-running it needs)."
 from __future__ import annotations
 
 import base64
+import builtins
 import hashlib
 import json
 from dataclasses import dataclass, field, fields
@@ -52,6 +53,24 @@ class Trajectory:
         every append's record must not deep-copy its spec)."""
         return {name: getattr(self, name) for name in _TRAJECTORY_FIELDS}
 
+    def encode(self) -> builtins.bytes:  # (``bytes`` here: the field)
+        return _JSON.encode(self.__dict__).encode()  # (the fields, in their order)
+
+    def appended(self, size: int, now: float) -> Trajectory:
+        """The record after a step of ``size`` bytes is appended at ``now`` (record mode).
+        (A copy of the fields, not ``dataclasses.replace``: it runs on every recorded call
+        and these values need no checks.)"""
+        new = object.__new__(Trajectory)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(
+            steps=self.steps + 1,
+            bytes=self.bytes + size,
+            cursor=self.steps + 1,
+            mode="record",
+            updated_at=now,
+        )
+        return new
+
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Trajectory:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
@@ -80,7 +99,7 @@ class Step:
         for k in ("data", "payload"):
             if d[k] is not None:
                 d[k] = base64.b64encode(d[k]).decode()
-        return _STEP_JSON.encode(d).encode()
+        return _JSON.encode(d).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Step:
@@ -102,5 +121,6 @@ class Step:
 
 _TRAJECTORY_FIELDS = tuple(f.name for f in fields(Trajectory))
 _STEP_FIELDS = tuple(f.name for f in fields(Step))
-# (one encoder: json.dumps with options builds a new one per call)
-_STEP_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+# (one encoder: json.dumps with options builds a new one per call; keys in the fields'
+# order, not sorted: a record's encoding is as stable and costs less)
+_JSON = json.JSONEncoder(separators=(",", ":"))
