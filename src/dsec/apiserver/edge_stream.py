@@ -1,26 +1,15 @@
 """Creates sent to an edge as messages of one kept ``CreateStream`` (one per edge, over the
-edge's mTLS channel), not as a unary ``CreateSandbox`` call each: a message costs about
-half the gRPC CPU of a call on both ends. ``dsec.edge.create_stream`` is the edge's end.
+edge's mTLS channel; :mod:`dsec.rpc.kept_stream`), not as a unary ``CreateSandbox`` call
+each: a message costs about half the gRPC CPU of a call on both ends.
+``dsec.edge.create_stream`` is the edge's end.
 
-A create is the unary call it replaces, with the same outcomes:
-
-* the edge's answer, or the DsecError it raised (rebuilt from its code, as from a status's
-  ``x-dsec-code``), matched to its request by an id;
-* the stream breaking while creates are in flight (the edge died, a network cut) fails each
-  of them with the error the broken call gives: ``Unavailable`` for a lost connection, as a
-  unary call to a dead edge gets. Nothing is sent again: the caller (``admission``)
-  releases the admission and places the sandbox on another edge under a new id;
-* the deadline: when it passes the create fails ``DeadlineExceeded`` and the edge is told
-  to stop it; a caller that is cancelled tells the edge the same;
-* identity: the stream is authorized by the edge as a call is, and each message again
-  (``dsec.rpc.server.authorize_each_message``); when this apiserver's certificates change,
-  new creates open a new stream with them while the old one finishes its creates.
-
-The stream is opened by the first create and again by the first create after it ended
-(so it reconnects when an edge comes back). An edge that predates ``CreateStream``
-answers UNIMPLEMENTED before any create is sent; its creates then go as unary calls (the
-only caller of ``CreateSandbox`` left), and the stream is tried again after
-:data:`dsec.rpc.kept_stream.UNARY_FOR_S`. The stream itself is :mod:`dsec.rpc.kept_stream`.
+A create has the outcomes of the unary call it replaces. A stream broken with creates in
+flight fails them (``Unavailable`` for a lost connection, as a unary call to a dead edge
+gets) and sends nothing again: the caller (``admission``) releases the admission and
+places the sandbox on another edge under a new id. A create past its deadline, or whose
+caller is cancelled, is stopped on the edge too. The stream is authorized by the edge as a
+call is, and each message again (``dsec.rpc.server.authorize_each_message``). An edge that
+predates ``CreateStream`` gets unary creates (the only caller of ``CreateSandbox`` left).
 """
 
 from __future__ import annotations

@@ -5,17 +5,12 @@ apiserver are queued while a call is in flight and go together in the next ``Adm
 Each caller still gets its own answer: an admission its verdict (the DsecError the iam
 raised, rebuilt from its code), an audit entry the call's outcome.
 
-Given the channel, the calls go as messages of one kept ``AdmitStream`` (the iam's end is
-``dsec.iam.admit_stream``): a message costs a fraction of a unary call's gRPC work on both
-ends. A message has the call's outcomes: the iam's answer or the DsecError it raised; the
-stream breaking, or no reply within the call's timeout, fails the batch in flight as a
-failed call does (``Unavailable``, ``DeadlineExceeded``: the iam may or may not have
-decided it; an admission left behind is freed by its edge's reconcile) and the next batch
-opens a new stream. The stream is authorized by the iam as a call is, and each message
-again; when this apiserver's certificates change the next batch opens a new stream with
-them. An iam without ``AdmitStream`` (UNIMPLEMENTED) gets unary calls, and is asked again
-after :data:`dsec.rpc.kept_stream.UNARY_FOR_S`. The stream itself is
-:mod:`dsec.rpc.kept_stream`.
+Given the channel, the calls go as messages of one kept ``AdmitStream``
+(:mod:`dsec.rpc.kept_stream`; the iam's end is ``dsec.iam.admit_stream``), with the call's
+outcomes: the stream breaking, or no reply within the call's timeout, fails the batch in
+flight as a failed call does (``Unavailable``, ``DeadlineExceeded``: the iam may or may not
+have decided it; an admission left behind is freed by its edge's reconcile) and the next
+batch opens a new stream. An iam without ``AdmitStream`` gets unary calls.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
-"""The calling end of a kept stream: unary calls to one peer sent as messages of one
-long-lived bidirectional stream (a message costs a fraction of a call's gRPC work on both
-ends), with the unary call as the fallback. :mod:`dsec.rpc.stream_pump` is the serving end.
+"""The calling end of a kept stream (:mod:`dsec.rpc.stream_pump` serves it): unary calls
+to one peer sent as messages of one long-lived bidirectional stream, with the unary call as
+the fallback. A message costs a fraction of a call's gRPC work, on both ends.
 
-A request names itself by an ``id`` set here; its reply names it back and carries the
-call's answer, or the DsecError the call would raise as ``error_code``/``error_message``.
-A request has the call's outcomes:
-
-* the peer's answer, or its DsecError (rebuilt from its code, as from ``x-dsec-code``);
-* the stream breaking (the peer died, a network cut) fails the requests in flight with the
-  error the broken call gives (``Unavailable`` for a lost connection); nothing is sent
-  again;
-* its deadline passing fails it ``DeadlineExceeded``: the peer is told to stop it when the
-  method has a ``cancel`` message (as it is when its caller is cancelled), and otherwise
-  the whole stream is given up with it (a stuck peer).
-
-:class:`KeptStream` opens the stream at its first use (one opening for every caller that
-finds none), and again after it broke or when the channel's certificates changed (the old
-one is half-closed and finishes what it carries). A peer that predates the stream answers
-UNIMPLEMENTED before any request is sent: its callers make the unary call for
-:data:`UNARY_FOR_S`, then it is asked again.
+A request gets an ``id``; its reply names it and carries the answer, or the DsecError the
+call would raise as its code and message. The stream breaking fails the requests in flight
+with the error the broken call gives (``Unavailable`` for a lost connection); nothing is
+sent again. A request past its deadline fails ``DeadlineExceeded``: the peer is told to
+stop it when the method has a ``cancel`` message (as when its caller is cancelled), else
+the stream is given up with it (a stuck peer). The stream is opened at first use (once
+for every caller that finds none), again after it broke or when the channel's certificates
+changed (the old one finishes what it carries). A peer that answers UNIMPLEMENTED (it
+predates the stream) gets unary calls for :data:`UNARY_FOR_S`, then is asked again.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -41,12 +33,6 @@ UNARY_FOR_S = 60.0  # a peer without the stream gets unary calls this long, then
 
 class _Message(Protocol):
     id: int
-
-
-class _Reply(Protocol):
-    id: int
-    error_code: str
-    error_message: str
 
 
 Req = TypeVar("Req", bound=_Message)
@@ -69,8 +55,7 @@ class StreamCall(Generic[Req, Out]):
         self._writer = asyncio.create_task(self._write())
 
     async def ask(self, msg: Req, deadline: float) -> Out:
-        """Send ``msg`` (its id set here) and wait for its answer until ``deadline`` (loop
-        time)."""
+        """Send ``msg`` (its id set here); its answer, by ``deadline`` (loop time)."""
         kept = self._kept
         if self.broken:  # it broke (or was retired) since it was handed out
             raise self.error or Unavailable(f"the {kept.name} to {kept.peer} was closed")
@@ -90,13 +75,11 @@ class StreamCall(Generic[Req, Out]):
             timer.cancel()
 
     def _expire(self, rid: int) -> None:
-        fut = self._waiting.get(rid)
-        if fut is None or fut.done():
+        if (fut := self._waiting.get(rid)) is None or fut.done():
             return
         err = DeadlineExceeded(f"{self._kept.peer} did not answer in time")
         if self._kept.cancel is None:  # stuck: give it up, with the stream
-            self._fail(err)
-            return
+            return self._fail(err)
         del self._waiting[rid]
         fut.set_exception(err)
         self._out.put_nowait(self._kept.cancel(rid))
@@ -114,7 +97,7 @@ class StreamCall(Generic[Req, Out]):
         err: DsecError
         try:
             while (got := await self.call.read()) is not grpc.aio.EOF:
-                reply = cast(_Reply, got)
+                reply: Any = got  # the method's reply: id, error_code, error_message
                 fut = self._waiting.pop(reply.id, None)
                 if fut is None or fut.done():
                     continue  # given up on (deadline, cancelled)
