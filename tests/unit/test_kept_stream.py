@@ -56,13 +56,12 @@ class Peer:
     ) -> AsyncIterator[pb.CreateStreamReply]:
         self.streams += 1
         pump: Pump[pb.CreateStreamReply] = Pump()
-        running: dict[int, asyncio.Task[pb.CreateStreamReply]] = {}
 
         def take(msg: pb.CreateStreamRequest) -> None:
             if msg.cancel:
-                running[msg.id].cancel()
+                pump.cancel(msg.id)
             else:
-                running[msg.id] = pump.start(self.answer(msg))
+                pump.start(self.answer(msg), msg.id)
 
         try:
             async for reply in pump.serve(requests, context, take):

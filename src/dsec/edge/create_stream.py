@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -109,24 +108,17 @@ class CreateStreamServicer(pb_grpc.EdgeServicer):
         self, request_iterator: AsyncIterator[pb.CreateStreamRequest], context: _Ctx
     ) -> AsyncIterator[pb.CreateStreamReply]:
         pump: Pump[pb.CreateStreamReply] = Pump()
-        running: dict[int, asyncio.Task[pb.CreateStreamReply]] = {}  # by id, to cancel
-
-        def forget(rid: int, _: object) -> None:
-            running.pop(rid, None)
 
         def take(msg: pb.CreateStreamRequest) -> None:
             if msg.cancel:  # its caller gave up on it: stopped, unanswered
-                task = running.get(msg.id)
-                if task is not None:
-                    task.cancel()
-            elif msg.id in running:
+                pump.cancel(msg.id)
+            elif pump.running(msg.id):
                 err = InvalidArgument(f"create {msg.id} is already running")
                 pump.reply(_error_reply(msg.id, err))
             elif self._refusing:
                 pump.reply(_error_reply(msg.id, Unavailable(self._refusing)))
             else:
-                running[msg.id] = task = pump.start(self._answer(msg, context))
-                task.add_done_callback(functools.partial(forget, msg.id))
+                pump.start(self._answer(msg, context), msg.id)
 
         replies = pump.serve(request_iterator, context, take)
         async with contextlib.aclosing(replies):

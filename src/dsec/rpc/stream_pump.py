@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
@@ -28,20 +29,29 @@ class Pump(Generic[Reply]):
     def __init__(self) -> None:
         # replies, then None when done, or the exception that ended the requests
         self._replies: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
-        self._running: set[asyncio.Task[Reply]] = set()
+        self._running: dict[object, asyncio.Task[Reply]] = {}  # by request id, or by itself
 
     def reply(self, reply: Reply) -> None:
         self._replies.put_nowait(reply)
 
-    def start(self, answer: Coroutine[Any, Any, Reply]) -> asyncio.Task[Reply]:
-        """Run ``answer`` concurrently; what it returns is sent (nothing if cancelled)."""
+    def start(self, answer: Coroutine[Any, Any, Reply], rid: object = None) -> None:
+        """Run ``answer`` concurrently, as request ``rid`` (if given: one running at a
+        time); what it returns is sent (nothing if cancelled)."""
         task = asyncio.create_task(answer)
-        self._running.add(task)
-        task.add_done_callback(self._done)
-        return task
+        key = task if rid is None else rid
+        self._running[key] = task
+        task.add_done_callback(functools.partial(self._done, key))
 
-    def _done(self, task: asyncio.Task[Reply]) -> None:
-        self._running.discard(task)
+    def running(self, rid: object) -> bool:
+        return rid in self._running
+
+    def cancel(self, rid: object) -> None:
+        """Stop request ``rid`` unanswered (if it still runs)."""
+        if (task := self._running.get(rid)) is not None:
+            task.cancel()
+
+    def _done(self, key: object, task: asyncio.Task[Reply]) -> None:
+        del self._running[key]
         if not task.cancelled():
             self._replies.put_nowait(task.result())
 
@@ -56,7 +66,7 @@ class Pump(Generic[Reply]):
                 async for msg in requests:
                     take(msg)
                 while self._running:
-                    await asyncio.wait(list(self._running))
+                    await asyncio.wait(list(self._running.values()))
                 self._replies.put_nowait(None)
             except Exception as exc:
                 self._replies.put_nowait(exc)
@@ -70,7 +80,8 @@ class Pump(Generic[Reply]):
                 yield item
         finally:
             pumping.cancel()
-            for task in list(self._running):
+            running = list(self._running.values())
+            for task in running:
                 task.cancel()
             with contextlib.suppress(BaseException):
-                await asyncio.gather(pumping, *self._running, return_exceptions=True)
+                await asyncio.gather(pumping, *running, return_exceptions=True)
