@@ -308,3 +308,31 @@ async def test_the_pump_ends_with_the_error_that_ended_the_requests() -> None:
     with pytest.raises(PermissionDenied, match="no longer trusted"):
         await serve()
     assert got == [2]  # answered before the error
+
+
+@pytest.mark.asyncio
+async def test_the_pump_keeps_answers_by_id_and_ends_when_all_are_sent() -> None:
+    pump: Pump[int] = Pump()
+    gate = asyncio.Event()
+
+    async def wait(n: int) -> int:
+        await gate.wait()
+        return n
+
+    async def none() -> AsyncIterator[int]:
+        return
+        yield
+
+    pump.start(wait(1), 1)
+    pump.start(wait(2), 2)
+    pump.start(wait(3))
+    assert pump.running(1)
+    assert pump.running(2)
+    assert not pump.running(3)  # kept by itself, not by an id
+    pump.cancel(2)
+    pump.cancel(7)  # not running: nothing
+    gate.set()
+    ctx: Any = _Context()
+    got = [r async for r in pump.serve(none(), ctx, lambda _: None)]
+    assert sorted(got) == [1, 3]  # the cancelled one unanswered; then the stream ended
+    assert not pump.running(1)

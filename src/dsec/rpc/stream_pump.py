@@ -35,8 +35,8 @@ class Pump(Generic[Reply]):
         self._replies.put_nowait(reply)
 
     def start(self, answer: Coroutine[Any, Any, Reply], rid: object = None) -> None:
-        """Run ``answer`` concurrently, as request ``rid`` (if given: one running at a
-        time); what it returns is sent (nothing if cancelled)."""
+        """Run ``answer`` concurrently, as request ``rid`` if given (not one :meth:`running`);
+        what it returns is sent (nothing if cancelled)."""
         task = asyncio.create_task(answer)
         key = task if rid is None else rid
         self._running[key] = task
