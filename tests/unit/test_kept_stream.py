@@ -125,6 +125,14 @@ async def _ask(kept: KeptStream[pb.CreateStreamRequest, pb.SandboxInfo], sid: st
     return await stream.ask(msg, deadline)
 
 
+async def _hanging(kept: KeptStream[pb.CreateStreamRequest, pb.SandboxInfo], served: Served,
+                   names: list[str]) -> list[asyncio.Task[pb.SandboxInfo]]:  # fmt: skip
+    """Requests that never get an answer, once they all run on the peer."""
+    asked = [asyncio.ensure_future(_ask(kept, name, "hang")) for name in names]
+    await _until(lambda: set(names) <= set(served.peer.started))
+    return asked
+
+
 async def _until(check: Callable[[], bool]) -> None:
     for _ in range(500):
         if check():
@@ -183,8 +191,7 @@ async def test_a_stream_broken_mid_flight_fails_its_requests_and_is_opened_again
     kept = _kept(served.target)
     assert (await _ask(kept, "s0")).id == "s0"
     first = kept.current
-    inflight = [asyncio.ensure_future(_ask(kept, f"s{i}", "hang")) for i in range(1, 4)]
-    await _until(lambda: len(served.peer.started) == 4)
+    inflight = await _hanging(kept, served, ["s1", "s2", "s3"])
     await served.server.stop(None)  # the peer goes away
     for f in inflight:
         with pytest.raises(Unavailable, match="peer p"):
@@ -270,8 +277,7 @@ async def test_the_pump_ends_and_cancels_its_answers_when_the_caller_goes(
     served: Served,
 ) -> None:
     kept = _kept(served.target)
-    inflight = [asyncio.ensure_future(_ask(kept, f"h{i}", "hang")) for i in range(3)]
-    await _until(lambda: len(served.peer.started) == 3)  # running on the peer
+    inflight = await _hanging(kept, served, ["h0", "h1", "h2"])
     await kept.aclose()  # the caller goes away
     for f in inflight:
         with pytest.raises(Unavailable, match="the test stream to peer p was closed"):
