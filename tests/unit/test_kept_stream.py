@@ -104,9 +104,19 @@ async def served() -> AsyncIterator[Served]:
     await s.server.stop(None)
 
 
+_Kept = KeptStream[pb.CreateStreamRequest, pb.SandboxInfo]
+
+
+@pytest_asyncio.fixture
+async def kept(served: Served) -> AsyncIterator[_Kept]:
+    k = _kept(served.target)
+    yield k
+    await k.aclose()
+
+
 def _kept(
     target: str, *, cancel: bool = True, method: str = METHOD, said: list[str] | None = None
-) -> KeptStream[pb.CreateStreamRequest, pb.SandboxInfo]:
+) -> _Kept:
     said = [] if said is None else said
     return KeptStream(
         grpc.aio.insecure_channel(target), method, pb.CreateStreamRequest,
@@ -116,8 +126,7 @@ def _kept(
     )  # fmt: skip
 
 
-async def _ask(kept: KeptStream[pb.CreateStreamRequest, pb.SandboxInfo], sid: str,
-               owner: str = "", timeout_s: float = 10.0) -> pb.SandboxInfo:  # fmt: skip
+async def _ask(kept: _Kept, sid: str, owner: str = "", timeout_s: float = 10.0) -> pb.SandboxInfo:
     deadline = asyncio.get_running_loop().time() + timeout_s
     stream = await kept.get(deadline)
     assert stream is not None
@@ -125,8 +134,7 @@ async def _ask(kept: KeptStream[pb.CreateStreamRequest, pb.SandboxInfo], sid: st
     return await stream.ask(msg, deadline)
 
 
-async def _hanging(kept: KeptStream[pb.CreateStreamRequest, pb.SandboxInfo], served: Served,
-                   names: list[str]) -> list[asyncio.Task[pb.SandboxInfo]]:  # fmt: skip
+async def _hanging(kept: _Kept, served: Served, names: list[str]) -> list[asyncio.Task[Any]]:
     """Requests that never get an answer, once they all run on the peer."""
     asked = [asyncio.ensure_future(_ask(kept, name, "hang")) for name in names]
     await _until(lambda: set(names) <= set(served.peer.started))
@@ -142,8 +150,7 @@ async def _until(check: Callable[[], bool]) -> None:
 
 
 @pytest.mark.asyncio
-async def test_replies_out_of_order_reach_their_own_requests(served: Served) -> None:
-    kept = _kept(served.target)
+async def test_replies_out_of_order_reach_their_own_requests(served: Served, kept: _Kept) -> None:
     n = 20  # the first asked answers last
     got = await asyncio.gather(
         *(_ask(kept, f"s{i}", "full" if i == 5 else str((n - i) * 10)) for i in range(n)),
@@ -158,7 +165,6 @@ async def test_replies_out_of_order_reach_their_own_requests(served: Served) -> 
             assert isinstance(g, pb.SandboxInfo), g
             assert g.id == f"s{i}"
     assert served.peer.streams == 1
-    await kept.aclose()
 
 
 @pytest.mark.asyncio
@@ -186,9 +192,8 @@ async def test_a_peer_without_the_stream_gets_unary_calls_then_is_asked_again(
 
 @pytest.mark.asyncio
 async def test_a_stream_broken_mid_flight_fails_its_requests_and_is_opened_again(
-    served: Served,
+    served: Served, kept: _Kept
 ) -> None:
-    kept = _kept(served.target)
     assert (await _ask(kept, "s0")).id == "s0"
     first = kept.current
     inflight = await _hanging(kept, served, ["s1", "s2", "s3"])
@@ -212,7 +217,6 @@ async def test_a_stream_broken_mid_flight_fails_its_requests_and_is_opened_again
         assert kept.current is not first
         assert again.peer.streams == 1
     finally:
-        await kept.aclose()
         await again.server.stop(None)
 
 
@@ -242,21 +246,21 @@ async def test_a_deadline_stops_the_request_or_gives_the_stream_up(
 
 
 @pytest.mark.asyncio
-async def test_a_cancelled_caller_stops_its_request_on_the_peer(served: Served) -> None:
-    kept = _kept(served.target)
-    waiting = asyncio.ensure_future(_ask(kept, "w", "hang"))
-    await _until(lambda: served.peer.started == ["w"])
+async def test_a_cancelled_caller_stops_its_request_on_the_peer(
+    served: Served, kept: _Kept
+) -> None:
+    (waiting,) = await _hanging(kept, served, ["w"])
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
     await _until(lambda: "w" in served.peer.cancelled)
     assert (await _ask(kept, "after")).id == "after"  # the stream is still fine
-    await kept.aclose()
 
 
 @pytest.mark.asyncio
-async def test_a_retired_stream_finishes_its_requests_then_ends(served: Served) -> None:
-    kept = _kept(served.target)
+async def test_a_retired_stream_finishes_its_requests_then_ends(
+    served: Served, kept: _Kept
+) -> None:
     slow = asyncio.ensure_future(_ask(kept, "slow", "200"))
     await _until(lambda: served.peer.started == ["slow"])
     stream = kept.current
@@ -269,14 +273,12 @@ async def test_a_retired_stream_finishes_its_requests_then_ends(served: Served) 
     await _until(lambda: stream.error is not None)
     assert isinstance(stream.error, Unavailable)
     assert "peer p ended the test stream" in stream.error.message
-    await kept.aclose()
 
 
 @pytest.mark.asyncio
 async def test_the_pump_ends_and_cancels_its_answers_when_the_caller_goes(
-    served: Served,
+    served: Served, kept: _Kept
 ) -> None:
-    kept = _kept(served.target)
     inflight = await _hanging(kept, served, ["h0", "h1", "h2"])
     await kept.aclose()  # the caller goes away
     for f in inflight:
