@@ -286,16 +286,17 @@ async def test_admission_stream_is_authorized_and_reopened_after_it_broke(iam: I
             with pytest.raises(e.PermissionDenied, match=f"edge/{iam.edge_id}"):
                 await refused.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 1)))
         batch = IamBatch(stub, channel=ch)
+        assert batch._kept is not None
         await batch.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 1)))
-        first = batch._stream
+        first = batch._kept.current
         assert first is not None
         assert not first.broken
         first.call.cancel()  # the stream breaks (a lost connection, the iam restarting)
         await asyncio.sleep(0.1)
         assert first.broken
         await batch.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 2)))
-        assert batch._stream is not None
-        assert batch._stream is not first  # a new one
+        assert batch._kept.current is not None
+        assert batch._kept.current is not first  # a new one
         with pytest.raises(e.QuotaExceeded):  # the iam's refusals come back as its errors
             await asyncio.gather(*(batch.admit(pb.AdmitRequest(
                 project="rl", sandbox_id=sid("ab12", 10 + i))) for i in range(9)))  # fmt: skip

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -32,6 +31,7 @@ from dsec.core.errors import DeadlineExceeded, DsecError, Internal, InvalidArgum
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.server import authorize_each_message
+from dsec.rpc.stream_pump import Pump
 
 _log = logging.getLogger("dsec.edge.create_stream")
 _Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -92,66 +92,35 @@ class CreateStreamServicer(pb_grpc.EdgeServicer):
             return _error_reply(msg.id, DeadlineExceeded("the create ran past its deadline"))
         return pb.CreateStreamReply(id=msg.id, info=info)
 
-    async def _answer(
-        self, msg: pb.CreateStreamRequest, stream: _Ctx, replies: asyncio.Queue[Any]
-    ) -> None:
+    async def _answer(self, msg: pb.CreateStreamRequest, stream: _Ctx) -> pb.CreateStreamReply:
         try:
-            reply = await self._create(msg, stream)
-        except asyncio.CancelledError:
-            return  # its caller gave up on it, or the stream ended
+            return await self._create(msg, stream)
         except DsecError as exc:
-            reply = _error_reply(msg.id, exc)
+            return _error_reply(msg.id, exc)
         except Exception as exc:  # as the guard answers for a unary handler's bug
             _log.error("create raised %r", exc, exc_info=exc,
                        extra={"fields": {"sandbox": msg.create.sandbox_id}})  # fmt: skip
-            reply = _error_reply(msg.id, Internal(f"internal error in Edge/CreateSandbox: "
-                                                  f"{type(exc).__name__}"))  # fmt: skip
-        replies.put_nowait(reply)
+            return _error_reply(msg.id, Internal(f"internal error in Edge/CreateSandbox: "
+                                                 f"{type(exc).__name__}"))  # fmt: skip
 
     @authorize_each_message
     async def CreateStream(
         self, request_iterator: AsyncIterator[pb.CreateStreamRequest], context: _Ctx
     ) -> AsyncIterator[pb.CreateStreamReply]:
-        # replies, then None when the caller has half-closed and every create has answered,
-        # or the exception that ended the requests (e.g. a message no longer authorized)
-        replies: asyncio.Queue[pb.CreateStreamReply | BaseException | None] = asyncio.Queue()
-        running: dict[int, asyncio.Task[None]] = {}
+        pump: Pump[pb.CreateStreamReply] = Pump()
 
-        def forget(rid: int, _: object) -> None:
-            running.pop(rid, None)
+        def take(msg: pb.CreateStreamRequest) -> None:
+            if msg.cancel:  # its caller gave up on it: stopped, unanswered
+                pump.cancel(msg.id)
+            elif pump.running(msg.id):
+                err = InvalidArgument(f"create {msg.id} is already running")
+                pump.reply(_error_reply(msg.id, err))
+            elif self._refusing:
+                pump.reply(_error_reply(msg.id, Unavailable(self._refusing)))
+            else:
+                pump.start(self._answer(msg, context), msg.id)
 
-        async def take() -> None:
-            try:
-                async for msg in request_iterator:
-                    if msg.cancel:
-                        task = running.get(msg.id)
-                        if task is not None:
-                            task.cancel()
-                    elif msg.id in running:
-                        err = InvalidArgument(f"create {msg.id} is already running")
-                        replies.put_nowait(_error_reply(msg.id, err))
-                    elif self._refusing:
-                        replies.put_nowait(_error_reply(msg.id, Unavailable(self._refusing)))
-                    else:
-                        task = asyncio.create_task(self._answer(msg, context, replies))
-                        running[msg.id] = task
-                        task.add_done_callback(functools.partial(forget, msg.id))
-                while running:
-                    await asyncio.wait(list(running.values()))
-                replies.put_nowait(None)
-            except Exception as exc:
-                replies.put_nowait(exc)
-
-        await context.send_initial_metadata(())  # "served" (an edge without it: UNIMPLEMENTED)
-        pump = asyncio.create_task(take())
-        try:
-            while (item := await replies.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            pump.cancel()
-            for task in list(running.values()):
-                task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(pump, *running.values(), return_exceptions=True)
+        replies = pump.serve(request_iterator, context, take)
+        async with contextlib.aclosing(replies):
+            async for reply in replies:
+                yield reply

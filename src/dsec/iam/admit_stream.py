@@ -11,7 +11,6 @@ work of a unary call, on both ends.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ import grpc
 from dsec.core.errors import DsecError, Internal
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.server import authorize_each_message, peer_identity
+from dsec.rpc.stream_pump import Pump
 
 _log = logging.getLogger("dsec.iam")
 _Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -48,36 +48,9 @@ class AdmitStreamRpc:
         self, request_iterator: AsyncIterator[pb.AdmitStreamRequest], context: _Ctx
     ) -> AsyncIterator[pb.AdmitStreamReply]:
         peer = peer_identity(context).spiffe_id
-        # replies; None once the caller has half-closed and every batch is answered, or the
-        # exception that ended the requests (e.g. a message no longer authorized)
-        replies: asyncio.Queue[pb.AdmitStreamReply | BaseException | None] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-
-        async def answer(msg: pb.AdmitStreamRequest) -> None:
-            replies.put_nowait(await self._answer(msg, peer))
-
-        async def take() -> None:
-            try:
-                async for msg in request_iterator:
-                    task = asyncio.create_task(answer(msg))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                while running:
-                    await asyncio.wait(list(running))
-                replies.put_nowait(None)
-            except Exception as exc:
-                replies.put_nowait(exc)
-
-        await context.send_initial_metadata(())  # "served" (an iam without it: UNIMPLEMENTED)
-        pump = asyncio.create_task(take())
-        try:
-            while (item := await replies.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            pump.cancel()
-            for task in list(running):  # decisions already queued stand (the queue keeps them)
-                task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(pump, *running, return_exceptions=True)
+        # a batch cancelled by the stream's end: its decisions already queued stand
+        pump: Pump[pb.AdmitStreamReply] = Pump()
+        replies = pump.serve(request_iterator, context, lambda m: pump.start(self._answer(m, peer)))
+        async with contextlib.aclosing(replies):
+            async for reply in replies:
+                yield reply
