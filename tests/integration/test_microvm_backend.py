@@ -162,6 +162,23 @@ async def test_corrupt_snapshot_is_refused(env: Env) -> None:
             await be.resume(sid)
         assert _qemu_pids_under(paths.state_dir) == []
         state.write_bytes(data)  # repaired: the same snapshot restores
+        # QEMU inherits the state file opened before the check ran: a file put in its
+        # place meanwhile (here: the same bytes, a new inode) is not loaded unchecked
+        check = vmbackend._check_snapshot
+
+        def replaced_then_checked(snap: Any, private: bool) -> None:
+            copy = state.with_name("state.copy")
+            copy.write_bytes(data)
+            copy.replace(state)
+            check(snap, private)
+
+        vmbackend._check_snapshot = replaced_then_checked  # type: ignore[assignment]
+        try:
+            with pytest.raises(SandboxFailed, match="replaced"):
+                await be.resume(sid)
+        finally:
+            vmbackend._check_snapshot = check
+        assert _qemu_pids_under(paths.state_dir) == []
         await be.resume(sid)
         assert (await _sh(paths.agent_socket, "echo ok")).strip() == "ok"
     finally:

@@ -184,10 +184,21 @@ def test_qemu_argv(tmp_path: Path) -> None:
     assert "serial=l0" in joined
     assert "readonly=on" in joined
     assert "-incoming" not in tcg
-    kvm = qemu.QemuVmm(accel="kvm").argv(cfg, mem_path=cfg.mem_file, share=False, incoming=True)
+    assert "-S" not in tcg
+    # QEMU binds the sockets itself unless it is handed listening fds
+    assert f"socket,id=qmp,path={tmp_path / 'qmp.sock'},server=on,wait=off" in tcg
+    assert f"socket,id=agent,path={tmp_path / 'serial.sock'},server=on,wait=off" in tcg
+    # a snapshot does not carry its stopped source's run state: a restore runs at once
+    assert tcg[tcg.index("-global") + 1] == "migration.store-global-state=off"
+    kvm = qemu.QemuVmm(accel="kvm").argv(
+        cfg, mem_path=cfg.mem_file, share=False, incoming=True, fds=(7, 9), start=False
+    )
     assert "tsc_early_khz" not in " ".join(kvm)
     assert "share=off" in " ".join(kvm)
-    assert kvm[-2:] == ["-incoming", "defer"]
+    assert "socket,id=qmp,fd=7,server=on,wait=off" in kvm
+    assert "socket,id=agent,fd=9,server=on,wait=off" in kvm
+    assert "path=" not in " ".join(a for a in kvm if a.startswith("socket"))
+    assert kvm[-3:] == ["-S", "-incoming", "defer"]
 
 
 def test_sparse_digest_treats_zero_pages_as_holes(tmp_path: Path) -> None:
