@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.core.errors import InvalidArgument
+from dsec.core.errors import InvalidArgument, SandboxFailed
 from dsec.edge.backends.microvm import disks, kernel, qemu, snapshots
 from dsec.edge.backends.microvm.backend import VMM_OVERHEAD_MIB
 from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig
@@ -260,3 +260,30 @@ def test_a_qemu_that_exits_says_how(tmp_path: Path, argv: list[str], expected: s
         vmm._proc = subprocess.Popen(argv, stderr=log)
         vmm._proc.wait()
     assert expected in str(vmm.failure("qemu exited"))
+
+
+@pytest.mark.asyncio
+async def test_a_restore_without_its_state_file_starts_no_qemu(tmp_path: Path) -> None:
+    """The state file is opened before QEMU starts (QEMU inherits it): a missing one is a
+    clear error, the snapshot check's own when there is a check, and no QEMU runs."""
+    cfg = VmConfig(
+        vcpus=1,
+        memory_mib=64,
+        kernel=tmp_path / "vmlinux",
+        cmdline="",
+        run_dir=tmp_path / "run",
+        mem_file=tmp_path / "ram",
+        agent_socket=tmp_path / "run" / "serial.sock",
+    )
+    snap = Snapshot(dir=tmp_path, mem_file=tmp_path / "ram", state=tmp_path / "state")
+    vmm = qemu.QemuVmm(accel="tcg")
+    with pytest.raises(SandboxFailed, match="state: No such file"):
+        await vmm.restore(cfg, snap, private=False, timeout_s=5)
+
+    def check() -> None:
+        raise snapshots.SnapshotCorrupt("snapshot: state is missing")
+
+    with pytest.raises(snapshots.SnapshotCorrupt, match="state is missing"):
+        await vmm.restore(cfg, snap, private=False, timeout_s=5, check=check)
+    assert vmm.pid == 0
+    assert not cfg.run_dir.exists()

@@ -506,8 +506,13 @@ class QemuVmm:
     ) -> None:
         """QEMU starts waiting for the state (``-incoming defer``) while ``check`` runs;
         ``on_listening`` runs before the state is loaded (the agent link connects then)."""
+        try:
+            state = os.open(snap.state, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if check is not None:
+                await asyncio.to_thread(check)  # says what is wrong with the snapshot
+            raise SandboxFailed(f"snapshot {snap.dir}: {snap.state.name}: {exc.strerror}") from None
         verify = asyncio.create_task(asyncio.to_thread(check or _noop))
-        state = os.open(snap.state, os.O_RDONLY | os.O_CLOEXEC)
         try:
             await self.start_incoming(config, snap, private=private, timeout_s=timeout_s,
                                       state_fd=state)  # fmt: skip
