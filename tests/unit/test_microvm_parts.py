@@ -193,8 +193,17 @@ def test_qemu_argv(tmp_path: Path) -> None:
     kvm = qemu.QemuVmm(accel="kvm").argv(
         cfg, mem_path=cfg.mem_file, share=False, incoming=True, fds=(7, 9), start=False
     )
-    assert "tsc_early_khz" not in " ".join(kvm)
+    assert "tsc_early_khz" not in " ".join(
+        qemu.QemuVmm(accel="kvm").argv(cfg, mem_path=cfg.mem_file, share=True, incoming=False)
+    )
     assert "share=off" in " ".join(kvm)
+    # a microvm restore takes its RAM from the snapshot: no kernel to read and parse
+    assert "-kernel" in tcg
+    assert not {"-kernel", "-append", "-initrd"} & set(kvm)
+    full = replace(cfg, extra={"machine": "q35", "initrd": str(tmp_path / "initrd.img")})
+    # a q35 machine loads them as option ROMs, RAM blocks the migration stream carries
+    q35 = qemu.QemuVmm(accel="tcg").argv(full, mem_path=cfg.mem_file, share=True, incoming=True)
+    assert {"-kernel", "-append", "-initrd"} <= set(q35)
     assert "socket,id=qmp,fd=7,server=on,wait=off" in kvm
     assert "socket,id=agent,fd=9,server=on,wait=off" in kvm
     assert "path=" not in " ".join(a for a in kvm if a.startswith("socket"))
