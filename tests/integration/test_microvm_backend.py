@@ -149,7 +149,7 @@ async def test_lifecycle_pause_resume_fork_destroy(
 
 
 @pytest.mark.asyncio
-async def test_corrupt_snapshot_is_refused(env: Env) -> None:
+async def test_corrupt_snapshot_is_refused(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     be = env.backend
     sid, paths = env.sandbox()
     await be.create(sid, SandboxSpec(backend="microvm", memory_mb=128), paths)
@@ -162,11 +162,59 @@ async def test_corrupt_snapshot_is_refused(env: Env) -> None:
             await be.resume(sid)
         assert _qemu_pids_under(paths.state_dir) == []
         state.write_bytes(data)  # repaired: the same snapshot restores
+        # QEMU inherits the state file opened before the check ran: a file put in its
+        # place meanwhile (here: the same bytes, a new inode) is not loaded unchecked
+        check = vmbackend._check_snapshot
+
+        def replaced_then_checked(snap: Any, private: bool) -> None:
+            copy = state.with_name("state.copy")
+            copy.write_bytes(data)
+            copy.replace(state)
+            check(snap, private)
+
+        monkeypatch.setattr(vmbackend, "_check_snapshot", replaced_then_checked)
+        with pytest.raises(SandboxFailed, match="replaced"):
+            await be.resume(sid)
+        monkeypatch.undo()
+        assert _qemu_pids_under(paths.state_dir) == []
         await be.resume(sid)
         assert (await _sh(paths.agent_socket, "echo ok")).strip() == "ok"
     finally:
         await be.destroy(sid, paths)
     assert not paths.state_dir.exists()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(300)
+async def test_a_snapshot_that_carries_its_paused_state_resumes(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A QEMU started before ``store-global-state=off`` (a VM booted by an older edge)
+    writes "paused" into its snapshot: the restored QEMU stops after the load and gets
+    its ``cont``."""
+    from dsec.edge.backends.microvm import qemu
+
+    argv = qemu.QemuVmm.argv
+
+    def older(self: qemu.QemuVmm, *a: Any, **kw: Any) -> list[str]:
+        out = argv(self, *a, **kw)
+        i = out.index("migration.store-global-state=off")
+        return out[: i - 1] + out[i + 1 :]
+
+    be = env.backend
+    sid, paths = env.sandbox()
+    monkeypatch.setattr(qemu.QemuVmm, "argv", older)
+    await be.create(sid, SandboxSpec(backend="microvm", memory_mb=128), paths)
+    try:
+        await be.pause(sid)
+        monkeypatch.undo()
+        await be.resume(sid)
+        vmm = be._vms[sid].vmm
+        assert isinstance(vmm, qemu.QemuVmm)
+        assert await vmm.status() == "running"
+        assert (await _sh(paths.agent_socket, "echo ok")).strip() == "ok"
+    finally:
+        await be.destroy(sid, paths)
 
 
 @pytest.mark.asyncio

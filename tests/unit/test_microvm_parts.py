@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.core.errors import InvalidArgument
+from dsec.core.errors import InvalidArgument, SandboxFailed
 from dsec.edge.backends.microvm import disks, kernel, qemu, snapshots
 from dsec.edge.backends.microvm.backend import VMM_OVERHEAD_MIB
 from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig
@@ -184,10 +184,30 @@ def test_qemu_argv(tmp_path: Path) -> None:
     assert "serial=l0" in joined
     assert "readonly=on" in joined
     assert "-incoming" not in tcg
-    kvm = qemu.QemuVmm(accel="kvm").argv(cfg, mem_path=cfg.mem_file, share=False, incoming=True)
-    assert "tsc_early_khz" not in " ".join(kvm)
+    assert "-S" not in tcg
+    # QEMU binds the sockets itself unless it is handed listening fds
+    assert f"socket,id=qmp,path={tmp_path / 'qmp.sock'},server=on,wait=off" in tcg
+    assert f"socket,id=agent,path={tmp_path / 'serial.sock'},server=on,wait=off" in tcg
+    # a snapshot does not carry its stopped source's run state: a restore runs at once
+    assert tcg[tcg.index("-global") + 1] == "migration.store-global-state=off"
+    kvm = qemu.QemuVmm(accel="kvm").argv(
+        cfg, mem_path=cfg.mem_file, share=False, incoming=True, fds=(7, 9), start=False
+    )
+    assert "tsc_early_khz" not in " ".join(
+        qemu.QemuVmm(accel="kvm").argv(cfg, mem_path=cfg.mem_file, share=True, incoming=False)
+    )
     assert "share=off" in " ".join(kvm)
-    assert kvm[-2:] == ["-incoming", "defer"]
+    # a microvm restore takes its RAM from the snapshot: no kernel to read and parse
+    assert "-kernel" in tcg
+    assert not {"-kernel", "-append", "-initrd"} & set(kvm)
+    full = replace(cfg, extra={"machine": "q35", "initrd": str(tmp_path / "initrd.img")})
+    # a q35 machine loads them as option ROMs, RAM blocks the migration stream carries
+    q35 = qemu.QemuVmm(accel="tcg").argv(full, mem_path=cfg.mem_file, share=True, incoming=True)
+    assert {"-kernel", "-append", "-initrd"} <= set(q35)
+    assert "socket,id=qmp,fd=7,server=on,wait=off" in kvm
+    assert "socket,id=agent,fd=9,server=on,wait=off" in kvm
+    assert "path=" not in " ".join(a for a in kvm if a.startswith("socket"))
+    assert kvm[-3:] == ["-S", "-incoming", "defer"]
 
 
 def test_sparse_digest_treats_zero_pages_as_holes(tmp_path: Path) -> None:
@@ -249,3 +269,30 @@ def test_a_qemu_that_exits_says_how(tmp_path: Path, argv: list[str], expected: s
         vmm._proc = subprocess.Popen(argv, stderr=log)
         vmm._proc.wait()
     assert expected in str(vmm.failure("qemu exited"))
+
+
+@pytest.mark.asyncio
+async def test_a_restore_without_its_state_file_starts_no_qemu(tmp_path: Path) -> None:
+    """The state file is opened before QEMU starts (QEMU inherits it): a missing one is a
+    clear error, the snapshot check's own when there is a check, and no QEMU runs."""
+    cfg = VmConfig(
+        vcpus=1,
+        memory_mib=64,
+        kernel=tmp_path / "vmlinux",
+        cmdline="",
+        run_dir=tmp_path / "run",
+        mem_file=tmp_path / "ram",
+        agent_socket=tmp_path / "run" / "serial.sock",
+    )
+    snap = Snapshot(dir=tmp_path, mem_file=tmp_path / "ram", state=tmp_path / "state")
+    vmm = qemu.QemuVmm(accel="tcg")
+    with pytest.raises(SandboxFailed, match="state: No such file"):
+        await vmm.restore(cfg, snap, private=False, timeout_s=5)
+
+    def check() -> None:
+        raise snapshots.SnapshotCorrupt("snapshot: state is missing")
+
+    with pytest.raises(snapshots.SnapshotCorrupt, match="state is missing"):
+        await vmm.restore(cfg, snap, private=False, timeout_s=5, check=check)
+    assert vmm.pid == 0
+    assert not cfg.run_dir.exists()

@@ -517,9 +517,12 @@ class MicrovmBackend:
         timeout_s: float,
         identity: dict[str, Any] | None = None,
     ) -> None:
-        """Start the agent mux and wait for the guest's end; watch the VMM from now on."""
-        vm.mux = HostMux(paths.agent_socket, link, identity)
-        await vm.mux.start()
+        """Start the agent mux (unless a restore started it already) and wait for the
+        guest's end; watch the VMM from now on."""
+        if vm.mux is None:
+            vm.mux = HostMux(paths.agent_socket, link, identity)
+        if not vm.mux.started:
+            await vm.mux.start()
         await watched(vm.vmm, vm.mux.wait_ready(timeout_s + 1), timeout_s)
         vm.expected_exit = False
         vm.watch = asyncio.create_task(self._watch_vmm(sandbox_id, vm))
@@ -662,8 +665,7 @@ class MicrovmBackend:
             meta["shared_ram"] = vm.vmm.shared_ram
             if vm.vmm.shared_ram:
                 meta.pop("ram_template", None)
-            await asyncio.to_thread(_save_meta, sd, meta)
-            await asyncio.to_thread(disks.remove, dest)
+            await asyncio.to_thread(_save_meta, sd, meta, drop=dest)  # one hop, not two
             log(_log, "microvm resumed", logging.INFO, sandbox_id=sandbox_id, **phases)
 
     async def _restore(
@@ -683,8 +685,10 @@ class MicrovmBackend:
 
         ``verified``: the caller made this snapshot itself just now. Returns how long each
         phase took (ms): ``check_ms`` (the manifest check, beside the VMM's start),
-        ``vmm_ms`` (VMM started, state loaded, guest running), ``agent_ms`` (until the
-        guest's multiplexer answered)."""
+        ``vmm_ms`` (VMM started and its state loaded: the guest runs, or under QEMU
+        starts the moment the load ends), ``agent_ms`` (until the guest's multiplexer
+        answered). The agent mux is started before the state is loaded (``on_listening``),
+        so its link and HELLO wait in the channel when the guest runs."""
         phases = {"check_ms": 0.0}
 
         def check() -> None:
@@ -693,6 +697,8 @@ class MicrovmBackend:
             phases["check_ms"] = _ms(t)
 
         t0 = time.perf_counter()
+        link = vm.vmm.link(config)
+        vm.mux = HostMux(paths.agent_socket, link, identity)
         try:
             await vm.vmm.restore(
                 config,
@@ -700,10 +706,10 @@ class MicrovmBackend:
                 private=private,
                 timeout_s=timeout_s,
                 check=None if verified else check,
+                on_listening=vm.mux.start,
             )
             phases["vmm_ms"] = _ms(t0)
             t1 = time.perf_counter()
-            link = vm.vmm.link(config)
             await self._attach(sandbox_id, vm, paths, link, timeout_s, identity)
             phases["agent_ms"] = _ms(t1)
             return phases
@@ -1267,10 +1273,13 @@ def _with_net(config: VmConfig, net: dict[str, str]) -> VmConfig:
     )
 
 
-def _save_meta(sd: Path, meta: dict[str, Any]) -> None:
+def _save_meta(sd: Path, meta: dict[str, Any], drop: Path | None = None) -> None:
+    """Write ``vm.json``, then remove ``drop`` (what the new state no longer needs)."""
     tmp = sd / ".vm.json.tmp"
     tmp.write_text(json.dumps(meta))
     tmp.rename(sd / "vm.json")
+    if drop is not None:
+        disks.remove(drop)
 
 
 def _load_meta(sd: Path) -> dict[str, Any]:

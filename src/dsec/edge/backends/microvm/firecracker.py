@@ -148,6 +148,7 @@ class FirecrackerVmm:
         private: bool,
         timeout_s: float,
         check: Callable[[], None] | None = None,
+        on_listening: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Start a fresh Firecracker from ``snap`` and resume it. RAM is always mapped
         copy-on-write from the file (Firecracker's File backend is MAP_PRIVATE), so
@@ -160,6 +161,8 @@ class FirecrackerVmm:
         await self._guarded(
             config, timeout_s, "restore", lambda: self._restore(config, snap, check)
         )
+        if on_listening is not None:  # the guest listens on vsock only once it runs
+            await on_listening()
 
     def saved_snapshot(self, dest: Path, mem_file: Path) -> Snapshot:
         return Snapshot(dir=dest, mem_file=dest / MEM_NAME, state=dest / STATE_NAME)

@@ -105,6 +105,10 @@ class HostMux:
         self.listen_path.chmod(0o600)
         self._link_task = asyncio.create_task(self._link_loop())
 
+    @property
+    def started(self) -> bool:
+        return self._server is not None
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Until the guest answered HELLO on the current link."""
         await asyncio.wait_for(self._ready.wait(), timeout_s)

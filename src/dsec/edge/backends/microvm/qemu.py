@@ -11,7 +11,17 @@ kernel gets ``tsc_early_khz`` (it hangs at random in TSC calibration without it)
 
 Files in ``run_dir``: ``qmp.sock``, ``serial.sock`` (agent channel), ``console.log`` (the
 guest's serial console), ``qemu.log`` (QEMU's stderr), ``qemu.pid`` (pid + start time, for
-re-adoption after an edge restart).
+re-adoption after an edge restart). The edge binds both sockets itself and hands QEMU the
+listening fds: they accept connections from the moment QEMU is started (no connect retries
+while QEMU initialises), so the agent link and its HELLO are in place before a restored
+guest runs.
+
+A restore is one QEMU started with ``-incoming defer``; once the snapshot is verified, the
+migration capabilities and ``migrate-incoming`` (the state file is an fd QEMU inherited) go
+in one write. QEMUs run with ``migration.store-global-state=off``: a snapshot does not carry
+the run state of its (stopped) source, so the restored QEMU starts the guest the moment the
+state is loaded (no ``cont`` round trip); a snapshot taken by an older QEMU still says
+"paused" and gets its ``cont``.
 """
 
 from __future__ import annotations
@@ -170,8 +180,25 @@ class QemuVmm:
 
     # --- command line ------------------------------------------------------------------
 
-    def argv(self, c: VmConfig, *, mem_path: Path, share: bool, incoming: bool) -> list[str]:
+    def argv(
+        self,
+        c: VmConfig,
+        *,
+        mem_path: Path,
+        share: bool,
+        incoming: bool,
+        fds: tuple[int, int] | None = None,
+        start: bool = True,
+    ) -> list[str]:
+        """QEMU's command line. ``fds``: listening sockets (QMP, agent channel) QEMU
+        inherits, else it binds ``qmp.sock`` and ``c.agent_socket`` itself. ``start``: the
+        guest runs once booted or loaded (else it waits for ``cont``)."""
         rd = c.run_dir
+        if fds is None:
+            qmp = f"path={rd / 'qmp.sock'}"
+            agent = f"path={c.agent_socket}"
+        else:
+            qmp, agent = (f"fd={fd}" for fd in fds)
         cmdline = f"console=ttyS0 panic=-1 reboot=t {c.cmdline}".strip()
         if self.accel == "tcg":
             khz = host_tsc_khz()
@@ -192,14 +219,14 @@ class QemuVmm:
             "-object", f"memory-backend-file,id=mem,size={c.memory_mib}M,mem-path={mem_path},"
                        f"share={'on' if share else 'off'}",
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-            "-kernel", str(c.kernel),
-            "-append", cmdline,
             "-chardev", f"file,id=con,path={rd / 'console.log'}",
             "-serial", "chardev:con",
-            "-qmp", f"unix:{rd / 'qmp.sock'},server=on,wait=off",
+            "-chardev", f"socket,id=qmp,{qmp},server=on,wait=off",
+            "-mon", "chardev=qmp,mode=control",
+            "-global", "migration.store-global-state=off",
             "-device", f"virtio-rng-{bus}",
             "-device", f"virtio-serial-{bus}",
-            "-chardev", f"socket,id=agent,path={c.agent_socket},server=on,wait=off",
+            "-chardev", f"socket,id=agent,{agent},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
         ]  # fmt: skip
         for i, n in enumerate(c.net):  # a TAP in c.netns, where QEMU runs (see _popen)
@@ -207,9 +234,15 @@ class QemuVmm:
                 "-netdev", f"tap,id=n{i},ifname={n.tap},script=no,downscript=no",
                 "-device", f"virtio-net-{bus},netdev=n{i},mac={n.mac}",
             ]  # fmt: skip
-        initrd = c.extra.get("initrd")
-        if initrd:
-            argv += ["-initrd", initrd]
+        # A microvm restore takes its RAM from the snapshot: reading and parsing the kernel
+        # (and initrd) it never boots cost ~15 ms of QEMU's start. They reach a microvm guest
+        # through fw_cfg, not through RAM blocks in the migration stream; a q35 machine
+        # loads them as option ROMs, which are RAM blocks, so it keeps them.
+        if not incoming or q35:
+            argv += ["-kernel", str(c.kernel), "-append", cmdline]
+            initrd = c.extra.get("initrd")
+            if initrd:
+                argv += ["-initrd", initrd]
         for i, d in enumerate(c.drives):
             fmt = "qcow2" if d.path.suffix == ".qcow2" else "raw"
             ro = ",readonly=on" if d.read_only else ""
@@ -217,15 +250,25 @@ class QemuVmm:
                 "-drive", f"file={d.path},if=none,id=d{i},format={fmt},cache=unsafe{ro}",
                 "-device", f"virtio-blk-{bus},drive=d{i},serial={d.drive_id}",
             ]  # fmt: skip
+        if not start:
+            argv.append("-S")
         if incoming:
             argv += ["-incoming", "defer"]
         return argv
 
     # --- lifecycle ---------------------------------------------------------------------
 
-    async def _spawn(self, c: VmConfig, argv: list[str], timeout_s: float) -> None:
+    async def _spawn(
+        self,
+        c: VmConfig,
+        argv: Callable[[tuple[int, int]], list[str]],
+        timeout_s: float,
+        keep_fds: tuple[int, ...] = (),
+    ) -> None:
+        """Start QEMU with ``argv(fds)`` (the listening QMP and agent sockets' fds) and
+        connect QMP. ``keep_fds`` are inherited too (under the same numbers)."""
         self.run_dir = c.run_dir
-        self._proc = await asyncio.to_thread(_popen, c, argv)
+        self._proc = await asyncio.to_thread(_popen, c, argv, keep_fds)
         self._pid = self._proc.pid
         pid_line = f"{self._pid} {_start_time(self._pid)}\n"
         await asyncio.to_thread((c.run_dir / "qemu.pid").write_text, pid_line)
@@ -269,8 +312,13 @@ class QemuVmm:
         self.mem_file = config.mem_file
         self.shared_ram = True
         config.mem_file.parent.mkdir(parents=True, exist_ok=True)
-        argv = self.argv(config, mem_path=config.mem_file, share=True, incoming=False)
-        await self._spawn(config, argv, timeout_s)
+        await self._spawn(
+            config,
+            lambda fds: self.argv(
+                config, mem_path=config.mem_file, share=True, incoming=False, fds=fds
+            ),
+            timeout_s,
+        )
 
     async def adopt(self, run_dir: Path, mem_file: Path, shared_ram: bool) -> bool:
         """Re-attach to a QEMU an earlier edge started; False when it is gone."""
@@ -367,9 +415,14 @@ class QemuVmm:
         c = replace(config, run_dir=sub, agent_socket=self.channel_socket(sub))
         nxt = QemuVmm(accel=self.accel)
         nxt.mem_file, nxt.shared_ram = config.mem_file, True
-        argv = nxt.argv(c, mem_path=config.mem_file, share=True, incoming=True)
-        try:
-            await nxt._spawn(c, argv, timeout_s)
+        try:  # the guest stays stopped there (start=False): own_ram leaves it so
+            await nxt._spawn(
+                c,
+                lambda fds: nxt.argv(
+                    c, mem_path=config.mem_file, share=True, incoming=True, fds=fds, start=False
+                ),
+                timeout_s,
+            )
             await nxt._with_watchdog(self._migrate_to(nxt), timeout_s)
         except BaseException:
             await nxt.kill()
@@ -453,24 +506,46 @@ class QemuVmm:
         private: bool,
         timeout_s: float,
         check: Callable[[], None] | None = None,
+        on_listening: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """QEMU starts waiting for the state (``-incoming defer``) while ``check`` runs."""
+        """QEMU starts waiting for the state (``-incoming defer``) while ``check`` runs;
+        ``on_listening`` runs before the state is loaded (the agent link connects then)."""
+        try:
+            state = os.open(snap.state, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if check is not None:
+                await asyncio.to_thread(check)  # says what is wrong with the snapshot
+            raise SandboxFailed(f"snapshot {snap.dir}: {snap.state.name}: {exc.strerror}") from None
         verify = asyncio.create_task(asyncio.to_thread(check or _noop))
         try:
-            await self.start_incoming(config, snap, private=private, timeout_s=timeout_s)
+            await self.start_incoming(config, snap, private=private, timeout_s=timeout_s,
+                                      state_fd=state)  # fmt: skip
             await verify
-            await self.finish_incoming(snap, timeout_s=timeout_s)
+            if check is not None and not _same_file(state, snap.state):
+                raise SandboxFailed(f"snapshot {snap.dir}: the state file was replaced")
+            if on_listening is not None:
+                await on_listening()
+            await self.finish_incoming(snap, timeout_s=timeout_s, state_fd=state)
         except BaseException:
             verify.cancel()
             with contextlib.suppress(BaseException):
                 await verify
             await self.kill()
             raise
+        finally:
+            os.close(state)
 
     async def start_incoming(
-        self, config: VmConfig, snap: Snapshot, *, private: bool, timeout_s: float
+        self,
+        config: VmConfig,
+        snap: Snapshot,
+        *,
+        private: bool,
+        timeout_s: float,
+        state_fd: int,
     ) -> None:
-        """Start QEMU waiting for a migration stream (the caller may verify meanwhile)."""
+        """Start QEMU waiting for a migration stream (the caller may verify meanwhile);
+        it inherits ``state_fd``, the open state file."""
         meta = json.loads((snap.dir / "qemu.json").read_text())
         self.shared_ram = not private
         if meta.get("ignore_shared"):
@@ -478,31 +553,33 @@ class QemuVmm:
         else:  # RAM is in the state stream: load it into a fresh file
             self.mem_file = config.mem_file
             self.shared_ram = True
-        argv = self.argv(config, mem_path=self.mem_file, share=self.shared_ram, incoming=True)
-        await self._spawn(config, argv, timeout_s)
+        mem, share = self.mem_file, self.shared_ram
+        await self._spawn(
+            config,
+            lambda fds: self.argv(config, mem_path=mem, share=share, incoming=True, fds=fds),
+            timeout_s,
+            keep_fds=(state_fd,),
+        )
 
-    async def finish_incoming(self, snap: Snapshot, *, timeout_s: float) -> None:
+    async def finish_incoming(self, snap: Snapshot, *, timeout_s: float, state_fd: int) -> None:
+        """Load the state from ``state_fd`` (the number QEMU inherited it under) and run
+        the guest: both commands in one write, then wait until the state is in."""
         qmp = self._need_qmp()
         meta = json.loads((snap.dir / "qemu.json").read_text())
+        caps = [{"capability": "x-ignore-shared", "state": bool(meta.get("ignore_shared"))}]
         try:
-            await qmp.cmd(
-                "migrate-set-capabilities",
-                {"capabilities": [{"capability": "x-ignore-shared",
-                                   "state": bool(meta.get("ignore_shared"))}]},
-            )  # fmt: skip
-            fd = os.open(snap.state, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                await qmp.cmd("getfd", {"fdname": MIGRATION_FD}, fd=fd)
-            finally:
-                os.close(fd)
-            await qmp.cmd("migrate-incoming", {"uri": f"fd:{MIGRATION_FD}"})
+            await qmp.cmds(
+                ("migrate-set-capabilities", {"capabilities": caps}),
+                ("migrate-incoming", {"uri": f"fd:{state_fd}"}),
+            )
 
-            async def loaded() -> None:
-                while (await self.status()) == "inmigrate":  # noqa: ASYNC110 (QMP polling)
+            async def loaded() -> str:
+                while (st := await self.status()) == "inmigrate":  # noqa: ASYNC110 (QMP)
                     await asyncio.sleep(0.002)
+                return st
 
-            await self._with_watchdog(loaded(), timeout_s)
-            await qmp.cmd("cont")
+            if await self._with_watchdog(loaded(), timeout_s) == "paused":
+                await qmp.cmd("cont")  # the snapshot carried its source's "paused"
         except BaseException:
             await self.kill()
             raise
@@ -516,6 +593,15 @@ class QemuVmm:
 
 def _noop() -> None:
     pass
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether open ``fd`` is the file at ``path`` now (the one its check verified)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _cpu_ms(pid: int) -> float:
@@ -532,28 +618,50 @@ def _ms(t0: float, t1: float | None = None) -> float:
     return round(((time.perf_counter() if t1 is None else t1) - t0) * 1000, 1)
 
 
-def _popen(c: VmConfig, argv: list[str]) -> subprocess.Popen[bytes]:
-    """Start QEMU in its own session, inside the VM's cgroups (limits cap QEMU itself)."""
+def _popen(
+    c: VmConfig, argv: Callable[[tuple[int, int]], list[str]], keep_fds: tuple[int, ...] = ()
+) -> subprocess.Popen[bytes]:
+    """Start QEMU in its own session, inside the VM's cgroups (limits cap QEMU itself),
+    with the QMP and agent sockets bound here and inherited listening."""
     c.run_dir.mkdir(parents=True, exist_ok=True)
     c.mem_file.parent.mkdir(parents=True, exist_ok=True)
-    for name in ("qmp.sock", "console.log"):
-        (c.run_dir / name).unlink(missing_ok=True)
-    c.agent_socket.unlink(missing_ok=True)
-    procs = _cgroup_procs_files(c)
-    if procs:  # join the cgroups before exec: limits cap QEMU itself (no preexec_fn: the
-        # edge runs gRPC, whose fork handlers must not run in a forked Python child)
-        joins = "".join(f'echo $$ > "{p}" && ' for p in procs)
-        argv = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *argv]
-    if c.netns:  # the sandbox's network namespace (file path): QEMU opens its TAP there
-        argv = [NSENTER, f"--net={netns_path(c.netns)}", "--", *argv]
-    with open(c.run_dir / "qemu.log", "wb") as log:
-        return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
+    (c.run_dir / "console.log").unlink(missing_ok=True)
+    socks = [_listening(c.run_dir / "qmp.sock"), _listening(c.agent_socket)]
+    try:
+        cmd = argv((socks[0].fileno(), socks[1].fileno()))
+        procs = _cgroup_procs_files(c)
+        if procs:  # join the cgroups before exec: limits cap QEMU itself (no preexec_fn:
+            # the edge runs gRPC, whose fork handlers must not run in a forked Python child)
+            joins = "".join(f'echo $$ > "{p}" && ' for p in procs)
+            cmd = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *cmd]
+        if c.netns:  # the sandbox's network namespace (file path): QEMU opens its TAP there
+            cmd = [NSENTER, f"--net={netns_path(c.netns)}", "--", *cmd]
+        with open(c.run_dir / "qemu.log", "wb") as log:
+            return subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                pass_fds=(*(s.fileno() for s in socks), *keep_fds),
+            )
+    finally:
+        for sock in socks:  # QEMU holds them now (or, when it did not start, nobody)
+            sock.close()
+
+
+def _listening(path: Path) -> socket.socket:
+    """A unix socket listening at ``path`` (replacing what is there), owner-only."""
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(16)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _cgroup_procs_files(c: VmConfig) -> list[str]:

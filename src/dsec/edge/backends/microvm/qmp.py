@@ -84,6 +84,32 @@ class Qmp:
                         raise QmpError(f"QMP {name}: {err.get('class')}: {err.get('desc')}")
                     return reply.get("return")
 
+    async def cmds(
+        self, *calls: tuple[str, dict[str, Any] | None], timeout_s: float = 30
+    ) -> list[Any]:
+        """Run ``calls`` (name, arguments) in order, written at once: one round trip.
+        Raises the first error; QEMU runs the later commands regardless."""
+        async with self._lock:
+            data = b"".join(
+                json.dumps({"execute": n, **({"arguments": a} if a else {})}).encode() + b"\n"
+                for n, a in calls
+            )
+            self.writer.write(data)
+            await self.writer.drain()
+            replies: list[dict[str, Any]] = []
+            async with asyncio.timeout(timeout_s):
+                while len(replies) < len(calls):
+                    reply = await self._read()
+                    if "event" in reply:
+                        self.events.append(reply)
+                    else:
+                        replies.append(reply)
+        for (name, _), reply in zip(calls, replies, strict=True):
+            if "error" in reply:
+                err = reply["error"]
+                raise QmpError(f"QMP {name}: {err.get('class')}: {err.get('desc')}")
+        return [r.get("return") for r in replies]
+
     def close(self) -> None:
         self.writer.close()
 

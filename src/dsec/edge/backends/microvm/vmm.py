@@ -129,10 +129,13 @@ class Vmm(Protocol):
         private: bool,
         timeout_s: float,
         check: Callable[[], None] | None = None,
+        on_listening: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Start a VMM from ``snap`` and run it. ``private`` maps RAM copy-on-write: a
         fork child from a snapshot. ``check`` (blocking: run in a thread while the VMM
-        starts) must pass before any state is loaded. On failure nothing is left."""
+        starts) must pass before any state is loaded. ``on_listening`` is awaited once
+        the VMM serves the agent channel (QEMU: before the guest runs, so the link is
+        up when it does; Firecracker: after it resumed). On failure nothing is left."""
         ...
 
     async def adopt(self, run_dir: Path, mem_file: Path, shared_ram: bool) -> bool:
