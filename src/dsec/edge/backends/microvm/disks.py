@@ -16,6 +16,7 @@ key=value block vminit reads: sandbox id, environment, layer count).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -102,11 +103,25 @@ def build_vmport(dest: Path, *flags: str) -> Path:
     """``guest/vmport.c`` as a program of its own (static: it runs in any guest root):
     without arguments the guest's multiplexer (the full VM's image runs it as a systemd
     service), with ``--link-fd``/``--listen-fd`` one link for the tests."""
-    src = GUEST_DIR / "vmport.c"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _run(["gcc", "-static", "-O2", "-s", "-Wall", *flags, "-DVMPORT_CLI", "-o", str(dest),
-          str(src)])  # fmt: skip
+    dest.write_bytes(static_program([GUEST_DIR / "vmport.c"], "-Wall", *flags, "-DVMPORT_CLI"))
+    dest.chmod(0o755)
     return dest
+
+
+def static_program(srcs: list[Path], *flags: str) -> bytes:
+    """``gcc -static -O2 -s`` of ``srcs``: compiled once per process for the same sources
+    (by content) and flags, so every VM image import after the first reuses it."""
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in srcs)).hexdigest()
+    return _compiled(tuple(srcs), digest, flags)
+
+
+@functools.cache
+def _compiled(srcs: tuple[Path, ...], digest: str, flags: tuple[str, ...]) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="dsec-gcc-") as tmp:
+        out = Path(tmp) / "program"
+        _run(["gcc", "-static", "-O2", "-s", *flags, "-o", str(out), *map(str, srcs)])
+        return out.read_bytes()
 
 
 def newc_archive(entries: list[tuple[str, int, bytes]]) -> bytes:

@@ -416,8 +416,6 @@ def _build_initramfs(rootfs: Path, version: str, dest: Path) -> None:
 
 def write_initramfs(moddir: Path, order: Sequence[str], dest: Path) -> None:
     """Our initramfs (``guest/vmboot.c``) loading the modules ``order`` of ``moddir``."""
-    binary = dest.with_name("vmboot")
-    _run(["gcc", "-static", "-O2", "-s", "-o", str(binary), str(VMBOOT_C)])
     entries = [("m", 0o040755, b"")]
     names = []
     for i, rel in enumerate(order):
@@ -425,8 +423,7 @@ def write_initramfs(moddir: Path, order: Sequence[str], dest: Path) -> None:
         entries.append((name, 0o100644, _module_bytes(moddir / rel)))
         names.append("/" + name)
     entries.append(("modules", 0o100644, ("\n".join(names) + "\n").encode()))
-    entries.append(("init", 0o100755, binary.read_bytes()))
-    binary.unlink()
+    entries.append(("init", 0o100755, microvm_disks.static_program([VMBOOT_C])))
     dest.write_bytes(microvm_disks.newc_archive(entries))
 
 
