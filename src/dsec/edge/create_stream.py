@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import grpc
 
-from dsec.core.errors import DeadlineExceeded, DsecError, Internal, InvalidArgument, Unavailable
+from dsec.core.errors import DeadlineExceeded, DsecError, InvalidArgument, Unavailable
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
-from dsec.rpc.server import authorize_each_message
+from dsec.rpc.server import authorize_each_message, call_error
 from dsec.rpc.stream_pump import Pump
 
-_log = logging.getLogger("dsec.edge.create_stream")
 _Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -95,13 +93,9 @@ class CreateStreamServicer(pb_grpc.EdgeServicer):
     async def _answer(self, msg: pb.CreateStreamRequest, stream: _Ctx) -> pb.CreateStreamReply:
         try:
             return await self._create(msg, stream)
-        except DsecError as exc:
-            return _error_reply(msg.id, exc)
-        except Exception as exc:  # as the guard answers for a unary handler's bug
-            _log.error("create raised %r", exc, exc_info=exc,
-                       extra={"fields": {"sandbox": msg.create.sandbox_id}})  # fmt: skip
-            return _error_reply(msg.id, Internal(f"internal error in Edge/CreateSandbox: "
-                                                 f"{type(exc).__name__}"))  # fmt: skip
+        except Exception as exc:  # answered as the unary call would be
+            err = call_error(exc, "Edge/CreateSandbox", sandbox=msg.create.sandbox_id)
+            return _error_reply(msg.id, err)
 
     @authorize_each_message
     async def CreateStream(

@@ -12,18 +12,15 @@ work of a unary call, on both ends.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
-from dsec.core.errors import DsecError, Internal
 from dsec.rpc._gen import dsec_pb2 as pb
-from dsec.rpc.server import authorize_each_message, peer_identity
+from dsec.rpc.server import authorize_each_message, call_error, peer_identity
 from dsec.rpc.stream_pump import Pump
 
-_log = logging.getLogger("dsec.iam")
 _Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -36,11 +33,8 @@ class AdmitStreamRpc:
     async def _answer(self, msg: pb.AdmitStreamRequest, peer: str) -> pb.AdmitStreamReply:
         try:
             return pb.AdmitStreamReply(id=msg.id, reply=await self.admit_batch(msg.batch, peer))
-        except DsecError as exc:
-            err = exc
-        except Exception as exc:  # as the guard answers for a unary handler's bug
-            _log.error("AdmitStream batch raised %r", exc, exc_info=exc)
-            err = Internal(f"internal error in Iam/AdmitMany: {type(exc).__name__}")
+        except Exception as exc:  # answered as the unary call would be
+            err = call_error(exc, "Iam/AdmitMany", peer=peer)
         return pb.AdmitStreamReply(id=msg.id, error_code=err.code, error_message=err.message)
 
     @authorize_each_message

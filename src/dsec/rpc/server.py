@@ -195,16 +195,9 @@ class _Guard:
 
     async def fail(self, context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> None:
         """Abort the call for ``exc``; always raises ``grpc.aio.AbortError``."""
-        if isinstance(exc, DsecError):
-            err = exc
-            if isinstance(err, PermissionDenied | Unauthenticated):
-                log(
-                    _log, "call refused", method=self.method, peer=context.peer(), error=err.message
-                )
-        else:
-            fields = {"method": self.method, "peer": context.peer()}
-            _log.error("handler raised %r", exc, exc_info=exc, extra={"fields": fields})
-            err = Internal(f"internal error in {self.label}: {type(exc).__name__}")
+        err = call_error(exc, self.label, method=self.method, peer=context.peer())
+        if isinstance(err, PermissionDenied | Unauthenticated):
+            log(_log, "call refused", method=self.method, peer=context.peer(), error=err.message)
         status = status_for(err)
         self.count(status.name)
         await context.abort(status, err.message, trailers_for(err))
@@ -214,6 +207,15 @@ class _Guard:
             self.metrics.inc("rpc_requests", method=self.label, code=code)
             if start is not None:
                 self.metrics.observe("rpc", time.perf_counter() - start, method=self.label)
+
+
+def call_error(exc: Exception, label: str, **fields: str) -> DsecError:
+    """What a call of ``label`` (e.g. ``Iam/AdmitMany``) answers for ``exc``: the DsecError
+    itself, else ``Internal`` (a handler's bug, logged with ``fields``)."""
+    if isinstance(exc, DsecError):
+        return exc
+    _log.error("handler raised %r", exc, exc_info=exc, extra={"fields": {"call": label, **fields}})
+    return Internal(f"internal error in {label}: {type(exc).__name__}")
 
 
 _EACH_MESSAGE = "_dsec_authorize_each_message"

@@ -305,7 +305,7 @@ class TrajectoryLog:
         key = _meta_key(tid)
         res = await self.store.txn(
             [Compare(key, Target.CREATE, Op.EQ, 0)],
-            [Put(key, fresh.encode())],
+            [_record_put(fresh)],
         )
         if res.succeeded:
             self._usage.note(key, res.revision, project, 0)

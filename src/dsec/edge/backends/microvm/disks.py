@@ -89,10 +89,8 @@ def initramfs(vm_dir: Path) -> Path:
         if dest.exists():
             return dest
         with tempfile.TemporaryDirectory(dir=vm_dir) as tmp:
-            binary = Path(tmp) / "init"
-            _run(["gcc", "-static", "-O2", "-s", "-o", str(binary), *map(str, srcs)])
             dirs = [(d, 0o040755, b"") for d in ("dev", "proc", "sys", "mnt", "newroot")]
-            data = newc_archive([*dirs, ("init", 0o100755, binary.read_bytes())])
+            data = newc_archive([*dirs, ("init", 0o100755, static_program(srcs))])
             part = Path(tmp) / "out.cpio"
             part.write_bytes(data)
             part.rename(dest)

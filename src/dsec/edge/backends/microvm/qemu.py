@@ -235,7 +235,7 @@ class QemuVmm:
                 "-device", f"virtio-net-{bus},netdev=n{i},mac={n.mac}",
             ]  # fmt: skip
         # A microvm restore takes its RAM from the snapshot: reading and parsing the kernel
-        # (and initrd) it never boots cost ~15 ms of QEMU's start. They reach a microvm guest
+        # (and initrd) it never boots cost ~6 ms of QEMU's CPU at start. They reach a microvm guest
         # through fw_cfg, not through RAM blocks in the migration stream; a q35 machine
         # loads them as option ROMs, which are RAM blocks, so it keeps them.
         if not incoming or q35:

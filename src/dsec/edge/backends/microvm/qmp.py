@@ -63,39 +63,27 @@ class Qmp:
         fd: int | None = None,
     ) -> Any:
         """Run command ``name``; ``fd`` goes along with it (SCM_RIGHTS), as ``getfd`` needs."""
-        async with self._lock:
-            msg: dict[str, Any] = {"execute": name}
-            if args:
-                msg["arguments"] = args
-            data = json.dumps(msg).encode() + b"\n"
-            if fd is None:
-                self.writer.write(data)
-                await self.writer.drain()
-            else:  # nothing is buffered (drained under the lock): send on the socket itself
-                _send_with_fd(self.writer, data, fd)
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    reply = await self._read()
-                    if "event" in reply:
-                        self.events.append(reply)
-                        continue
-                    if "error" in reply:
-                        err = reply["error"]
-                        raise QmpError(f"QMP {name}: {err.get('class')}: {err.get('desc')}")
-                    return reply.get("return")
+        return (await self.cmds((name, args), timeout_s=timeout_s, fd=fd))[0]
 
     async def cmds(
-        self, *calls: tuple[str, dict[str, Any] | None], timeout_s: float = 30
+        self,
+        *calls: tuple[str, dict[str, Any] | None],
+        timeout_s: float = 30,
+        fd: int | None = None,
     ) -> list[Any]:
-        """Run ``calls`` (name, arguments) in order, written at once: one round trip.
-        Raises the first error; QEMU runs the later commands regardless."""
+        """Run ``calls`` (name, arguments) in order, written at once: one round trip
+        (``fd`` goes along with the write). Raises the first error; QEMU runs the later
+        commands regardless."""
         async with self._lock:
             data = b"".join(
                 json.dumps({"execute": n, **({"arguments": a} if a else {})}).encode() + b"\n"
                 for n, a in calls
             )
-            self.writer.write(data)
-            await self.writer.drain()
+            if fd is None:
+                self.writer.write(data)
+                await self.writer.drain()
+            else:  # nothing is buffered (drained under the lock): send on the socket itself
+                _send_with_fd(self.writer, data, fd)
             replies: list[dict[str, Any]] = []
             async with asyncio.timeout(timeout_s):
                 while len(replies) < len(calls):
