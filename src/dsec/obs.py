@@ -56,10 +56,12 @@ def log(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields: o
 class Metrics:
     """A small thread-safe registry; names follow Prometheus conventions.
 
-    A series is kept under its labels in the order the caller gave them (no sort on the hot
-    path: a call site always names them in the same order); :meth:`render` merges series
-    whose labels differ only in order. A histogram keeps a count per bucket, summed into
-    Prometheus's cumulative buckets when rendered.
+    A counter or histogram series is kept under its labels in the order the caller gave
+    them (no sort on the hot path: a call site always names them in the same order);
+    :meth:`render` merges series whose labels differ only in order. A gauge is kept under
+    its sorted labels, so the value set last wins whatever order each call named them in.
+    A histogram keeps a count per bucket, summed into Prometheus's cumulative buckets when
+    rendered.
     """
 
     def __init__(self, prefix: str) -> None:
@@ -78,7 +80,7 @@ class Metrics:
 
     def set(self, name: str, value: float, **labels: str) -> None:
         with self._lock:
-            self._gauges[(name, tuple(labels.items()))] = value
+            self._gauges[(name, tuple(sorted(labels.items())))] = value
 
     def observe(self, name: str, seconds: float, **labels: str) -> None:
         key = (name, tuple(labels.items()))
@@ -102,7 +104,7 @@ class Metrics:
     def render(self) -> str:
         lines: list[str] = []
         with self._lock:
-            counters, gauges = _merged(self._counters, sum), _merged(self._gauges, _last)
+            counters, gauges = _merged(self._counters, sum), dict(self._gauges)
             hists = _merged(self._hist, _add_lists)
         for (name, labels), v in sorted(counters.items()):
             lines.append(f"{self.prefix}_{name}_total{_fmt(labels)} {v:g}")
@@ -132,10 +134,6 @@ def _merged(series: dict[_Key, _T], combine: Callable[[list[_T]], _T]) -> dict[_
     return {k: vs[0] if len(vs) == 1 else combine(vs) for k, vs in groups.items()}
 
 
-def _last(values: list[float]) -> float:
-    return values[-1]
-
-
 def _add_lists(values: list[list[float]]) -> list[float]:
     return [sum(col) for col in zip(*values, strict=True)]
 
@@ -143,5 +141,12 @@ def _add_lists(values: list[list[float]]) -> list[float]:
 def _fmt(labels: tuple[tuple[str, str], ...]) -> str:
     if not labels:
         return ""
-    body = ",".join(f'{k}="{v}"' for k, v in labels)
+    body = ",".join(f'{k}="{_escaped(v)}"' for k, v in labels)
     return "{" + body + "}"
+
+
+def _escaped(value: str) -> str:
+    """A label value as the text format writes it: backslash, quote and newline escaped."""
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return value

@@ -12,10 +12,11 @@ def test_series_are_one_whatever_the_order_of_their_labels() -> None:
     m.inc("calls", code="NOT_FOUND", method="Get")
     m.set("edges", 3.0, zone="a", kind="x")
     m.set("edges", 4.0, kind="x", zone="a")  # the later value wins
+    m.set("edges", 5.0, zone="a", kind="x")  # ... again, in the first order
     lines = m.render().splitlines()
     assert 't_calls_total{code="OK",method="Get"} 3' in lines
     assert 't_calls_total{code="NOT_FOUND",method="Get"} 1' in lines
-    assert [ln for ln in lines if ln.startswith("t_edges")] == ['t_edges{kind="x",zone="a"} 4']
+    assert [ln for ln in lines if ln.startswith("t_edges")] == ['t_edges{kind="x",zone="a"} 5']
 
 
 def test_histogram_buckets_are_cumulative() -> None:
@@ -37,3 +38,9 @@ def test_histogram_buckets_are_cumulative() -> None:
     assert got[bucket("+Inf")] == 4
     assert got['t_rpc_seconds_count{a="1",b="2"}'] == 4
     assert abs(got['t_rpc_seconds_sum{a="1",b="2"}'] - 60.304) < 1e-6
+
+
+def test_label_values_are_escaped() -> None:
+    m = Metrics("t")
+    m.inc("errors", reason='bad "x"\\y\nz')
+    assert 't_errors_total{reason="bad \\"x\\"\\\\y\\nz"} 1' in m.render().splitlines()
