@@ -68,14 +68,19 @@ def block_addresses(log: Path) -> list[int]:
     return out
 
 
+def kernel_functions(vmlinux: Path) -> list[tuple[int, str]]:
+    """``(address, name)`` of the kernel image's code symbols, by address."""
+    nm = subprocess.run(["nm", "-n", str(vmlinux)], capture_output=True, text=True, check=True)
+    syms = [ln.split() for ln in nm.stdout.splitlines()]
+    return sorted((int(s[0], 16), s[2]) for s in syms if len(s) == 3 and s[1] in "tTwW")
+
+
 class Where:
     """Names an address: a kernel function or the file of a user mapping."""
 
-    def __init__(self, vmlinux: Path, maps: str) -> None:
-        nm = subprocess.run(["nm", "-n", str(vmlinux)], capture_output=True, text=True)
-        syms = [ln.split() for ln in nm.stdout.splitlines()]
-        self.ksyms = [(int(s[0], 16), s[2]) for s in syms if len(s) == 3 and s[1] in "tTwW"]
-        self.kaddrs = [a for a, _ in self.ksyms]
+    def __init__(self, ksyms: list[tuple[int, str]], maps: str) -> None:
+        self.ksyms = ksyms
+        self.kaddrs = [a for a, _ in ksyms]
         self.user: list[tuple[int, int, str]] = []
         for line in maps.splitlines():
             m = re.match(r"([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)", line)
@@ -146,7 +151,7 @@ async def run(top: int) -> dict[str, Any]:
         marks["fork_child"] = await first_exec(be, kid, kp.agent_socket)
         if be.kernel_image is None:
             raise SystemExit("no guest kernel built (dsec setup)")
-        where = Where(be.kernel_image, maps)
+        where = Where(kernel_functions(be.kernel_image), maps)
         out: dict[str, Any] = {}
         for name, (pid, ready, done) in marks.items():
             blocks = block_addresses(logs / f"tb-{pid}.log")
