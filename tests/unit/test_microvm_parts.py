@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
+import shutil
 import subprocess
 import time
 from dataclasses import replace
@@ -14,7 +17,7 @@ import pytest
 from dsec.core.errors import InvalidArgument, SandboxFailed
 from dsec.edge.backends.microvm import disks, kernel, qemu, snapshots
 from dsec.edge.backends.microvm.backend import VMM_OVERHEAD_MIB
-from dsec.edge.backends.microvm.vmm import Drive, Snapshot, VmConfig
+from dsec.edge.backends.microvm.vmm import Drive, NetIface, Snapshot, VmConfig
 
 
 def _snap(tmp_path: Path) -> Snapshot:
@@ -210,6 +213,29 @@ def test_qemu_argv(tmp_path: Path) -> None:
     assert kvm[-3:] == ["-S", "-incoming", "defer"]
 
 
+@pytest.mark.parametrize(
+    ("accel", "machine", "installed", "binary"),
+    [
+        ("kvm", "microvm", True, qemu.QEMU_KVM_MICROVM),  # the small KVM-only build
+        ("kvm", "microvm", False, qemu.QEMU),
+        ("tcg", "microvm", True, qemu.QEMU),  # it has no TCG
+        ("kvm", "q35", True, qemu.QEMU),  # full VMs keep the full build
+    ],
+)
+def test_qemu_binary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, accel: str, machine: str, installed: bool,
+    binary: str,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(qemu, "installed", lambda b: installed)
+    cfg = VmConfig(
+        vcpus=1, memory_mib=64, kernel=tmp_path / "vmlinux", cmdline="", run_dir=tmp_path,
+        mem_file=tmp_path / "ram", agent_socket=tmp_path / "serial.sock",
+        extra={"machine": machine},
+    )  # fmt: skip
+    argv = qemu.QemuVmm(accel=accel).argv(cfg, mem_path=cfg.mem_file, share=True, incoming=False)
+    assert argv[0] == binary
+
+
 def test_sparse_digest_treats_zero_pages_as_holes(tmp_path: Path) -> None:
     """A fork child reading a hole of the template allocates a zero page there."""
     p = tmp_path / "ram"
@@ -296,3 +322,38 @@ async def test_a_restore_without_its_state_file_starts_no_qemu(tmp_path: Path) -
         await vmm.restore(cfg, snap, private=False, timeout_s=5, check=check)
     assert vmm.pid == 0
     assert not cfg.run_dir.exists()
+
+
+def _offered(binary: str, kind: str) -> set[str]:
+    """The names ``binary -<kind> help`` lists (devices, netdev/chardev backends, ...)."""
+    out = subprocess.run([binary, f"-{kind}", "help"], capture_output=True, text=True).stdout
+    return set(re.findall(r'name "([^"]+)"', out)) if kind == "device" else set(out.split())
+
+
+@pytest.mark.skipif(
+    shutil.which(qemu.QEMU_KVM_MICROVM) is None,
+    reason=f"{qemu.QEMU_KVM_MICROVM} is not installed (Debian's qemu-system-x86 ships it)",
+)
+def test_the_kvm_only_build_has_everything_a_microvm_argv_names(tmp_path: Path) -> None:
+    """KVM cannot run guests here, so the KVM-only build is checked against the argv: every
+    machine, accelerator, device, backend and object the driver asks for must be in it."""
+    cfg = VmConfig(
+        vcpus=1, memory_mib=64, kernel=tmp_path / "vmlinux", cmdline="", run_dir=tmp_path,
+        mem_file=tmp_path / "ram", agent_socket=tmp_path / "serial.sock",
+        drives=(Drive("scratch", tmp_path / "s.qcow2", False),),
+        net=(NetIface("eth0", "tap0", "02:00:00:00:00:01"),),
+    )  # fmt: skip
+    vmm = qemu.QemuVmm(accel="kvm")
+    asked: dict[str, set[str]] = {k: set() for k in ("machine", "accel", "device", "netdev",
+                                                     "chardev", "object")}  # fmt: skip
+    for incoming in (False, True):
+        argv = vmm.argv(cfg, mem_path=cfg.mem_file, share=not incoming, incoming=incoming)
+        assert argv[0] == qemu.QEMU_KVM_MICROVM
+        for flag, value in itertools.pairwise(argv):
+            kind = "machine" if flag == "-M" else flag.lstrip("-")
+            if kind in asked:
+                asked[kind].add(value.split(",")[0])
+    assert {"virtio-serial-device", "virtio-blk-device", "virtio-net-device"} <= asked["device"]
+    for kind, names in asked.items():
+        missing = names - _offered(qemu.QEMU_KVM_MICROVM, kind)
+        assert not missing, f"{qemu.QEMU_KVM_MICROVM} has no {kind} {sorted(missing)}"

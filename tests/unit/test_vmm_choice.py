@@ -39,6 +39,9 @@ def test_auto_falls_back_to_qemu_with_the_reason() -> None:
     assert "tcg" in why
     name, why = choose_vmm("auto", **host({"qemu-system-x86_64": "/q"}, True))
     assert (name, "firecracker binary not found" in why, "with kvm" in why) == ("qemu", True, True)
+    small = {"qemu-system-x86_64": "/q", "qemu-system-x86_64-microvm": "/m"}
+    assert "microvm guests on /m" in choose_vmm("qemu", **host(small, True))[1]
+    assert "/m" not in choose_vmm("qemu", **host(small, False))[1]  # it has no TCG
 
 
 def test_explicit_choices() -> None:

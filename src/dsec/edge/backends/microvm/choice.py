@@ -17,6 +17,7 @@ from dsec.edge.backends.microvm.vmm import Vmm
 
 CHOICES = ("auto", "firecracker", "qemu")
 QEMU_BINARY = "qemu-system-x86_64"
+QEMU_KVM_BINARY = "qemu-system-x86_64-microvm"  # (qemu.QEMU_KVM_MICROVM)
 
 
 def choose_vmm(
@@ -45,6 +46,8 @@ def choose_vmm(
         raise BackendUnavailable(why if preference == "qemu" else f"{fc_why}; {why}")
     ok, detail = kvm_usable()
     accel = "kvm" if ok else f"tcg, since KVM cannot run guests here: {detail}"
+    if ok and (small := which(QEMU_KVM_BINARY)):
+        accel += f" (microvm guests on {small}, its KVM-only build)"
     if preference == "qemu":
         return "qemu", f"asked for; {qemu} with {accel}"
     return "qemu", f"{fc_why}; {qemu} with {accel}"
