@@ -163,12 +163,16 @@ def _small(compare: Sequence[Compare], *branches: Sequence[TxnOp]) -> bool:
     no range (prefix) compare or delete, few operations, little data."""
     if any(c.prefix for c in compare):
         return False
-    ops = [op for b in branches for op in b]
-    if len(ops) > INLINE_MAX_OPS:
+    if sum(len(b) for b in branches) > INLINE_MAX_OPS:
         return False
-    if any(isinstance(op, Delete) and op.prefix for op in ops):
-        return False
-    return sum(len(op.value) for op in ops if isinstance(op, Put)) <= INLINE_MAX_BYTES
+    size = 0
+    for b in branches:
+        for op in b:
+            if isinstance(op, Put):
+                size += len(op.value)
+            elif op.prefix:
+                return False
+    return size <= INLINE_MAX_BYTES
 
 
 def _where_range(col: str, start: bytes, prefix: bool) -> tuple[str, list[bytes]]:
