@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -185,4 +186,52 @@ async def test_normal_watchers_see_every_commit_of_both_threads_in_order(tmp_pat
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+        await store.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sync", ["FULL", "NORMAL"])
+async def test_history_rows_of_puts_come_from_the_connections_own_triggers(
+    tmp_path: Path, sync: str
+) -> None:
+    """Each put's history row (written by a TEMP trigger of the write connection) holds
+    what the put stored: historic reads and watches from a revision see every version; the
+    file itself holds no trigger (another binary opening it writes its rows itself)."""
+    path = tmp_path / "s.db"
+    store = await SqliteStore.open(path, synchronous=sync)
+    try:
+        r1 = await store.put(b"/h/a", b"1")
+        res = await store.txn([], [Put(b"/h/a", b"2"), Put(b"/h/b", b"x")])
+        r2 = res.revision
+        r3 = (await store.txn([], [Delete(b"/h/b"), Put(b"/h/c", b"y")])).revision
+        grouped = await asyncio.gather(*(store.put(b"/h/g%d" % i, b"v") for i in range(5)))
+        old = await store.range(b"/h/", revision=r1)
+        assert [(kv.key, kv.value, kv.version) for kv in old.kvs] == [(b"/h/a", b"1", 1)]
+        mid = await store.range(b"/h/", revision=r2)
+        assert [(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.version)
+                for kv in mid.kvs] == [
+            (b"/h/a", b"2", r1, r2, 2), (b"/h/b", b"x", r2, r2, 1)
+        ]  # fmt: skip
+        after = await store.range(b"/h/", revision=r3)
+        assert [kv.key for kv in after.kvs] == [b"/h/a", b"/h/c"]
+        async with aclosing(store.watch(b"/h/", start_revision=r1)) as w:
+            seen: list[tuple[int, bytes, str, bytes]] = []
+            async for batch in w:
+                seen += [(batch.revision, e.kv.key, e.type.name, e.kv.value) for e in batch.events]
+                if batch.revision == max(grouped):
+                    break
+        assert seen[:5] == [
+            (r1, b"/h/a", "PUT", b"1"),
+            (r2, b"/h/a", "PUT", b"2"),
+            (r2, b"/h/b", "PUT", b"x"),
+            (r3, b"/h/b", "DELETE", b""),
+            (r3, b"/h/c", "PUT", b"y"),
+        ]
+        assert sorted(r for r, *_ in seen[5:]) == sorted(grouped)
+        with sqlite3.connect(path) as other:
+            count = other.execute("SELECT COUNT(*) FROM changes").fetchone()[0]
+            triggers = other.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")
+            assert triggers.fetchall() == []
+        assert count == 10, "one history row per put or delete, none twice"
+    finally:
         await store.aclose()

@@ -7,6 +7,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from dsec.store.sqlite import SqliteStore
 from dsec.testing.trajectory_checks import CHECKS, step
 from dsec.trajectory.blobs import FileBlobStore
 from dsec.trajectory.canon import canonical, field_at, first_difference
-from dsec.trajectory.log import TrajectoryLog, _Usage
+from dsec.trajectory.log import Trajectory, TrajectoryLog, _Usage
 from dsec.trajectory.setup import open_log, open_store
 
 
@@ -181,3 +182,36 @@ async def test_usage_is_summed_once_then_follows_every_writer(kind: str, tmp_pat
     finally:
         await mine.aclose()
         await store.aclose()
+
+
+def test_record_encoding_is_the_fields_json_through_appends() -> None:
+    """A record's encoding (the unchanged fields' text kept and carried by ``appended``)
+    is exactly the compact JSON of its fields in order, fresh, appended, or replaced."""
+    t = Trajectory(
+        id="t1",
+        project="a/b",
+        name='run "42"/é',
+        created_at=1.5,
+        updated_at=2.25,
+        sandbox_id="sbx-1",
+        epoch="e1",
+        checkpoints=[{"step": 3, "image": "traj-t1:s3"}],
+        divergence={"step": 1, "field": "cmd"},
+        spec={"image": "base", "env": {"A": "1"}, "memory_mb": 256},
+    )
+
+    def plain(x: Trajectory) -> bytes:
+        fields = {k: getattr(x, k) for k in Trajectory.__dataclass_fields__}
+        return json.dumps(fields, separators=(",", ":")).encode()
+
+    assert t.encode() == plain(t)
+    x = t
+    for i in range(3):
+        x = x.appended(100 + i, 10.0 + i / 3)
+        assert x.encode() == plain(x)
+        assert Trajectory.from_json(json.loads(x.encode())) == x
+    assert (x.steps, x.bytes, x.cursor, x.mode) == (3, 303, 3, "record")
+    y = replace(x, epoch="e2", mode="replay", cursor=0, updated_at=float(10**20))
+    assert y.encode() == plain(y)
+    assert b'"epoch":"e2"' in y.appended(1, 11.0).encode()
+    assert t.encode() == plain(t), "the original keeps its own text"

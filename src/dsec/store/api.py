@@ -211,23 +211,31 @@ def check_txn(
     for name, items in (("compares", compare), ("success ops", success), ("failure ops", failure)):
         if len(items) > MAX_TXN_OPS:
             raise TxnTooLarge(f"{len(items)} {name} in one transaction (at most {MAX_TXN_OPS})")
-    for op in (*success, *failure):
-        if not op.key:
-            raise InvalidArgument("empty key")
-        if len(op.key) > MAX_KEY_BYTES:
-            raise InvalidArgument(f"key of {len(op.key)} bytes (at most {MAX_KEY_BYTES})")
-        if isinstance(op, Put) and len(op.value) > MAX_VALUE_BYTES:
-            raise ValueTooLarge(f"value of {len(op.value)} bytes (at most {MAX_VALUE_BYTES})")
     for c in compare:
         if isinstance(c.operand, bytes) != (c.target is Target.VALUE):
             raise InvalidArgument(
                 "a value compare takes bytes, a revision or version compare an int"
             )
-    for branch in (success, failure):
-        puts = [op.key for op in branch if isinstance(op, Put)]
-        if len(set(puts)) != len(puts):
-            raise InvalidArgument("a key is put twice in one transaction")
-        for d in (op for op in branch if isinstance(op, Delete)):
+    for branch in (success, failure):  # (one pass over each branch: every write runs this)
+        puts: set[bytes] = set()
+        deletes: list[Delete] = []
+        for op in branch:
+            key = op.key
+            if not key:
+                raise InvalidArgument("empty key")
+            if len(key) > MAX_KEY_BYTES:
+                raise InvalidArgument(f"key of {len(key)} bytes (at most {MAX_KEY_BYTES})")
+            if isinstance(op, Put):
+                if len(op.value) > MAX_VALUE_BYTES:
+                    raise ValueTooLarge(
+                        f"value of {len(op.value)} bytes (at most {MAX_VALUE_BYTES})"
+                    )
+                if key in puts:
+                    raise InvalidArgument("a key is put twice in one transaction")
+                puts.add(key)
+            else:
+                deletes.append(op)
+        for d in deletes:
             if any(in_range(k, d.key, d.prefix) for k in puts):
                 raise InvalidArgument("a key is put and deleted in one transaction")
 

@@ -105,6 +105,17 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('rev', 1), ('compact_rev', 0);
 """
 
+# The history row of each put is written by the put's own statement (a trigger: one
+# statement per transaction fewer). TEMP: the triggers live in the writing connection only,
+# nothing of them is stored in the file, so another binary opening it (which writes its
+# history rows itself) is not affected. Deletes write theirs from :meth:`SqliteStore._apply`.
+_HISTORY_TRIGGERS = "".join(
+    f"CREATE TEMP TRIGGER kv_{event.lower()}_history AFTER {event} ON kv BEGIN "
+    "INSERT INTO changes VALUES (NEW.mod_rev, NEW.key, 0, NEW.value, NEW.create_rev, "
+    "NEW.version, NEW.lease); END;"
+    for event in ("INSERT", "UPDATE")
+)
+
 _KV_COLS = "key, value, create_rev, mod_rev, version, lease"
 _SELECT_ONE = f"SELECT {_KV_COLS} FROM kv WHERE key = ?"
 
@@ -122,9 +133,9 @@ def _upsert(n: int) -> str:
 
 
 @functools.cache
-def _log_changes(n: int) -> str:
-    """One statement writing ``n`` rows of history (one round trip, not ``n``)."""
-    return "INSERT INTO changes VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * n)
+def _log_deletes(n: int) -> str:
+    """One statement writing the history of ``n`` deletes (one round trip, not ``n``)."""
+    return "INSERT INTO changes VALUES " + ", ".join(["(?, ?, 1, x'', 0, 0, 0)"] * n)
 
 
 @functools.cache
@@ -152,12 +163,16 @@ def _small(compare: Sequence[Compare], *branches: Sequence[TxnOp]) -> bool:
     no range (prefix) compare or delete, few operations, little data."""
     if any(c.prefix for c in compare):
         return False
-    ops = [op for b in branches for op in b]
-    if len(ops) > INLINE_MAX_OPS:
+    if sum(len(b) for b in branches) > INLINE_MAX_OPS:
         return False
-    if any(isinstance(op, Delete) and op.prefix for op in ops):
-        return False
-    return sum(len(op.value) for op in ops if isinstance(op, Put)) <= INLINE_MAX_BYTES
+    size = 0
+    for b in branches:
+        for op in b:
+            if isinstance(op, Put):
+                size += len(op.value)
+            elif op.prefix:
+                return False
+    return size <= INLINE_MAX_BYTES
 
 
 def _where_range(col: str, start: bytes, prefix: bool) -> tuple[str, list[bytes]]:
@@ -240,7 +255,7 @@ class SqliteStore(StoreHelpers):
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={self._synchronous}")
         db.execute("PRAGMA wal_autocheckpoint=0")  # (:meth:`_checkpoint` does them)
-        db.executescript(SCHEMA)
+        db.executescript(SCHEMA + _HISTORY_TRIGGERS)
         self._db = db
 
     def _reading(self) -> sqlite3.Connection:
@@ -416,6 +431,12 @@ class SqliteStore(StoreHelpers):
                 db.execute(f"DELETE FROM kv WHERE {where}", args)
                 changed.extend(Event(EventType.DELETE, KeyValue(k, b"", 0, rev, 0)) for k in gone)
                 deleted.append(len(gone))
+        if changed:  # (the deletes' history; the puts' is written by their statement)
+            rows = [(rev, e.kv.key) for e in changed]
+            if len(rows) <= INLINE_MAX_OPS:
+                db.execute(_log_deletes(len(rows)), [v for r in rows for v in r])
+            else:
+                db.executemany(_log_deletes(1), rows)
         if puts:  # (after the deletes: check_txn allows no key both put and deleted)
             row: list[Any] = []
             for op in puts:
@@ -427,16 +448,8 @@ class SqliteStore(StoreHelpers):
                 changed.append(Event(EventType.PUT, kv))
         if not changed:
             return rev - 1, deleted
-        changed.sort(key=lambda e: e.kv.key)
-        rows = [
-            (rev, e.kv.key, int(e.type is EventType.DELETE), e.kv.value, e.kv.create_revision,
-             e.kv.version, e.kv.lease)
-            for e in changed
-        ]  # fmt: skip
-        if len(rows) <= INLINE_MAX_OPS:  # (the usual write: one statement)
-            db.execute(_log_changes(len(rows)), [v for r in rows for v in r])
-        else:
-            db.executemany(_log_changes(1), rows)
+        if len(changed) > 1:
+            changed.sort(key=lambda e: e.kv.key)
         self._rev = rev
         self._pending.append(WatchBatch(rev, tuple(changed)))
         return rev, deleted

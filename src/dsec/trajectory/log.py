@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import json
 import logging
 import secrets
@@ -110,9 +111,11 @@ def _record_put(t: Trajectory) -> Put:
     return Put(_meta_key(t.id), t.encode())
 
 
-def _levels(project: str) -> list[str]:
-    """The projects whose quota a step of ``project`` counts against: it and its ancestors."""
-    return projects.ancestors(project) if project else [project]
+@functools.lru_cache(maxsize=4096)
+def _levels(project: str) -> tuple[str, ...]:
+    """The projects whose quota a step of ``project`` counts against: it and its ancestors
+    (asked on every recorded call: kept per project)."""
+    return tuple(projects.ancestors(project)) if project else (project,)
 
 
 def _guard(key: bytes, kv: KeyValue | None) -> Compare:
@@ -422,7 +425,11 @@ class TrajectoryLog:
         it are refused before they run."""
         sums = await self._project_bytes(wait=False)
         for level in _levels(project):
-            limit = await self.quota(level, max_age_s=QUOTA_CACHE_S)
+            cached = self._quotas.get(level)  # (:meth:`quota`'s cache, without a coroutine)
+            if cached and self.clock() - cached[0] < QUOTA_CACHE_S:
+                limit = cached[1]
+            else:
+                limit = await self.quota(level, max_age_s=QUOTA_CACHE_S)
             if not limit:
                 continue
             used = sum(n for p, n in sums.items() if projects.contains(level, p))
