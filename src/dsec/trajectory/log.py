@@ -389,13 +389,20 @@ class TrajectoryLog:
         """The limit on ``project``'s subtree; ``max_age_s`` > 0 accepts a value read that
         recently (the hot path: a quota set on another apiserver applies here within that
         time)."""
-        cached = self._quotas.get(project)
-        if cached and max_age_s and self.clock() - cached[0] < max_age_s:
-            return cached[1]
+        limit = self._recent_quota(project, max_age_s)
+        if limit is not None:
+            return limit
         kv = await self.store.get(_quota_key(project))
         limit = _int(kv) if kv else self.default_quota_bytes
         self._quotas[project] = (self.clock(), limit)
         return limit
+
+    def _recent_quota(self, project: str, max_age_s: float) -> int | None:
+        """The limit on ``project``'s subtree if read within ``max_age_s`` (> 0), else None."""
+        cached = self._quotas.get(project)
+        if cached and max_age_s and self.clock() - cached[0] < max_age_s:
+            return cached[1]
+        return None
 
     async def set_quota(self, project: str, limit_bytes: int) -> None:
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 0:
@@ -425,10 +432,8 @@ class TrajectoryLog:
         it are refused before they run."""
         sums = await self._project_bytes(wait=False)
         for level in _levels(project):
-            cached = self._quotas.get(level)  # (:meth:`quota`'s cache, without a coroutine)
-            if cached and self.clock() - cached[0] < QUOTA_CACHE_S:
-                limit = cached[1]
-            else:
+            limit = self._recent_quota(level, QUOTA_CACHE_S)  # (no coroutine when cached)
+            if limit is None:
                 limit = await self.quota(level, max_age_s=QUOTA_CACHE_S)
             if not limit:
                 continue
