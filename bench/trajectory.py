@@ -172,8 +172,9 @@ async def _log_costs(sync: str, steps: int, writers: int) -> dict[str, float]:
     cpu: list[float] = []  # process CPU time (every thread) per append
     # (the apiserver checks the quota before the call runs and tells the append so; an
     # older log has no such argument and checks again)
-    checked = "quota_checked" in inspect.signature(tlog.append_known).parameters
-    once: dict[str, Any] = {"quota_checked": True} if checked else {}
+    params = inspect.signature(tlog.append_known).parameters
+    once: dict[str, Any] = {"quota_checked": True} if "quota_checked" in params else {}
+    paired = "record" not in params  # (the record and its stored form: one argument now)
 
     async def writer(i: int) -> None:
         t, _ = await tlog.open("bench/log", f"w{i}", spec={})
@@ -186,11 +187,11 @@ async def _log_costs(sync: str, steps: int, writers: int) -> dict[str, float]:
             assert await tlog.lookup(f"sbx-{i}", t.id) is not None  # (what the cache saves)
             t1, c1 = time.perf_counter(), time.process_time()
             await tlog.check_quota("bench/log")
+            known: dict[str, Any] = {"known": (rec, kv)} if paired else {"known": kv, "record": rec}
             _, rec, kv = await tlog.append_known(
                 t.id,
                 lambda k: Step(k, "exec", {"op": "exec", "cmd": "true"}, 200, result, time.time()),
-                known=kv,
-                record=rec,
+                **known,
                 **once,
             )
             if n >= steps // 4:  # past the warm-up

@@ -117,7 +117,7 @@ async def replay(
                 mode="replay" if n + 1 < x.steps else "record",
             )
 
-        await tlog.update(t.id, advance, known=b.meta)
+        await tlog.update(t.id, advance, known=(t, b.meta))
         _set_headers(request, t, "replayed", n)
         return step
     div = {
@@ -199,7 +199,7 @@ async def record(
     start = time.perf_counter()
     # (every caller checked the quota before the call ran: a call that ran is recorded)
     step, now, kv = await c.trajectories.append_known(
-        t.id, make, known=b.meta, record=t, quota_checked=True
+        t.id, make, known=(t, b.meta), quota_checked=True
     )
     c.metrics.observe("trajectory_append", time.perf_counter() - start)
     c.bindings.wrote(sandbox_id, now, kv)

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from dsec.core.errors import AlreadyExists, InvalidArgument, QuotaExceeded
 from dsec.trajectory.blobs import INLINE_MAX
-from dsec.trajectory.log import PREFIX, Step, TrajectoryLog
+from dsec.trajectory.log import PREFIX, RECORD_EVERY, Step, TrajectoryLog
 from dsec.trajectory.retention import Retention, sweep
 
 Check = Callable[[TrajectoryLog, str], Awaitable[None]]
@@ -214,15 +214,45 @@ async def check_append_known(tlog: TrajectoryLog, project: str) -> None:
     assert found is not None
     rec, kv = found
     for i in range(3):
-        s, rec, kv = await tlog.append_known(t.id, step(f"k{i}"), known=kv, record=rec)
+        s, rec, kv = await tlog.append_known(t.id, step(f"k{i}"), known=(rec, kv))
         assert s.n == i
         fresh = await tlog.store.get(kv.key)
         assert fresh == kv, f"append answered {kv}, the store holds {fresh}"
         assert rec == await tlog.get(t.id)
     await tlog.append(t.id, step("elsewhere"))  # another writer: kv is stale now
-    s, rec, kv = await tlog.append_known(t.id, step("k3"), known=kv, record=rec)
+    s, rec, kv = await tlog.append_known(t.id, step("k3"), known=(rec, kv))
     assert (s.n, rec.steps) == (4, 5)
     assert await tlog.store.get(kv.key) == kv
+
+
+@check
+async def check_record_and_its_tail(tlog: TrajectoryLog, project: str) -> None:
+    """An append writes the record only every RECORD_EVERY steps or for a blob step; a read
+    adds the steps since (its tail), and a record written from a read keeps them."""
+    t, _ = await tlog.open(project, "tail", spec={})
+    key = PREFIX + b"t/" + t.id.encode()
+
+    async def stored() -> tuple[int, int]:
+        kv = await tlog.store.get(key)
+        assert kv is not None
+        d = json.loads(kv.value)
+        return int(d["steps"]), int(d["bytes"])
+
+    for i in range(RECORD_EVERY + 2):
+        await tlog.append(t.id, step(f"t{i}", "z" * i))
+    steps = await tlog.store.range(PREFIX + b"s/" + t.id.encode() + b"/")
+    t = await tlog.get(t.id)
+    assert (t.steps, t.cursor) == (RECORD_EVERY + 2, RECORD_EVERY + 2)
+    assert t.bytes == sum(len(kv.value) for kv in steps.kvs)
+    written = sum(len(kv.value) for kv in steps.kvs[:RECORD_EVERY])
+    assert await stored() == (RECORD_EVERY, written), "the record was not written periodically"
+    await tlog.update(t.id, lambda x: replace(x, on_mismatch="fail"))
+    assert await stored() == (t.steps, t.bytes), "a record write lost its tail"
+    await tlog.append(t.id, step("big", "b" * INLINE_MAX))
+    assert (await stored())[0] == RECORD_EVERY + 3, "a blob step did not write the record"
+    after = await tlog.get(t.id)
+    assert (after.steps, after.bytes) == await stored()
+    assert after.on_mismatch == "fail"
 
 
 @check
@@ -263,13 +293,14 @@ async def check_retention(tlog: TrajectoryLog, project: str) -> None:
 
 @check
 async def check_two_apiservers(tlog: TrajectoryLog, project: str) -> None:
-    """Two log objects on one store (two apiservers): usage and the bound record stay exact
-    although each caches what it last saw."""
+    """Two log objects on one store (two apiservers): the bound record stays exact although
+    each caches what it last saw; usage is exact once the records are written (every
+    RECORD_EVERY steps: the steps since are counted where they were appended)."""
     other = TrajectoryLog(tlog.store, tlog.blobs)
     a, _ = await tlog.open(project, "a", spec={})
     b, _ = await other.open(project, "b", spec={})
     await tlog.bind(a.id, f"sbx-a-{a.id[:6]}")
-    for i in range(4):
+    for i in range(RECORD_EVERY):
         await tlog.check_quota(project)
         await tlog.append(a.id, step(f"a{i}", "x" * 10 * i))
         await other.check_quota(project)
@@ -289,7 +320,7 @@ async def check_two_apiservers(tlog: TrajectoryLog, project: str) -> None:
     assert await tlog.usage(project) == total
     found = await other.lookup(f"sbx-a-{a.id[:6]}")
     assert found is not None
-    assert found[0].steps == 4
+    assert found[0].steps == RECORD_EVERY
     # A reopen by one apiserver is what the other sees on its next call.
     await other.open(project, "a", spec={})
     found = await tlog.lookup(f"sbx-a-{a.id[:6]}")

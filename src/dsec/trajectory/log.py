@@ -3,7 +3,8 @@
 Layout (all keys under ``/dsec/trajectory/``)::
 
     t/<id>             the trajectory record (JSON): name, project, sandbox, step count,
-                       bytes, replay cursor and mode, policy, checkpoints, last divergence
+                       bytes, replay cursor and mode, policy, checkpoints, last divergence;
+                       its step count and bytes as of when it was last written (below)
     s/<id>/<n:010d>    step n (JSON): canonical request, result, payload; or, when the
                        encoded step is over 64 KiB, a stub naming its blob (``blobs.py``)
     b/<sandbox id>     ``{"id": <id>}``: the trajectory the sandbox is bound to, written
@@ -12,15 +13,25 @@ Layout (all keys under ``/dsec/trajectory/``)::
                        beneath it (absent: the server default), as sandbox quotas bound
                        a subtree
 
-A step is appended in one transaction with its record (step count, bytes), guarded by the
-record's ``mod_revision``: two writers never number two steps alike, and steps of other
-trajectories never contend with it. A project's usage is not a counter every step
+A step is appended in a transaction guarded by the record's ``mod_revision`` (no one
+re-opened, rebound, truncated or removed the trajectory since the writer read it) and by
+the step's key not existing yet: two writers never number two steps alike, and steps of
+other trajectories never contend with it. The record itself is written again only by every
+``RECORD_EVERY``-th append and by an append whose step is a blob (with the step count and
+bytes), not by each one: rewriting it was a quarter of a recorded call's work. So the
+steps after the count the record holds are its tail; every read of a record adds its tail
+(one range read, fewer than ``RECORD_EVERY`` steps of at most 64 KiB), and every write of
+a record is made from such a read, so no write loses a step. A writer that keeps the
+record it last wrote (the apiserver, per recording sandbox) knows its tail and reads
+nothing. A project's usage is not a counter every step
 rewrites (one hot key per project, every concurrent append of the project conflicting on
 it): it is the sum of the ``bytes`` of its subtree's records, as stored. Each log object
 sums them once (a range read at revision R) and then follows the records with a watch from
-R + 1 (:class:`_Usage`): a record this object wrote is counted from what it wrote, one
-another apiserver wrote is decoded when the usage is next needed; nothing re-reads every
-record. So a quota holds within the watch's delay across apiservers, exactly within one.
+R + 1 (:class:`_Usage`): a step this object appended is counted from what it wrote, a
+record another apiserver wrote is decoded when the usage is next needed; nothing re-reads
+every record. So a quota holds exactly within one apiserver; across apiservers, within the
+watch's delay and the tails of the others' trajectories (fewer than ``RECORD_EVERY``
+inline steps each).
 The blob (if any) is written and fsynced first, so a step in the store always has its
 payload. ``<id>`` is derived from (project, name), so the same name in two projects is two
 trajectories.
@@ -82,6 +93,7 @@ __all__ = [
 ]
 
 PREFIX = b"/dsec/trajectory/"
+RECORD_EVERY = 16  # an append writes the record every this many steps (see above)
 QUOTA_CACHE_S = 5.0  # how long a quota read stays good (a changed quota applies within it)
 _DELETE_BATCH = 100
 _log = logging.getLogger("dsec.trajectory.log")
@@ -237,20 +249,40 @@ class TrajectoryLog:
         kv = await self.store.get(_meta_key(tid))
         if kv is None:
             raise NotFound(f"no trajectory {tid}")
-        return Trajectory.from_json(json.loads(kv.value)), kv
+        return await self._current(kv), kv
+
+    async def _current(self, kv: KeyValue) -> Trajectory:
+        return await self._with_tail(Trajectory.from_json(json.loads(kv.value)))
+
+    async def _with_tail(self, t: Trajectory) -> Trajectory:
+        """``t`` as stored, with its tail: the steps appended since it was written."""
+        res = await self.store.range(_steps_prefix(t.id), start=_step_key(t.id, t.steps))
+        if not res.kvs:
+            return t
+        size, at = 0, t.updated_at
+        for step in res.kvs:
+            d = json.loads(step.value)
+            size += int(d["size"]) if "blob" in d else len(step.value)
+            at = max(at, float(d.get("at", 0.0)))
+        n = int(res.kvs[-1].key.rsplit(b"/", 1)[1]) + 1
+        cursor = n if t.mode == "record" else t.cursor
+        return replace(t, steps=n, cursor=cursor, bytes=t.bytes + size, updated_at=at)
 
     async def get(self, tid: str) -> Trajectory:
         return (await self._read(tid))[0]
 
     async def find(self, project: str, name: str) -> Trajectory | None:
         kv = await self.store.get(_meta_key(trajectory_id(project, check_name(name))))
-        return Trajectory.from_json(json.loads(kv.value)) if kv else None
+        return await self._current(kv) if kv else None
 
     async def list(self, project: str = "") -> builtins.list[Trajectory]:
         res = await self.store.range(PREFIX + b"t/")
-        out = [Trajectory.from_json(json.loads(kv.value)) for kv in res.kvs]
+        kvs = res.kvs
         if project:
-            out = [t for t in out if t.project == project or t.project.startswith(project + "/")]
+            kvs = tuple(
+                kv for kv in kvs if projects.contains(project, str(json.loads(kv.value)["project"]))
+            )
+        out = [await self._current(kv) for kv in kvs]
         return sorted(out, key=lambda t: t.created_at)
 
     async def update(
@@ -259,14 +291,14 @@ class TrajectoryLog:
         fn: Callable[[Trajectory], Trajectory],
         extra: tuple[TxnOp, ...] = (),
         *,
-        known: KeyValue | None = None,
+        known: tuple[Trajectory, KeyValue] | None = None,
     ) -> Trajectory:
         """Apply ``fn`` to the record atomically (retried if someone else wrote it);
-        ``known``: the record as last read, tried first without reading it again."""
+        ``known``: the record as last read (with its tail) and as stored, tried first
+        without reading it again."""
         while True:
             if known is not None:
-                t, kv = Trajectory.from_json(json.loads(known.value)), known
-                known = None
+                (t, kv), known = known, None
             else:
                 t, kv = await self._read(tid)
             new = replace(fn(t), updated_at=self.clock())
@@ -364,7 +396,7 @@ class TrajectoryLog:
         if kv is None:
             return None
         t = Trajectory.from_json(json.loads(kv.value))
-        return (t, kv) if t.sandbox_id == sandbox_id else None
+        return (await self._with_tail(t), kv) if t.sandbox_id == sandbox_id else None
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -451,38 +483,28 @@ class TrajectoryLog:
         sums = await self._project_bytes(wait=True)
         return sum(n for p, n in sums.items() if projects.contains(project, p))
 
-    async def append(
-        self,
-        tid: str,
-        make: Callable[[int], Step],
-        *,
-        known: KeyValue | None = None,
-    ) -> Step:
-        """Record ``make(n)`` as the next step n; the log advances past it (record mode).
-        ``known``: the record as last read, tried first."""
-        return (await self.append_known(tid, make, known=known))[0]
+    async def append(self, tid: str, make: Callable[[int], Step]) -> Step:
+        """Record ``make(n)`` as the next step n; the log advances past it (record mode)."""
+        return (await self.append_known(tid, make))[0]
 
     async def append_known(
         self,
         tid: str,
         make: Callable[[int], Step],
         *,
-        known: KeyValue | None = None,
-        record: Trajectory | None = None,
+        known: tuple[Trajectory, KeyValue] | None = None,
         quota_checked: bool = False,
     ) -> tuple[Step, Trajectory, KeyValue]:
-        """:meth:`append`, answering the record as written too (the next call's ``known``
-        and ``record``, so a writer that keeps them reads nothing per step); ``record``:
-        ``known`` decoded. ``quota_checked``: the caller checked the quota before the call
-        it records ran (the apiserver): a call that ran is recorded even if a concurrent
-        step filled the quota meanwhile, and the check is not paid twice."""
+        """:meth:`append`, answering the record after it (with its tail) and as stored:
+        the next call's ``known``, so a writer that keeps it reads nothing per step.
+        ``quota_checked``: the caller checked the quota before the call it records ran (the
+        apiserver): a call that ran is recorded even if a concurrent step filled the quota
+        meanwhile, and the check is not paid twice."""
         while True:
             if known is not None:
-                t = record or Trajectory.from_json(json.loads(known.value))
-                meta = known
+                (t, meta), known = known, None
             else:
                 t, meta = await self._read(tid)
-            known = record = None
             step = make(t.steps)
             raw = step.encode()
             size = len(raw)
@@ -492,17 +514,22 @@ class TrajectoryLog:
                 stored = json.dumps({"n": step.n, "blob": digest, "size": size}).encode()
             if not quota_checked:
                 await self.check_quota(t.project)
-            new = t.appended(size, self.clock())
-            put = _record_put(new)
+            new = t.appended(size, step.at)
+            key = _step_key(tid, step.n)
+            # (the record is written when a read of its tail would not find ``new``: the
+            # append changes more than the count, bytes and time; and periodically)
+            tail_only = t.mode == "record" and t.cursor == t.steps and size <= INLINE_MAX
+            put = None if tail_only and new.steps % RECORD_EVERY else _record_put(new)
             res = await self.store.txn(
-                [_guard(meta.key, meta)], [Put(_step_key(tid, step.n), stored), put]
+                [_guard(meta.key, meta), Compare(key, Target.CREATE, Op.EQ, 0)],
+                [Put(key, stored), put] if put else [Put(key, stored)],
             )
             if res.succeeded:
                 self._usage.note(meta.key, res.revision, new.project, new.bytes)
-                # (every key a transaction puts gets its revision: etcd's rule, kept by all)
-                version = meta.version + 1
-                kv = KeyValue(put.key, put.value, meta.create_revision, res.revision, version)
-                return step, new, kv
+                if put:  # (every key a transaction puts gets its revision: etcd's rule)
+                    version = meta.version + 1
+                    meta = KeyValue(put.key, put.value, meta.create_revision, res.revision, version)
+                return step, new, meta
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:
         res = await self.store.range(_steps_prefix(tid))

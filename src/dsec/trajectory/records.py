@@ -69,8 +69,9 @@ class Trajectory:
             f'{_JSON.encode(self.mode)},"cursor":{_number(self.cursor)},{tail}'
         ).encode()
 
-    def appended(self, size: int, now: float) -> Trajectory:
-        """The record after a step of ``size`` bytes is appended at ``now`` (record mode).
+    def appended(self, size: int, at: float) -> Trajectory:
+        """The record after a step of ``size`` bytes made at ``at`` is appended (record
+        mode; ``updated_at`` is the later of the two, as a read of the log's tail finds it).
         (A copy of the fields, not ``dataclasses.replace``: it runs on every recorded call
         and these values need no checks. The copy keeps the text of the unchanged fields.)"""
         new = object.__new__(Trajectory)
@@ -80,7 +81,7 @@ class Trajectory:
             bytes=self.bytes + size,
             cursor=self.steps + 1,
             mode="record",
-            updated_at=now,
+            updated_at=max(self.updated_at, at),
         )
         return new
 
