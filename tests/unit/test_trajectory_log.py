@@ -130,6 +130,7 @@ def test_usage_takes_the_newest_news_and_decodes_only_what_others_wrote() -> Non
     u._seen = {b"t/a": ev(b"t/a", b"not json", 5), b"t/b": ev(b"t/b", rec("p/q", 7), 6)}
     u.fold()
     assert u.bytes == {"p": 10, "p/q": 7}
+    assert u.subtree == {"p": 17, "p/q": 7}, "a project's sum holds its subtree's"
     u.note(b"t/a", 9, "p", None)  # removed at 9 ...
     u._seen = {b"t/a": ev(b"t/a", rec("p", 12), 8)}  # ... an older write seen late
     u.fold()
@@ -137,6 +138,7 @@ def test_usage_takes_the_newest_news_and_decodes_only_what_others_wrote() -> Non
     u._seen = {b"t/b": ev(b"t/b", b"", 11, EventType.DELETE), b"t/a": ev(b"t/a", rec("p", 3), 12)}
     u.fold()  # a recreated, b removed by another
     assert u.bytes == {"p": 3, "p/q": 0}
+    assert u.subtree == {"p": 3, "p/q": 0}
 
 
 @pytest.mark.asyncio

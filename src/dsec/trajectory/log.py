@@ -146,6 +146,7 @@ class _Usage:
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self.bytes: dict[str, int] = {}  # project (exact) -> log bytes
+        self.subtree: dict[str, int] = {}  # project -> log bytes of it and all beneath it
         self._sized: dict[bytes, tuple[int, str, int]] = {}  # record key -> (rev, project, bytes)
         self._gone: dict[bytes, int] = {}  # removed record -> the revision that removed it
         self._seen: dict[bytes, Event] = {}  # the latest event of each record, not folded yet
@@ -164,13 +165,18 @@ class _Usage:
         if (cur is not None and cur[0] >= rev) or self._gone.get(key, 0) >= rev:
             return
         if cur is not None:
-            self.bytes[cur[1]] = self.bytes.get(cur[1], 0) - cur[2]
+            self._add(cur[1], -cur[2])
         if size is None:
             self._sized.pop(key, None)
             self._gone[key] = rev
             return
         self._sized[key] = (rev, project, size)
+        self._add(project, size)
+
+    def _add(self, project: str, size: int) -> None:
         self.bytes[project] = self.bytes.get(project, 0) + size
+        for level in _levels(project):  # (a quota check reads one sum per level)
+            self.subtree[level] = self.subtree.get(level, 0) + size
 
     def fold(self) -> None:
         seen, self._seen = self._seen, {}
@@ -190,6 +196,10 @@ class _Usage:
             self._follow.cancel()
         res = await self.store.range(PREFIX + b"t/")
         self._sized, self.bytes = await asyncio.to_thread(_sized, res.kvs)
+        self.subtree = {}
+        for project, size in self.bytes.items():
+            for level in _levels(project):
+                self.subtree[level] = self.subtree.get(level, 0) + size
         self._gone, self._seen, self._watched = {}, {}, res.revision
         self.summed = True
         self._follow = asyncio.ensure_future(self._watch(res.revision + 1))
@@ -443,7 +453,7 @@ class TrajectoryLog:
         self._quotas.pop(project, None)
 
     async def _project_bytes(self, *, wait: bool) -> dict[str, int]:
-        """Log bytes per project (exact, not subtree). Not following the records (first
+        """Log bytes per project and everything beneath it. Not following the records (first
         use, or the watch ended): summed again, awaited when ``wait`` or there is no sum
         yet, else in the background (the hot path never waits for a range over every
         record while it has a sum)."""
@@ -456,7 +466,7 @@ class TrajectoryLog:
             if wait or not u.summed:
                 await asyncio.shield(self._starting)
         u.fold()
-        return u.bytes
+        return u.subtree
 
     async def check_quota(self, project: str) -> None:
         """Refuse (QuotaExceeded) when the log of the project, or of one of its ancestors,
@@ -469,7 +479,7 @@ class TrajectoryLog:
                 limit = await self.quota(level, max_age_s=QUOTA_CACHE_S)
             if not limit:
                 continue
-            used = sum(n for p, n in sums.items() if projects.contains(level, p))
+            used = sums.get(level, 0)
             if used >= limit:
                 within = "" if level == project else f" (which holds project {project!r})"
                 raise QuotaExceeded(
@@ -480,8 +490,7 @@ class TrajectoryLog:
 
     async def usage(self, project: str) -> int:
         """Bytes of log ``project`` and the projects beneath it hold."""
-        sums = await self._project_bytes(wait=True)
-        return sum(n for p, n in sums.items() if projects.contains(project, p))
+        return (await self._project_bytes(wait=True)).get(project, 0)
 
     async def append(self, tid: str, make: Callable[[int], Step]) -> Step:
         """Record ``make(n)`` as the next step n; the log advances past it (record mode)."""
