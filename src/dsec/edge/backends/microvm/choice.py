@@ -13,11 +13,10 @@ from collections.abc import Callable
 
 from dsec.core.errors import BackendUnavailable, InvalidArgument
 from dsec.edge.backends.microvm import kvm
+from dsec.edge.backends.microvm.qemu import QEMU, QEMU_KVM_MICROVM, QemuVmm
 from dsec.edge.backends.microvm.vmm import Vmm
 
 CHOICES = ("auto", "firecracker", "qemu")
-QEMU_BINARY = "qemu-system-x86_64"
-QEMU_KVM_BINARY = "qemu-system-x86_64-microvm"  # (qemu.QEMU_KVM_MICROVM)
 
 
 def choose_vmm(
@@ -30,7 +29,7 @@ def choose_vmm(
     asked-for driver (or, for ``auto``, any driver) cannot run here."""
     if preference not in CHOICES:
         raise InvalidArgument(f"--vmm must be one of {', '.join(CHOICES)}, not {preference!r}")
-    fc, qemu = which("firecracker"), which(QEMU_BINARY)
+    fc, qemu = which("firecracker"), which(QEMU)
     if preference in ("auto", "firecracker"):
         if fc is None:
             fc_why = "firecracker binary not found on PATH"
@@ -42,11 +41,11 @@ def choose_vmm(
         if preference == "firecracker":
             raise BackendUnavailable(fc_why)
     if qemu is None:
-        why = f"{QEMU_BINARY} not found on PATH"
+        why = f"{QEMU} not found on PATH"
         raise BackendUnavailable(why if preference == "qemu" else f"{fc_why}; {why}")
     ok, detail = kvm_usable()
     accel = "kvm" if ok else f"tcg, since KVM cannot run guests here: {detail}"
-    if ok and (small := which(QEMU_KVM_BINARY)):
+    if ok and (small := which(QEMU_KVM_MICROVM)):
         accel += f" (microvm guests on {small}, its KVM-only build)"
     if preference == "qemu":
         return "qemu", f"asked for; {qemu} with {accel}"
@@ -56,8 +55,6 @@ def choose_vmm(
 def new_vmm(name: str) -> Vmm:
     """A fresh driver named ``name`` (as ``choose_vmm`` answers, or a VM's saved choice)."""
     if name == "qemu":
-        from dsec.edge.backends.microvm.qemu import QemuVmm
-
         return QemuVmm()
     if name == "firecracker":
         from dsec.edge.backends.microvm.firecracker import FirecrackerVmm
