@@ -30,6 +30,7 @@ from dsec.obs import Metrics
 from dsec.store.sqlite import SqliteStore
 from dsec.trajectory.blobs import FileBlobStore
 from dsec.trajectory.log import TrajectoryLog
+from tests.unit.servekit import serving
 
 SBX = "sbx-durable-test"
 
@@ -179,35 +180,30 @@ async def test_a_call_whose_client_went_away_is_still_recorded(
 
     app = web.Application()
     app.router.add_post("/", handler)
-    runner = apiserver_app.runner(app)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
-        await asyncio.wait_for(running.wait(), 5)
-        writer.close()  # (the client goes away mid-call)
-        await writer.wait_closed()
-        for _ in range(500):  # (until the server saw the connection lost)
-            if requests[0].transport is None:
-                break
-            await asyncio.sleep(0.01)
-        assert requests[0].transport is None, "the server did not see the client go"
-        release.set()
-        tlog = c.trajectories
-        assert tlog is not None
-        t = await tlog.for_sandbox(SBX)
-        assert t is not None
-        for _ in range(500):
-            if (await tlog.get(t.id)).steps:
-                break
-            await asyncio.sleep(0.01)
-        assert watched.events == ["ran", "committed"], watched.events
-        step = await tlog.step(t.id, 0)
-        assert step is not None
-        assert step.result["stdout"] == "bGF0ZQ==", step  # (b"late")
-    finally:
-        release.set()
-        await runner.cleanup()
+    async with serving(apiserver_app.runner(app)) as port:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+            await asyncio.wait_for(running.wait(), 5)
+            writer.close()  # (the client goes away mid-call)
+            await writer.wait_closed()
+            for _ in range(500):  # (until the server saw the connection lost)
+                if requests[0].transport is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert requests[0].transport is None, "the server did not see the client go"
+            release.set()
+            tlog = c.trajectories
+            assert tlog is not None
+            t = await tlog.for_sandbox(SBX)
+            assert t is not None
+            for _ in range(500):
+                if (await tlog.get(t.id)).steps:
+                    break
+                await asyncio.sleep(0.01)
+            assert watched.events == ["ran", "committed"], watched.events
+            step = await tlog.step(t.id, 0)
+            assert step is not None
+            assert step.result["stdout"] == "bGF0ZQ==", step  # (b"late")
+        finally:
+            release.set()

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from dsec.apiserver import ports, relay, upgrade
 from dsec.core.errors import DsecError
+from tests.unit.servekit import serving
 
 UPGRADE = {"Connection": "Upgrade", "Upgrade": "websocket"}
 StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -156,12 +157,8 @@ async def _upgraded(pipe: upgrade.Pipe, ended: asyncio.Event) -> AsyncIterator[S
 
     app = web.Application()
     app.router.add_get("/", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+    async with serving(web.AppRunner(app)) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                      b"Sec-WebSocket-Version: 13\r\n\r\n")  # fmt: skip
@@ -169,8 +166,6 @@ async def _upgraded(pipe: upgrade.Pipe, ended: asyncio.Event) -> AsyncIterator[S
         await reader.readuntil(b"\r\n\r\n")
         yield reader, writer
         writer.close()
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.asyncio
