@@ -14,7 +14,7 @@ import pytest
 
 from dsec.core.errors import LeaseNotFound
 from dsec.store import sqlite as sqlite_store
-from dsec.store.api import Delete, Put, TxnResult
+from dsec.store.api import Compare, Delete, Op, Put, Target, TxnResult
 from dsec.store.sqlite import SqliteStore
 
 
@@ -233,5 +233,68 @@ async def test_history_rows_of_puts_come_from_the_connections_own_triggers(
             triggers = other.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")
             assert triggers.fetchall() == []
         assert count == 10, "one history row per put or delete, none twice"
+    finally:
+        await store.aclose()
+
+
+@pytest.mark.asyncio
+async def test_normal_commits_a_guarded_put_in_one_statement(tmp_path: Path) -> None:
+    """NORMAL: one put under single-key compares is one autocommitted statement, written as
+    the usual way writes it (revision, versions, history, watch); a failed compare writes
+    nothing and is answered the usual way."""
+    store = await SqliteStore.open(tmp_path / "s.db", synchronous="NORMAL")
+    assert store._db is not None
+    statements: list[str] = []
+    db = store._db
+
+    class Counting:  # (the write connection, its statements noted)
+        def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+            statements.append(sql)
+            return db.execute(sql, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(db, name)
+
+    store._db = Counting()  # type: ignore[assignment]
+    try:
+        first = await store.put(b"k", b"1")
+        rec = await store.put(b"rec", b"r")
+        statements.clear()
+        guards = [
+            Compare(b"rec", Target.MOD, Op.EQ, rec),
+            Compare(b"k", Target.VERSION, Op.EQ, 1),
+            Compare(b"k", Target.VALUE, Op.EQ, b"1"),
+            Compare(b"new", Target.CREATE, Op.EQ, 0),  # (missing: reads 0)
+        ]
+        res = await store.txn(guards, [Put(b"k", b"2")])
+        assert res == TxnResult(True, rec + 1)
+        assert len(statements) == 1, statements
+        assert statements[0].startswith("INSERT"), statements
+        kv = await store.get(b"k")
+        assert kv is not None
+        assert (kv.value, kv.create_revision, kv.mod_revision, kv.version) == (
+            b"2",
+            first,
+            rec + 1,
+            2,
+        )
+        old = await store.range(b"k", revision=first)
+        assert [x.value for x in old.kvs] == [b"1"], "no history row"
+        async with aclosing(store.watch(b"k", start_revision=rec + 1)) as events:
+            batch = await asyncio.wait_for(anext(events), 5)
+        assert [(e.kv.key, e.kv.mod_revision) for e in batch.events] == [(b"k", rec + 1)]
+        statements.clear()
+        for failing in (
+            Compare(b"rec", Target.MOD, Op.EQ, rec - 1),
+            Compare(b"k", Target.VALUE, Op.EQ, b"1"),
+            Compare(b"missing", Target.VALUE, Op.NE, b"x"),  # (a missing key has no value)
+        ):
+            assert await store.txn([failing], [Put(b"k", b"3")]) == TxnResult(False, rec + 1)
+        assert statements[0].startswith("INSERT")
+        assert "BEGIN IMMEDIATE" in statements, "a failed compare is not answered the usual way"
+        assert (await store.get(b"k")) == kv
+        # the usual way (two puts) takes the next revision after the one-statement write
+        assert (await store.txn([], [Put(b"a", b"x"), Put(b"b", b"y")])).revision == rec + 2
+        assert await store.put(b"k", b"4") == rec + 3
     finally:
         await store.aclose()

@@ -36,8 +36,9 @@ SBX = "sbx-durable-test"
 
 
 class _Watched:
-    """The store's write connection, with every COMMIT noted (thread, order) and, while
-    ``hold`` is clear, held before it runs."""
+    """The store's write connection, with every commit noted (thread, order) and, while
+    ``hold`` is clear, held before it runs: a COMMIT, or a write outside a transaction (an
+    autocommitted statement: its rows are fetched, and so it is committed, right after)."""
 
     def __init__(self, db: sqlite3.Connection, events: list[str]) -> None:
         self._db = db
@@ -47,7 +48,7 @@ class _Watched:
         self.threads: list[int] = []
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        if sql == "COMMIT":
+        if sql == "COMMIT" or (sql.startswith("INSERT") and not self._db.in_transaction):
             self.hold.wait(10)
             self.threads.append(threading.get_ident())
             cur = self._db.execute(sql, *args)

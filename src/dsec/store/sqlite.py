@@ -17,7 +17,13 @@ When the store thread holds the connection (a lease, a compaction), or the trans
 large (a range delete, many keys, much data), it is queued to the store thread as with
 ``FULL``. Both ways go through one commit (:meth:`_commit_queued`, under the lock) and one
 settlement on the loop (:meth:`_settle`: committed batches are published, and their
-transactions answered, in commit order, whichever thread committed them). Why two threads
+transactions answered, in commit order, whichever thread committed them). One shape skips
+even that: a transaction that puts one key under compares of single keys, with nothing to
+do when they fail (a trajectory's step), is one autocommitted statement on the loop
+(:meth:`_put_alone`), the compares in its ``WHERE``; four statements (``BEGIN``, the
+revision, the upsert, ``COMMIT``) were half the cost of recording a call. Should a compare
+fail, or another process hold the write lock, nothing is written and the transaction takes
+the usual way. Why two threads
 commit at all: a commit on the loop saves the hand-offs but blocks every other request for
 its duration, which is fine for a small transaction without an fsync and not for an fsync
 (``FULL``), a range delete of a long trajectory or a compaction.
@@ -63,6 +69,7 @@ from .api import (
     Event,
     EventType,
     KeyValue,
+    Op,
     Put,
     RangeResult,
     StoreHelpers,
@@ -116,6 +123,16 @@ _HISTORY_TRIGGERS = "".join(
     for event in ("INSERT", "UPDATE")
 )
 
+# A statement that writes a key at a revision past the stored one takes the revision (so
+# one statement can take it and write: :meth:`SqliteStore._put_alone`); the usual way takes
+# it first, and the triggers find nothing to do.
+_REVISION_TRIGGERS = "".join(
+    f"CREATE TEMP TRIGGER kv_{event.lower()}_rev AFTER {event} ON kv WHEN NEW.mod_rev > "
+    "(SELECT value FROM meta WHERE name = 'rev') BEGIN "
+    "UPDATE meta SET value = NEW.mod_rev WHERE name = 'rev'; END;"
+    for event in ("INSERT", "UPDATE")
+)
+
 _KV_COLS = "key, value, create_rev, mod_rev, version, lease"
 _SELECT_ONE = f"SELECT {_KV_COLS} FROM kv WHERE key = ?"
 
@@ -130,6 +147,36 @@ def _upsert(n: int) -> str:
         "value = excluded.value, mod_rev = excluded.mod_rev, version = version + 1, "
         "lease = excluded.lease RETURNING key, create_rev, version"
     )
+
+
+@functools.cache
+def _put_alone(tests: tuple[tuple[Target, Op], ...]) -> str:
+    """One statement putting one key at the next revision if every compare holds (a
+    compare reads one key; a missing key reads 0, or NULL for its value: as Compare.check),
+    answering the row written (none: a compare failed)."""
+    holds = "".join(
+        f" AND {'' if t is Target.VALUE else 'COALESCE('}(SELECT {_COLUMN[t]} FROM kv WHERE "
+        f"key = ?){'' if t is Target.VALUE else ', 0)'} {op.value} ?"
+        for t, op in tests
+    )
+    return (
+        f"INSERT INTO kv ({_KV_COLS}) SELECT ?, ?, value + 1, value + 1, 1, 0 FROM meta "
+        f"WHERE name = 'rev'{holds} ON CONFLICT (key) DO UPDATE SET value = excluded.value, "
+        "mod_rev = excluded.mod_rev, version = version + 1, lease = excluded.lease "
+        "RETURNING create_rev, mod_rev, version"
+    )
+
+
+def _alone(
+    compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp]
+) -> Put | None:
+    """The put of a transaction that is one :func:`_put_alone` statement (else None)."""
+    if failure or len(success) != 1 or any(c.prefix for c in compare):
+        return None
+    op = success[0]
+    if isinstance(op, Put) and not op.lease and len(op.value) <= INLINE_MAX_BYTES:
+        return op
+    return None
 
 
 @functools.cache
@@ -255,7 +302,7 @@ class SqliteStore(StoreHelpers):
         db.execute("PRAGMA journal_mode=WAL")
         db.execute(f"PRAGMA synchronous={self._synchronous}")
         db.execute("PRAGMA wal_autocheckpoint=0")  # (:meth:`_checkpoint` does them)
-        db.executescript(SCHEMA + _HISTORY_TRIGGERS)
+        db.executescript(SCHEMA + _HISTORY_TRIGGERS + _REVISION_TRIGGERS)
         self._db = db
 
     def _reading(self) -> sqlite3.Connection:
@@ -625,6 +672,10 @@ class SqliteStore(StoreHelpers):
         check_txn(compare, success, failure)
         if self._closed:
             raise StoreUnavailable("the store is closed")
+        if self._inline and not self._queued and (op := _alone(compare, success, failure)):
+            done = self._put_here(compare, op)
+            if done is not None:
+                return done
         fut: asyncio.Future[TxnResult] = self._loop.create_future()
         self._queued.append((compare, success, failure, fut))
         # (committed here: ``fut`` is settled and returns without a pass of the loop, as
@@ -637,6 +688,42 @@ class SqliteStore(StoreHelpers):
             self._kicked = True
             self._pool.submit(self._txn_group)
         return await fut
+
+    def _put_here(self, compare: Sequence[Compare], op: Put) -> TxnResult | None:
+        """(Inline mode, on the loop) :meth:`_put_alone` if the connection is free."""
+        if self._db is None or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            res = self._put_alone(self._db, compare, op)
+        finally:
+            self._lock.release()
+        if res is not None:
+            self._settle()
+        return res
+
+    def _put_alone(
+        self, db: sqlite3.Connection, compare: Sequence[Compare], op: Put
+    ) -> TxnResult | None:
+        """(Under ``_lock``) put ``op`` in one autocommitted statement if ``compare`` holds;
+        None: nothing was written (a compare failed, the write lock is another process's,
+        or an error the usual way will meet and report)."""
+        if db.in_transaction:
+            return None
+        args: list[Any] = [op.key, op.value]
+        for c in compare:
+            args += (c.key, c.operand)
+        try:
+            rows = db.execute(_put_alone(tuple((c.target, c.op) for c in compare)), args)
+            written = rows.fetchall()
+        except sqlite3.Error:
+            return None
+        if not written:
+            return None
+        create, rev, version = written[0]
+        kv = KeyValue(op.key, op.value, create, rev, version)
+        self._outbox.append(([WatchBatch(rev, (Event(EventType.PUT, kv),))], [], []))
+        self._committed()
+        return TxnResult(True, rev)
 
     def _commit_here(self) -> bool:
         """(Inline mode, on the loop) commit the queue now if the connection is free and
