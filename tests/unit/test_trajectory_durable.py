@@ -198,8 +198,8 @@ async def test_a_call_whose_client_went_away_is_still_recorded(
             assert tlog is not None
             t = await tlog.for_sandbox(SBX)
             assert t is not None
-            for _ in range(500):
-                if (await tlog.get(t.id)).steps:
+            for _ in range(500):  # (FULL: the store thread notes its commit after it)
+                if (await tlog.get(t.id)).steps and "committed" in watched.events:
                     break
                 await asyncio.sleep(0.01)
             assert watched.events == ["ran", "committed"], watched.events
