@@ -127,9 +127,8 @@ _HISTORY_TRIGGERS = "".join(
 # one statement can take it and write: :meth:`SqliteStore._put_alone`); the usual way takes
 # it first, and the triggers find nothing to do.
 _REVISION_TRIGGERS = "".join(
-    f"CREATE TEMP TRIGGER kv_{event.lower()}_rev AFTER {event} ON kv WHEN NEW.mod_rev > "
-    "(SELECT value FROM meta WHERE name = 'rev') BEGIN "
-    "UPDATE meta SET value = NEW.mod_rev WHERE name = 'rev'; END;"
+    f"CREATE TEMP TRIGGER kv_{event.lower()}_rev AFTER {event} ON kv BEGIN UPDATE meta "
+    "SET value = NEW.mod_rev WHERE name = 'rev' AND value < NEW.mod_rev; END;"
     for event in ("INSERT", "UPDATE")
 )
 

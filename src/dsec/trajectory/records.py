@@ -105,8 +105,9 @@ class Step:
     raw_request: dict[str, Any] = field(default_factory=dict)  # the op as sent, for re-running
 
     def _fields(self) -> dict[str, Any]:
-        """The step's fields, nested values shared (no deep copy on the call path)."""
-        return {name: getattr(self, name) for name in _STEP_FIELDS}
+        """The step's fields in order, nested values shared (no deep copy on the call
+        path): a frozen dataclass without slots keeps exactly them in its ``__dict__``."""
+        return dict(self.__dict__)
 
     def encode(self) -> bytes:
         d = self._fields()
@@ -134,7 +135,6 @@ class Step:
 
 
 _TRAJECTORY_FIELDS = tuple(f.name for f in fields(Trajectory))
-_STEP_FIELDS = tuple(f.name for f in fields(Step))
 # (one encoder: json.dumps with options builds a new one per call; keys in the fields'
 # order, not sorted: a record's encoding is as stable and costs less. Records and steps are
 # trees of JSON values made here, never cyclic: no cycle check.)
