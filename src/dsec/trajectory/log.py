@@ -265,7 +265,11 @@ class TrajectoryLog:
         return await self._with_tail(Trajectory.from_json(json.loads(kv.value)))
 
     async def _with_tail(self, t: Trajectory) -> Trajectory:
-        """``t`` as stored, with its tail: the steps appended since it was written."""
+        """``t`` as stored, with its tail: the steps appended since it was written. Only a
+        record in record mode has one (an append to any other writes the record; a replay
+        reads nothing more per call)."""
+        if t.mode != "record":
+            return t
         res = await self.store.range(_steps_prefix(t.id), start=_step_key(t.id, t.steps))
         if not res.kvs:
             return t
@@ -275,8 +279,7 @@ class TrajectoryLog:
             size += int(d["size"]) if "blob" in d else len(step.value)
             at = max(at, float(d.get("at", 0.0)))
         n = int(res.kvs[-1].key.rsplit(b"/", 1)[1]) + 1
-        cursor = n if t.mode == "record" else t.cursor
-        return replace(t, steps=n, cursor=cursor, bytes=t.bytes + size, updated_at=at)
+        return replace(t, steps=n, cursor=n, bytes=t.bytes + size, updated_at=at)
 
     async def get(self, tid: str) -> Trajectory:
         return (await self._read(tid))[0]
