@@ -195,11 +195,10 @@ class _Usage:
         if self._follow is not None:
             self._follow.cancel()
         res = await self.store.range(PREFIX + b"t/")
-        self._sized, self.bytes = await asyncio.to_thread(_sized, res.kvs)
-        self.subtree = {}
-        for project, size in self.bytes.items():
-            for level in _levels(project):
-                self.subtree[level] = self.subtree.get(level, 0) + size
+        self._sized, sums = await asyncio.to_thread(_sized, res.kvs)
+        self.bytes, self.subtree = {}, {}
+        for project, size in sums.items():
+            self._add(project, size)
         self._gone, self._seen, self._watched = {}, {}, res.revision
         self.summed = True
         self._follow = asyncio.ensure_future(self._watch(res.revision + 1))
@@ -290,12 +289,10 @@ class TrajectoryLog:
 
     async def list(self, project: str = "") -> builtins.list[Trajectory]:
         res = await self.store.range(PREFIX + b"t/")
-        kvs = res.kvs
+        out = [Trajectory.from_json(json.loads(kv.value)) for kv in res.kvs]
         if project:
-            kvs = tuple(
-                kv for kv in kvs if projects.contains(project, str(json.loads(kv.value)["project"]))
-            )
-        out = [await self._current(kv) for kv in kvs]
+            out = [t for t in out if projects.contains(project, t.project)]
+        out = [await self._with_tail(t) for t in out]
         return sorted(out, key=lambda t: t.created_at)
 
     async def update(
