@@ -187,8 +187,8 @@ async def test_usage_is_summed_once_then_follows_every_writer(kind: str, tmp_pat
 
 
 def test_record_encoding_is_the_fields_json_through_appends() -> None:
-    """A record's encoding (the unchanged fields' text kept and carried by ``appended``)
-    is exactly the compact JSON of its fields in order, fresh, appended, or replaced."""
+    """A record's encoding is exactly the compact JSON of its fields in order, fresh,
+    appended, or replaced."""
     t = Trajectory(
         id="t1",
         project="a/b",

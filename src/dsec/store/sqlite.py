@@ -149,7 +149,7 @@ def _upsert(n: int) -> str:
 
 
 @functools.cache
-def _put_alone(tests: tuple[tuple[Target, Op], ...]) -> str:
+def _put_alone_sql(tests: tuple[tuple[Target, Op], ...]) -> str:
     """One statement putting one key at the next revision if every compare holds (a
     compare reads one key; a missing key reads 0, or NULL for its value: as Compare.check),
     answering the row written (none: a compare failed)."""
@@ -169,7 +169,7 @@ def _put_alone(tests: tuple[tuple[Target, Op], ...]) -> str:
 def _alone(
     compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp]
 ) -> Put | None:
-    """The put of a transaction that is one :func:`_put_alone` statement (else None)."""
+    """The put of a transaction that is one :func:`_put_alone_sql` statement (else None)."""
     if failure or len(success) != 1 or any(c.prefix for c in compare):
         return None
     op = success[0]
@@ -712,7 +712,7 @@ class SqliteStore(StoreHelpers):
         for c in compare:
             args += (c.key, c.operand)
         try:
-            rows = db.execute(_put_alone(tuple((c.target, c.op) for c in compare)), args)
+            rows = db.execute(_put_alone_sql(tuple((c.target, c.op) for c in compare)), args)
             written = rows.fetchall()
         except sqlite3.Error:
             return None

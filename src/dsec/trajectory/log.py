@@ -134,6 +134,11 @@ def _guard(key: bytes, kv: KeyValue | None) -> Compare:
     return Compare(key, Target.MOD, Op.EQ, kv.mod_revision if kv else 0)
 
 
+def _stored_size(d: dict[str, Any], raw: bytes) -> int:
+    """The log bytes of a stored step ``raw`` (decoded: ``d``): its blob's size for a stub."""
+    return int(d["size"]) if "blob" in d else len(raw)
+
+
 def _int(kv: KeyValue | None) -> int:
     return int(kv.value) if kv else 0
 
@@ -275,7 +280,7 @@ class TrajectoryLog:
         size, at = 0, t.updated_at
         for step in res.kvs:
             d = json.loads(step.value)
-            size += int(d["size"]) if "blob" in d else len(step.value)
+            size += _stored_size(d, step.value)
             at = max(at, float(d.get("at", 0.0)))
         n = int(res.kvs[-1].key.rsplit(b"/", 1)[1]) + 1
         return replace(t, steps=n, cursor=n, bytes=t.bytes + size, updated_at=at)
@@ -546,8 +551,7 @@ class TrajectoryLog:
         for kv in res.kvs:
             if int(kv.key.rsplit(b"/", 1)[1]) >= start:
                 keys.append(kv.key)
-                d = json.loads(kv.value)
-                total += int(d["size"]) if "blob" in d else len(kv.value)
+                total += _stored_size(json.loads(kv.value), kv.value)
         return keys, total
 
     async def truncate(
@@ -566,17 +570,20 @@ class TrajectoryLog:
             await self.store.txn([], [Delete(k) for k in keys[i : i + _DELETE_BATCH]])
         return new
 
-    async def remove(self, tid: str) -> Trajectory:
+    async def remove(self, tid: str) -> None:
         """Delete a trajectory, its steps and its binding (blobs go with the next sweep)."""
         while True:
-            t, meta = await self._read(tid)
+            meta = await self.store.get(_meta_key(tid))  # (its tail goes with it: not read)
+            if meta is None:
+                raise NotFound(f"no trajectory {tid}")
+            t = Trajectory.from_json(json.loads(meta.value))
             ops: list[TxnOp] = [Delete(meta.key), Delete(_steps_prefix(tid), prefix=True)]
             if t.sandbox_id:
                 ops.append(Delete(_bind_key(t.sandbox_id)))
             res = await self.store.txn([_guard(meta.key, meta)], ops)
             if res.succeeded:
                 self._usage.note(meta.key, res.revision, t.project, None)
-                return t
+                return
 
     async def referenced_blobs(self) -> set[str]:
         res = await self.store.range(PREFIX + b"s/")

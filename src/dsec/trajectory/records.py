@@ -7,7 +7,6 @@ import base64
 import builtins
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -55,25 +54,13 @@ class Trajectory:
         return {name: getattr(self, name) for name in _TRAJECTORY_FIELDS}
 
     def encode(self) -> builtins.bytes:  # (``bytes`` here: the field)
-        """The fields as compact JSON, in their order. The text of the fields an append
-        does not change is kept with the record (``_RUNS``) and carried to the
-        records :meth:`appended` makes, so each append encodes only what it changed."""
-        d = self.__dict__
-        parts = d.get(_PARTS)
-        if parts is None:
-            parts = d[_PARTS] = _kept_text(d)
-        head, middle, tail = parts
-        return (
-            f'{head}"updated_at":{_number(self.updated_at)},{middle}"steps":'
-            f'{_number(self.steps)},"bytes":{_number(self.bytes)},"mode":'
-            f'{_JSON.encode(self.mode)},"cursor":{_number(self.cursor)},{tail}'
-        ).encode()
+        return _JSON.encode(self.__dict__).encode()  # (the fields, in their order)
 
     def appended(self, size: int, at: float) -> Trajectory:
         """The record after a step of ``size`` bytes made at ``at`` is appended (record
         mode; ``updated_at`` is the later of the two, as a read of the log's tail finds it).
         (A copy of the fields, not ``dataclasses.replace``: it runs on every recorded call
-        and these values need no checks. The copy keeps the text of the unchanged fields.)"""
+        and these values need no checks.)"""
         new = object.__new__(Trajectory)
         new.__dict__.update(self.__dict__)
         new.__dict__.update(
@@ -139,30 +126,3 @@ _TRAJECTORY_FIELDS = tuple(f.name for f in fields(Trajectory))
 # order, not sorted: a record's encoding is as stable and costs less. Records and steps are
 # trees of JSON values made here, never cyclic: no cycle check.)
 _JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)
-
-# Trajectory.encode: the fields an append changes, and the runs of fields around them
-# (their text is kept with the record, under _PARTS in its __dict__: not a field).
-_APPEND_CHANGES = ("updated_at", "steps", "bytes", "mode", "cursor")
-_PARTS = "_encoded_parts"
-_RUNS = (
-    _TRAJECTORY_FIELDS[: _TRAJECTORY_FIELDS.index("updated_at")],
-    _TRAJECTORY_FIELDS[
-        _TRAJECTORY_FIELDS.index("updated_at") + 1 : _TRAJECTORY_FIELDS.index("steps")
-    ],
-    _TRAJECTORY_FIELDS[_TRAJECTORY_FIELDS.index("cursor") + 1 :],
-)
-assert _TRAJECTORY_FIELDS[_TRAJECTORY_FIELDS.index("steps") :][:4] == _APPEND_CHANGES[1:]
-
-
-def _kept_text(d: dict[str, Any]) -> tuple[str, str, str]:
-    """The JSON text of the fields an append keeps, as the three runs between the ones it
-    changes: ``{"id":...,`` then ``"sandbox_id":...,`` then ``"replayed":...}``."""
-    head, middle, tail = (_JSON.encode({k: d[k] for k in run}) for run in _RUNS)
-    return head[:-1] + ",", middle[1:-1] + ",", tail[1:]
-
-
-def _number(v: Any) -> str:
-    """``v`` as JSON: ``repr`` is the json module's text of a finite float or an int."""
-    if type(v) is int or (type(v) is float and math.isfinite(v)):
-        return repr(v)
-    return _JSON.encode(v)
