@@ -28,9 +28,11 @@ METHOD = "/test.Kept/Stream"
 @dataclass
 class Peer:
     """Serves METHOD: a request's ``create.owner`` picks its answer: a number of
-    milliseconds to wait and answer, ``full`` (NodeFull), ``hang`` (never). Its method
-    ``Refused`` refuses the stream before serving it."""
+    milliseconds to wait and answer, ``full`` (NodeFull), ``hang`` (never). The ids in
+    ``turns`` answer in that order, once all of them have come. Its method ``Refused``
+    refuses the stream before serving it."""
 
+    turns: list[str] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
     order: list[str] = field(default_factory=list)  # ids as answered
     cancelled: list[str] = field(default_factory=list)
@@ -41,6 +43,8 @@ class Peer:
         sid, owner = msg.create.sandbox_id, msg.create.owner
         self.started.append(sid)
         try:
+            if sid in self.turns:
+                await _until(lambda: self._my_turn(sid))
             await asyncio.sleep(3600 if owner == "hang" else int(owner.isdigit() and owner) / 1000)
         except asyncio.CancelledError:
             self.cancelled.append(sid)
@@ -50,6 +54,9 @@ class Peer:
             err = NodeFull("full")
             return pb.CreateStreamReply(id=msg.id, error_code=err.code, error_message=err.message)
         return pb.CreateStreamReply(id=msg.id, info=pb.SandboxInfo(id=sid))
+
+    def _my_turn(self, sid: str) -> bool:
+        return set(self.turns) <= set(self.started) and self.turns[len(self.order)] == sid
 
     async def handle(
         self, requests: AsyncIterator[pb.CreateStreamRequest], context: Any
@@ -151,13 +158,13 @@ async def _until(check: Callable[[], bool]) -> None:
 
 @pytest.mark.asyncio
 async def test_replies_out_of_order_reach_their_own_requests(served: Served, kept: _Kept) -> None:
-    n = 20  # the first asked answers last
+    n = 20  # s5 answers first, then the last asked down to the first
+    served.peer.turns = ["s5"] + [f"s{i}" for i in reversed(range(n)) if i != 5]
     got = await asyncio.gather(
-        *(_ask(kept, f"s{i}", "full" if i == 5 else str((n - i) * 10)) for i in range(n)),
+        *(_ask(kept, f"s{i}", "full" if i == 5 else "") for i in range(n)),
         return_exceptions=True,
     )
-    assert served.peer.order[0] == "s5"  # (no wait)
-    assert served.peer.order[1:] == [f"s{i}" for i in reversed(range(n)) if i != 5]
+    assert served.peer.order == served.peer.turns
     for i, g in enumerate(got):
         if i == 5:
             assert isinstance(g, NodeFull)
@@ -226,7 +233,7 @@ async def test_a_deadline_stops_the_request_or_gives_the_stream_up(
     served: Served, cancel: bool
 ) -> None:
     kept = _kept(served.target, cancel=cancel)
-    other = asyncio.ensure_future(_ask(kept, "other", "300"))
+    other = asyncio.ensure_future(_ask(kept, "other", "1000"))  # after "slow" times out
     with pytest.raises(DeadlineExceeded, match="peer p did not answer in time"):
         await _ask(kept, "slow", "hang", timeout_s=0.2)
     stream = kept.current
