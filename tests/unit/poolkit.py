@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from dsec.sdk.ahttp1 import AsyncHttp1Pool
 from dsec.sdk.http1 import Http1Pool
@@ -30,6 +32,10 @@ class PoolServer(ThreadingHTTPServer):
         self.connections = 0
         self.posts = 0
         self.mode = "ok"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a caller that gave up waiting
+            super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:
