@@ -108,15 +108,19 @@ async def test_async_watch_dir_reports_create_write_remove(e2b_env: str) -> None
         await sbx.files.make_dir("/tmp/w")
         seen: list[FilesystemEvent] = []
         handle = await sbx.files.watch_dir("/tmp/w", on_event=seen.append)
+
+        async def until_seen(kind: FilesystemEventType) -> None:  # the watch polls
+            for _ in range(100):
+                if ("f.txt", kind) in [(e.name, e.type) for e in seen]:
+                    return
+                await asyncio.sleep(0.1)
+
         await sbx.files.write("/tmp/w/f.txt", "1")
-        await asyncio.sleep(0.6)
+        await until_seen(FilesystemEventType.CREATE)
         await sbx.files.write("/tmp/w/f.txt", "22")
-        await asyncio.sleep(0.6)
+        await until_seen(FilesystemEventType.WRITE)
         await sbx.files.remove("/tmp/w/f.txt")
-        for _ in range(50):
-            if ("f.txt", FilesystemEventType.REMOVE) in [(e.name, e.type) for e in seen]:
-                break
-            await asyncio.sleep(0.1)
+        await until_seen(FilesystemEventType.REMOVE)
         await handle.stop()  # type: ignore[no-untyped-call]
         kinds = [(e.name, e.type) for e in seen]
         assert ("f.txt", FilesystemEventType.CREATE) in kinds
@@ -177,13 +181,17 @@ async def test_async_connect_to_a_running_command_and_hang_up(e2b_env: str) -> N
 
         # the client goes away in the middle of a foreground command: the command ends at
         # its timeout (sent as the call's deadline) and nothing is left running
-        task = asyncio.create_task(sbx.commands.run("sleep 60 # async-hangup", timeout=3))
-        await asyncio.sleep(1.0)
-        assert any("async-hangup" in " ".join(p.args) for p in await sbx.commands.list())
+        task = asyncio.create_task(sbx.commands.run("sleep 60 # async-hangup", timeout=6))
+        for _ in range(50):
+            if any("async-hangup" in " ".join(p.args) for p in await sbx.commands.list()):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the command did not start")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
+        for _ in range(200):
             if not any("async-hangup" in " ".join(p.args) for p in await sbx.commands.list()):
                 break
             await asyncio.sleep(0.1)

@@ -88,7 +88,7 @@ STREAMING_CELL = (
     "print('first', flush=True)\n"
     "display('shown')\n"
     "print('warn', file=sys.stderr, flush=True)\n"
-    "time.sleep(3)\n"
+    "time.sleep(5)\n"
     "print('last')\n"
 )
 

@@ -289,7 +289,7 @@ def test_pause_freezes_and_resume_thaws(sbx: Sandbox, platform: RunningPlatform)
         ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/m; mv /tmp/m /tmp/n; "
          "sleep 0.05; done"]
     )  # fmt: skip
-    time.sleep(0.5)
+    _until_counted(sbx, 0)
     assert sbx.pause().state == "paused"
     with pytest.raises(errors.InvalidState, match="paused"):
         sbx.exec("true")
@@ -297,13 +297,19 @@ def test_pause_freezes_and_resume_thaws(sbx: Sandbox, platform: RunningPlatform)
     assert frozen.state == "paused"
     time.sleep(0.5)
     assert sbx.resume().state == "running"
-    first = int(sbx.files.read_text("/tmp/n"))
-    time.sleep(0.5)
-    assert int(sbx.files.read_text("/tmp/n")) > first
+    _until_counted(sbx, int(sbx.files.read_text("/tmp/n")))  # it counts again
     res = _cli(platform, "sandbox", "pause", sbx.id, "--json")
     assert json.loads(res.stdout)["state"] == "paused"
     _cli(platform, "sandbox", "resume", sbx.id)
     assert sbx.exec("echo back").stdout == "back\n"
+
+
+def _until_counted(sbx: Sandbox, beyond: int) -> None:
+    for _ in range(100):
+        if sbx.files.exists("/tmp/n") and int(sbx.files.read_text("/tmp/n")) > beyond:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the counter in /tmp/n did not pass {beyond}")
 
 
 def test_sandboxes_get_a_generous_open_files_limit(sbx: Sandbox) -> None:

@@ -28,7 +28,8 @@ POOL6 = "fd00:dec:213::/64"
 ZONE = {
     "web6.test.example": [WEB6, 300],
     "web1.test.example": [WEB1, 300],
-    "web2.test.example": [WEB2, 2],
+    "web2.test.example": [WEB2, 4],  # its expiry is tested
+    "web2tcp.test.example": [WEB2, 300],
     "api.svc.example": [WEB3, 300],
     "svc.example": [WEB3, 300],
 }

@@ -229,8 +229,11 @@ def test_shell_timeout_interrupts_but_keeps_the_session(agent: LocalAgent):
 
 def test_shell_close_and_busy(agent: LocalAgent):
     run(agent, "true", session="c")
-    busy = agent.stream({"op": "shell.run", "session": "c", "cmd": "sleep 1"})
-    time.sleep(0.2)
+    busy = agent.stream({"op": "shell.run", "session": "c", "cmd": "sleep 30"})
+    for _ in range(100):
+        if any(s["busy"] for s in agent.call({"op": "shell.list"}).result["sessions"]):
+            break
+        time.sleep(0.05)
     assert agent.call({"op": "shell.run", "session": "c", "cmd": "true"}).error_code == (
         "invalid_state"
     )

@@ -44,7 +44,7 @@ def _healthy(admin: Client, edge_id: str) -> bool:
 
 
 def test_full_or_dead_edges_send_creates_elsewhere_once_each() -> None:
-    with local_cluster(apiservers=1, health_timeout_s=3.0) as cluster:
+    with local_cluster(apiservers=1, health_timeout_s=6.0) as cluster:
         admin = Client(api_url=cluster.api_url(0), api_key=cluster.admin_key)
         small = cluster.add_edge(admin.create_join_token(600)["token"],
                                  extra=["--max-sandboxes", "1"])  # fmt: skip

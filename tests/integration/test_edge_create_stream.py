@@ -194,6 +194,8 @@ async def test_concurrent_creates_share_one_stream_and_each_gets_its_own_answer(
 @pytest.mark.asyncio
 async def test_deadline_and_cancellation_reach_the_edge(served: Served) -> None:
     creates = _stream(served)
+    got = await creates.create(_req(0), _md(0), 10)  # the stream is open: the deadline below
+    assert got.id == _req(0).sandbox_id  # times the hanging request alone
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     with pytest.raises(DeadlineExceeded, match=f"edge {EDGE}"):

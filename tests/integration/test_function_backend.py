@@ -338,8 +338,11 @@ async def test_destroy_kills_calls_in_flight(cenv: ContainerTestEnv) -> None:
         call = asyncio.ensure_future(
             agent_client.call(paths.agent_socket, {"op": "exec", "cmd": "sleep 60"})
         )
-        await asyncio.sleep(0.5)
-        busy = [w for w in (await backend.stats())["workers"] if w["state"] == "busy"]
+        for _ in range(100):  # the call reaches a worker
+            busy = [w for w in (await backend.stats())["workers"] if w["state"] == "busy"]
+            if busy:
+                break
+            await asyncio.sleep(0.1)
         assert len(busy) == 1
         await backend.destroy(sid, paths)
         with pytest.raises(Exception):  # noqa: B017 (cut off: whichever transport error)

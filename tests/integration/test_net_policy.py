@@ -174,7 +174,7 @@ async def test_domains_and_ttl(edgenet: EdgeNetwork, internet: FakeInternet) -> 
         assert (await aprobe(ns, "dns", name, server=gw)).startswith("NXDOMAIN")
     assert len(internet.dns_queries()) == before  # refused names never reach upstream
     assert denied(await aprobe(ns, "tcp", WEB1, 80))
-    await asyncio.sleep(3.2)  # web2's TTL is 2 s
+    await asyncio.sleep(5.2)  # web2's TTL is 4 s
     assert denied(await aprobe(ns, "tcp", WEB2, 80))
     assert (await aprobe(ns, "tcp", WEB3, 80)) == f"hello {WEB3}:80"  # TTL 300 s
 
@@ -281,15 +281,16 @@ async def test_ingress_rules_let_a_peer_or_a_network_in(
 
 @pytest.mark.asyncio
 async def test_dns_over_tcp(edgenet: EdgeNetwork, internet: FakeInternet) -> None:
-    pol = NetworkPolicy.from_dict({"allow": ["web2.test.example"], "deny": []})
+    pol = NetworkPolicy.from_dict({"allow": ["web2tcp.test.example"], "deny": []})
     net = await edgenet.create("sbx-dnstcp", pol)
+    assert denied(await aprobe(net.netns, "tcp", WEB2, 80))
     before = len(internet.dns_queries())
     # two queries on one TCP connection, to the gateway and to an "outside" resolver
     # (redirected to the edge's as for UDP): allowed name answered, the other NXDOMAIN
     for server in (net.gateway, DNS_IP):
-        out = await aprobe(net.netns, "dnstcp", "web2.test.example,evil.example", server=server)
+        out = await aprobe(net.netns, "dnstcp", "web2tcp.test.example,evil.example", server=server)
         assert out == f"NOERROR {WEB2} | NXDOMAIN"
-        # the answer opened the address (web2's TTL is 2 s: check at once)
+        # the answer opened the address
         assert (await aprobe(net.netns, "tcp", WEB2, 80)) == f"hello {WEB2}:80"
     assert len(internet.dns_queries()) == before + 2  # only the allowed name went upstream
 
@@ -387,14 +388,14 @@ async def test_warm_pool(internet: FakeInternet, tmp_path: Path) -> None:
     net = EdgeNetwork(f"warm-{tmp_path.name[-8:]}", cfg)
     await net.start()
     try:
-        for _ in range(100):
+        for _ in range(600):
             if len(net._warm) == 2:
                 break
             await asyncio.sleep(0.05)
         assert len(net._warm) == 2
-        t = time.perf_counter()
+        first = net._warm[0]
         a = await net.create("sbx-warm", NetworkPolicy.from_dict({"allow": [f"{WEB1}:80"]}))
-        assert time.perf_counter() - t < 0.05
+        assert a.index == first  # a warm slot taken, none made (its speed: bench/)
         assert (await aprobe(a.netns, "tcp", WEB1, 80)) == f"hello {WEB1}:80"
         assert denied(await aprobe(a.netns, "tcp", WEB2, 80))
         await net.destroy("sbx-warm")

@@ -160,7 +160,11 @@ def test_close_wakes_a_blocked_reader():
 
     t = threading.Thread(target=read)
     t.start()
-    time.sleep(0.1)
+    for _ in range(500):  # until the reader waits in the socket's read
+        assert t.native_id is not None
+        if "read" in Path(f"/proc/self/task/{t.native_id}/wchan").read_text():
+            break
+        time.sleep(0.01)
     conn.close()
     t.join(5)
     assert not t.is_alive()

@@ -292,7 +292,10 @@ async def test_admission_stream_is_authorized_and_reopened_after_it_broke(iam: I
         assert first is not None
         assert not first.broken
         first.call.cancel()  # the stream breaks (a lost connection, the iam restarting)
-        await asyncio.sleep(0.1)
+        for _ in range(100):
+            if first.broken:
+                break
+            await asyncio.sleep(0.05)
         assert first.broken
         await batch.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 2)))
         assert batch._kept.current is not None

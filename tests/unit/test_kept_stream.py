@@ -233,6 +233,7 @@ async def test_a_deadline_stops_the_request_or_gives_the_stream_up(
     served: Served, cancel: bool
 ) -> None:
     kept = _kept(served.target, cancel=cancel)
+    assert (await _ask(kept, "first")).id == "first"  # the deadline below times no opening
     other = asyncio.ensure_future(_ask(kept, "other", "1000"))  # after "slow" times out
     with pytest.raises(DeadlineExceeded, match="peer p did not answer in time"):
         await _ask(kept, "slow", "hang", timeout_s=0.2)

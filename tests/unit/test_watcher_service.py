@@ -41,7 +41,7 @@ def _config(home: Path, timeout_s: float) -> WatcherConfig:
 @pytest_asyncio.fixture
 async def watcher(tmp_path: Path) -> AsyncIterator[Watcher]:
     edge_id = ensure_node_pki(tmp_path)
-    app = WatcherApp(_config(tmp_path, 0.5))
+    app = WatcherApp(_config(tmp_path, 2.0))
     port = await app.start()
     try:
         yield Watcher(app, tmp_path, edge_id, f"127.0.0.1:{port}")
@@ -63,7 +63,7 @@ async def test_report_then_list_then_silence(watcher: Watcher) -> None:
             True,
         )
         assert view.last_seen > 0
-        await asyncio.sleep(0.7)  # longer than the 0.5 s timeout
+        await asyncio.sleep(2.5)  # longer than the 2 s timeout
         (view,) = (await stub.ListEdges(pb.Empty(), timeout=5)).edges
         assert view.status.edge_id == watcher.edge_id
         assert not view.healthy
@@ -117,7 +117,7 @@ async def test_sweep_logs_and_metrics_endpoint(
     async with watcher.channel(watcher.edge_id) as ch:
         await pb_grpc.WatcherStub(ch).Report(pb.EdgeStatus(edge_id=watcher.edge_id), timeout=5)
     watcher.app.sweep()
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(2.5)  # longer than the 2 s timeout
     watcher.app.sweep()
     messages = [r.getMessage() for r in caplog.records if r.name == "dsec.watcher"]
     assert messages[-2:] == ["edge healthy", "edge unhealthy"]

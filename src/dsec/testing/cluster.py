@@ -134,7 +134,7 @@ def _provision(ca_dir: Path, home: Path, names: Sequence[str]) -> None:
 
 @contextmanager
 def local_cluster(
-    *, apiservers: int = 2, health_timeout_s: float = 3.0, iam_args: Sequence[str] = ()
+    *, apiservers: int = 2, health_timeout_s: float = 6.0, iam_args: Sequence[str] = ()
 ) -> Iterator[LocalCluster]:
     root = Path(tempfile.mkdtemp(prefix="dsec-cl-", dir="/tmp"))
     procs: list[Proc] = []
