@@ -11,7 +11,7 @@ from dsec.sdk import Client, Sandbox
 
 
 def test_on_timeout_pause_pauses_and_resume_gives_a_new_timeout(api: Client) -> None:
-    s = Sandbox.create(memory_mb=256, timeout=6, on_timeout="pause", client=api)
+    s = Sandbox.create(memory_mb=256, timeout=10, on_timeout="pause", client=api)
     try:
         spec = s.info().spec
         assert spec is not None

@@ -84,11 +84,11 @@ def test_init_serves_and_restarts_aether(ns_init: NamespacedInit):
 
 def test_init_reaps_orphans(ns_init: NamespacedInit):
     init_pid = ns_init.init_pid()
-    reply = ns_init.call({"op": "exec", "cmd": "sleep 1.5 >/dev/null 2>&1 & echo $!"})
+    reply = ns_init.call({"op": "exec", "cmd": "sleep 3 >/dev/null 2>&1 & echo $!"})
     assert reply.result["exit_code"] == 0
     orphans = [p for p in children(init_pid) if (stat_of(p) or ("",))[0] == "sleep"]
     assert orphans, "the orphaned sleep should have been reparented to init"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(stat_of(p) for p in orphans):
         time.sleep(0.05)
     assert not any(stat_of(p) for p in orphans), "init left a zombie"

@@ -180,7 +180,10 @@ async def test_normal_watchers_see_every_commit_of_both_threads_in_order(tmp_pat
         await asyncio.gather(
             writer(b"big", 40, 40), *(writer(b"s%d" % w, 1, 100) for w in range(4))
         )
-        await asyncio.sleep(0.1)
+        for _ in range(500):  # until the watcher has as many as were written
+            if len(seen) >= len(revs):
+                break
+            await asyncio.sleep(0.01)
         assert sorted(revs) == list(range(start + 1, start + 1 + len(revs)))
         assert seen == sorted(revs), "a watcher missed or reordered a revision"
     finally:
