@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import pytest
 
 from dsec.testing.platform import RunningPlatform
+from tests.waits import auntil
 
 e2b = pytest.importorskip("e2b", reason="the e2b SDK is a dev dependency (pip install -e .[dev])")
 
@@ -109,18 +111,15 @@ async def test_async_watch_dir_reports_create_write_remove(e2b_env: str) -> None
         seen: list[FilesystemEvent] = []
         handle = await sbx.files.watch_dir("/tmp/w", on_event=seen.append)
 
-        async def until_seen(kind: FilesystemEventType) -> None:  # the watch polls
-            for _ in range(100):
-                if ("f.txt", kind) in [(e.name, e.type) for e in seen]:
-                    return
-                await asyncio.sleep(0.1)
+        def saw(kind: FilesystemEventType) -> Callable[[], bool]:  # (the watch polls)
+            return lambda: ("f.txt", kind) in [(e.name, e.type) for e in seen]
 
         await sbx.files.write("/tmp/w/f.txt", "1")
-        await until_seen(FilesystemEventType.CREATE)
+        await auntil(saw(FilesystemEventType.CREATE), "a create event")
         await sbx.files.write("/tmp/w/f.txt", "22")
-        await until_seen(FilesystemEventType.WRITE)
+        await auntil(saw(FilesystemEventType.WRITE), "a write event")
         await sbx.files.remove("/tmp/w/f.txt")
-        await until_seen(FilesystemEventType.REMOVE)
+        await auntil(saw(FilesystemEventType.REMOVE), "a remove event")
         await handle.stop()  # type: ignore[no-untyped-call]
         kinds = [(e.name, e.type) for e in seen]
         assert ("f.txt", FilesystemEventType.CREATE) in kinds
@@ -182,12 +181,11 @@ async def test_async_connect_to_a_running_command_and_hang_up(e2b_env: str) -> N
         # the client goes away in the middle of a foreground command: the command ends at
         # its timeout (sent as the call's deadline) and nothing is left running
         task = asyncio.create_task(sbx.commands.run("sleep 60 # async-hangup", timeout=6))
-        for _ in range(50):
-            if any("async-hangup" in " ".join(p.args) for p in await sbx.commands.list()):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError("the command did not start")
+
+        async def running() -> bool:
+            return any("async-hangup" in " ".join(p.args) for p in await sbx.commands.list())
+
+        await auntil(running, "the command started", 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

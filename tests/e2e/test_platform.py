@@ -17,6 +17,7 @@ from dsec.core import errors
 from dsec.sdk import Client, CommandTimeout, Sandbox
 from dsec.testing.platform import RunningPlatform
 from tests.e2e.leakcheck import leaks
+from tests.waits import until
 
 
 def _cli(
@@ -305,11 +306,10 @@ def test_pause_freezes_and_resume_thaws(sbx: Sandbox, platform: RunningPlatform)
 
 
 def _until_counted(sbx: Sandbox, beyond: int) -> None:
-    for _ in range(100):
-        if sbx.files.exists("/tmp/n") and int(sbx.files.read_text("/tmp/n")) > beyond:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the counter in /tmp/n did not pass {beyond}")
+    def past() -> bool:
+        return sbx.files.exists("/tmp/n") and int(sbx.files.read_text("/tmp/n")) > beyond
+
+    until(past, f"the counter in /tmp/n past {beyond}")
 
 
 def test_sandboxes_get_a_generous_open_files_limit(sbx: Sandbox) -> None:

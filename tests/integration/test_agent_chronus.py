@@ -13,6 +13,7 @@ import pytest
 
 from dsec.agent.local import LocalAgent, SyncStream, local_agent
 from dsec.agent.protocol import KIND_ERR, KIND_IN, KIND_OUT
+from tests.waits import until
 
 pytestmark = pytest.mark.skipif(not shutil.which("bash"), reason="needs bash")
 
@@ -230,10 +231,7 @@ def test_shell_timeout_interrupts_but_keeps_the_session(agent: LocalAgent):
 def test_shell_close_and_busy(agent: LocalAgent):
     run(agent, "true", session="c")
     busy = agent.stream({"op": "shell.run", "session": "c", "cmd": "sleep 30"})
-    for _ in range(100):
-        if any(s["busy"] for s in agent.call({"op": "shell.list"}).result["sessions"]):
-            break
-        time.sleep(0.05)
+    until(lambda: any(s["busy"] for s in agent.call({"op": "shell.list"}).result["sessions"]))
     assert agent.call({"op": "shell.run", "session": "c", "cmd": "true"}).error_code == (
         "invalid_state"
     )

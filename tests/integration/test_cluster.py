@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,19 +14,10 @@ from dsec.core import errors
 from dsec.sdk import Client, Sandbox
 from dsec.testing.cluster import LocalCluster, local_cluster
 from dsec.testing.platform import requirements_missing
+from tests.waits import until
 
 pytestmark = pytest.mark.timeout(300)
 _REAL = requirements_missing()
-
-
-def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> float:
-    """Poll ``check`` until it holds; returns the seconds it took."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"{what}: not within {timeout_s} s")
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +27,10 @@ def cluster() -> Iterator[LocalCluster]:
         backends = ["fake", "fake", "real" if _REAL is None else "fake"]
         for backend in backends:
             c.add_edge(admin.create_join_token(600)["token"], backend=backend)
-        _until(
-            "three healthy edges", lambda: sum(bool(e["healthy"]) for e in admin.list_edges()) == 3
+        until(
+            lambda: sum(bool(e["healthy"]) for e in admin.list_edges()) == 3,
+            "three healthy edges",
+            20,
         )
         admin.close()
         yield c
@@ -53,8 +46,9 @@ def test_a_used_or_forged_token_cannot_join(cluster: LocalCluster) -> None:
     cluster.stop(gone)
     gone.proc.wait(30)
     gone_id = (gone.home / "edge.id").read_text().strip()
-    _until("the stopped edge is down", lambda: not next(
-        e["healthy"] for e in admin.list_edges() if e["edge_id"] == gone_id))  # fmt: skip
+    until(lambda: not next(
+        e["healthy"] for e in admin.list_edges() if e["edge_id"] == gone_id),
+        "the stopped edge is down", 20)  # fmt: skip
     with pytest.raises(errors.PermissionDenied):
         Client(api_url=cluster.api_url(0), api_key=_member_key(admin)).create_join_token(60)
     admin.close()
@@ -80,9 +74,9 @@ def test_scheduling_failover_and_revocation_across_apiservers(cluster: LocalClus
     silent_id = (silent.home / "edge.id").read_text().strip()
     silent.proc.send_signal(signal.SIGSTOP)
     try:
-        took = _until(
-            "the watcher marks the silent edge down",
+        took = until(
             lambda: any(e["edge_id"] == silent_id and not e["healthy"] for e in a.list_edges()),
+            "the watcher marks the silent edge down",
             30,
         )
         assert took < 20  # the health timeout (6 s) and a sweep
@@ -91,9 +85,10 @@ def test_scheduling_failover_and_revocation_across_apiservers(cluster: LocalClus
         made += later
     finally:
         silent.proc.send_signal(signal.SIGCONT)
-    _until(
-        "the edge is back",
+    until(
         lambda: any(e["edge_id"] == silent_id and e["healthy"] for e in a.list_edges()),
+        "the edge is back",
+        20,
     )
     # A key revoked through one apiserver is refused by the other within a few seconds.
     key = a.create_key("rev", "default", "member", "revocation test")
@@ -103,9 +98,9 @@ def test_scheduling_failover_and_revocation_across_apiservers(cluster: LocalClus
     with_token = Client(api_url=cluster.api_url(1), api_key=token.token)
     assert with_token.whoami().subject == "rev"
     a.revoke("subject", "rev")
-    took = _until("apiserver B refuses the revoked token", lambda: _refused(with_token), 10)
+    took = until(lambda: _refused(with_token), "apiserver B refuses the revoked token", 10)
     assert took < 5
-    _until("apiserver B refuses the revoked key", lambda: _refused(user), 10)
+    until(lambda: _refused(user), "apiserver B refuses the revoked key", 10)
     for s in made:
         _kill_retrying((a, b)[hash(s["id"]) % 2], s["id"])
     for c in (a, b, user, with_token):

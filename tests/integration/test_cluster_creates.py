@@ -9,23 +9,15 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 
 from dsec.sdk import Client, Sandbox
 from dsec.testing.cluster import LocalCluster, Proc, local_cluster
+from tests.waits import until
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"{what}: not within {timeout_s} s")
-        time.sleep(0.1)
 
 
 def _edge_id(p: Proc) -> str:
@@ -51,7 +43,7 @@ def test_full_or_dead_edges_send_creates_elsewhere_once_each() -> None:
         big = cluster.add_edge(admin.create_join_token(600)["token"])
         doomed = cluster.add_edge(admin.create_join_token(600)["token"])
         ids = {_edge_id(p) for p in (small, big, doomed)}
-        _until("three healthy edges", lambda: all(_healthy(admin, e) for e in ids))
+        until(lambda: all(_healthy(admin, e) for e in ids), "three healthy edges", 30)
         base = admin.usage()["sandboxes"]
 
         # The small edge takes one sandbox; then, emptiest by the reports, it is asked first
@@ -64,7 +56,7 @@ def test_full_or_dead_edges_send_creates_elsewhere_once_each() -> None:
         assert admin.usage()["sandboxes"] == base + 8  # the refused admissions were released
         for s in made:
             s.kill()
-        _until("the kills released", lambda: admin.usage()["sandboxes"] == base)
+        until(lambda: admin.usage()["sandboxes"] == base, "the kills released", 30)
 
         # An edge stops answering with creates on their way to it, then dies: each of them
         # fails there once and is placed elsewhere.
@@ -94,13 +86,13 @@ def test_full_or_dead_edges_send_creates_elsewhere_once_each() -> None:
         assert _edge_id(doomed) not in got, got
         assert _elsewhere(cluster, "unavailable") >= 1  # some were in flight to it
         assert admin.usage()["sandboxes"] == base + 12  # each counted once
-        _until("the dead edge is down", lambda: not _healthy(admin, _edge_id(doomed)))
+        until(lambda: not _healthy(admin, _edge_id(doomed)), "the dead edge is down", 30)
         live = {s.id for s in admin.list_sandboxes()}
         assert len(live) == 12
 
         # The edge comes back at its address: the apiserver's stream to it comes back too.
         back = cluster.restart(doomed)
-        _until("the edge is back", lambda: _healthy(admin, _edge_id(back)))
+        until(lambda: _healthy(admin, _edge_id(back)), "the edge is back", 30)
         landed: list[str] = []
 
         def lands_there() -> bool:  # emptiest, it is picked first once its channel reconnects
@@ -114,7 +106,7 @@ def test_full_or_dead_edges_send_creates_elsewhere_once_each() -> None:
 
         # (gRPC retries a lost peer with exponential backoff, as for unary calls: the first
         # creates after it is back may still find its channel waiting and go elsewhere)
-        _until("a create on the edge that came back", lands_there, 90)
+        until(lands_there, "a create on the edge that came back", 90)
         for sid in live:
             admin.kill_sandbox(sid)
         admin.close()

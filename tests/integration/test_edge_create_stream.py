@@ -36,6 +36,7 @@ from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.client import secure_channel
 from dsec.rpc.server import authorize_each_message, make_server, server_port
 from dsec.rpc.tls import Identity, ensure_pki
+from tests.waits import auntil
 
 pytestmark = pytest.mark.timeout(120)
 EDGE = "e0a1"
@@ -157,13 +158,6 @@ def _md(n: int) -> tuple[tuple[str, str], ...]:
     return (("x-dsec-project", f"p{n}"), ("x-dsec-subject", f"user{n}"), ("x-dsec-role", "member"))
 
 
-async def _until(check: Any, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "not in time"
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.asyncio
 async def test_concurrent_creates_share_one_stream_and_each_gets_its_own_answer(
     served: Served,
@@ -201,13 +195,13 @@ async def test_deadline_and_cancellation_reach_the_edge(served: Served) -> None:
     with pytest.raises(DeadlineExceeded, match=f"edge {EDGE}"):
         await creates.create(_req(1, "hang"), _md(1), 0.5)
     assert 0.45 < loop.time() - t0 < 5
-    await _until(lambda: _req(1).sandbox_id in served.edge.cancelled)  # stopped there too
+    await auntil(lambda: _req(1).sandbox_id in served.edge.cancelled)  # stopped there too
     waiting = asyncio.ensure_future(creates.create(_req(2, "hang"), _md(2), 60))
-    await _until(lambda: _req(2).sandbox_id in served.edge.started)
+    await auntil(lambda: _req(2).sandbox_id in served.edge.started)
     waiting.cancel()  # e.g. the user's request was dropped
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    await _until(lambda: _req(2).sandbox_id in served.edge.cancelled)
+    await auntil(lambda: _req(2).sandbox_id in served.edge.cancelled)
     got = await creates.create(_req(3), _md(3), 10)  # the stream is still fine
     assert got.id == _req(3).sandbox_id
     assert served.edge.streams == 1
@@ -223,7 +217,7 @@ async def test_an_edge_gone_mid_create_fails_them_unavailable_and_the_stream_com
     loop = asyncio.get_running_loop()
     inflight = [asyncio.ensure_future(creates.create(_req(i, "hang"), _md(i), 60))
                 for i in range(1, 6)]  # fmt: skip
-    await _until(lambda: len(served.edge.started) == 6)
+    await auntil(lambda: len(served.edge.started) == 6)
     t0 = loop.time()
     await served.server.stop(None)  # the edge goes away with five creates running
     for f in inflight:

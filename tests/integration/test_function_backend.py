@@ -25,6 +25,7 @@ from dsec.edge.backends.api import RuntimeState, SandboxPaths
 from dsec.edge.backends.container import cgroups
 from dsec.edge.backends.container.testkit import ContainerTestEnv
 from dsec.edge.backends.function.backend import FunctionBackend
+from tests.waits import auntil
 
 pytestmark = pytest.mark.root
 
@@ -342,12 +343,12 @@ async def test_destroy_kills_calls_in_flight(cenv: ContainerTestEnv) -> None:
         call = asyncio.ensure_future(
             agent_client.call(paths.agent_socket, {"op": "exec", "cmd": "sleep 60"})
         )
-        for _ in range(100):  # the call reaches a worker
-            busy = [w for w in (await backend.stats())["workers"] if w["state"] == "busy"]
-            if busy:
-                break
-            await asyncio.sleep(0.1)
-        assert len(busy) == 1
+
+        async def busy() -> list[dict[str, object]]:
+            return [w for w in (await backend.stats())["workers"] if w["state"] == "busy"]
+
+        await auntil(busy, "the call reached a worker")
+        assert len(await busy()) == 1
         await backend.destroy(sid, paths)
         with pytest.raises(Exception):  # noqa: B017 (cut off: whichever transport error)
             await asyncio.wait_for(call, 10)

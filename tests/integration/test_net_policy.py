@@ -32,6 +32,7 @@ from tests.integration.fakenet import (
     probe,
     wait_for,
 )
+from tests.waits import auntil
 
 pytestmark = [pytest.mark.root]
 
@@ -388,10 +389,7 @@ async def test_warm_pool(internet: FakeInternet, tmp_path: Path) -> None:
     net = EdgeNetwork(f"warm-{tmp_path.name[-8:]}", cfg)
     await net.start()
     try:
-        for _ in range(600):
-            if len(net._warm) == 2:
-                break
-            await asyncio.sleep(0.05)
+        await auntil(lambda: len(net._warm) == 2, "two warm slots", 30)
         assert len(net._warm) == 2
         first = net._warm[0]
         a = await net.create("sbx-warm", NetworkPolicy.from_dict({"allow": [f"{WEB1}:80"]}))

@@ -18,7 +18,8 @@ import pytest
 from dsec.core import errors
 from dsec.sdk import Client, Sandbox
 from dsec.testing.cluster import LocalCluster
-from tests.integration.xedge import HELLO, Edge, cluster, source_sandbox, staged, until
+from tests.integration.xedge import HELLO, Edge, cluster, source_sandbox, staged
+from tests.waits import until
 
 pytestmark = [pytest.mark.guest_kernel, pytest.mark.timeout(900)]
 __all__ = ["cluster"]  # the two-edge fixture
@@ -85,9 +86,9 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         first.kill()
         second.kill()
         usage -= 2
-        until(lambda: api.usage()["sandboxes"] == usage, "the two released")
+        until(lambda: api.usage()["sandboxes"] == usage, "the two released", 30)
         api.delete_snapshot(snap.id)
-        until(lambda: not list(b.mem.glob("cache-*")), "the deleted snapshot's cache dropped")
+        until(lambda: not list(b.mem.glob("cache-*")), "the deleted snapshot's cache dropped", 30)
 
         # a paused sandbox forks onto another edge (its pause snapshot is copied)
         kid = src.fork(1, edge=b.id)[0]
@@ -105,7 +106,7 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         _flip(state)
         assert src.id == old
         assert src.info().state == "paused"
-        until(lambda: b.leftovers() == [], "nothing of the refused move on the target")
+        until(lambda: b.leftovers() == [], "nothing of the refused move on the target", 30)
         assert api.usage()["sandboxes"] == usage
 
         # the move: a new id on b, everything carries on
@@ -141,5 +142,5 @@ def test_resume_on_another_edge_fork_when_paused_and_cached_copies(
         assert src.id == moved_id
         assert src.info().state == "paused"
         src.kill()
-        until(lambda: a.leftovers() == [] and b.leftovers() == [], "every file removed")
-        until(lambda: api.usage()["sandboxes"] == usage - 1, "the moved sandbox released")
+        until(lambda: a.leftovers() == [] and b.leftovers() == [], "every file removed", 30)
+        until(lambda: api.usage()["sandboxes"] == usage - 1, "the moved sandbox released", 30)

@@ -15,7 +15,8 @@ import pytest
 from dsec.core import errors
 from dsec.sdk import Client, Sandbox
 from dsec.testing.cluster import LocalCluster
-from tests.integration.xedge import HELLO, Edge, cluster, source_sandbox, staged, until
+from tests.integration.xedge import HELLO, Edge, cluster, source_sandbox, staged
+from tests.waits import until
 
 pytestmark = [pytest.mark.guest_kernel, pytest.mark.timeout(900)]
 __all__ = ["cluster"]  # the two-edge fixture
@@ -76,7 +77,7 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
             Sandbox.from_snapshot(snap.id, edge="nope", client=api)
         src.kill()
         kid.kill()  # nothing runs on the source edge when it is killed below
-        until(lambda: b.leftovers() == [], "the copy's files go with its last sandbox")
+        until(lambda: b.leftovers() == [], "the copy's files go with its last sandbox", 30)
 
         # a snapshot whose device state (here with the RAM: the source had forked) changed
         # on the source since it was taken is refused (b no longer has a copy of it)
@@ -112,5 +113,5 @@ def test_full_snapshot_on_another_edge_corrupt_and_source_death(
         assert len(failure) == 1, f"the transfer was not cut off: {made}"
         assert isinstance(failure[0], errors.Unavailable), failure[0]
         assert a.id in str(failure[0])
-        until(lambda: b.leftovers() == [], "the partial copy removed")
+        until(lambda: b.leftovers() == [], "the partial copy removed", 30)
         assert api.usage()["sandboxes"] == 0, api.usage()  # no admission kept

@@ -122,11 +122,3 @@ def staged(edge: Edge) -> int:
             with contextlib.suppress(OSError):
                 n += p.stat().st_blocks * 512 if p.is_file() else 0
     return n
-
-
-def until(check: object, what: str, timeout_s: float = 30.0) -> None:
-    assert callable(check)
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)

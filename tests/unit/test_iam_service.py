@@ -22,6 +22,7 @@ from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc._gen import dsec_pb2_grpc as pb_grpc
 from dsec.rpc.client import secure_channel
 from dsec.rpc.tls import ensure_node_pki
+from tests.waits import auntil
 
 
 def sid(edge: str, n: int) -> str:
@@ -292,10 +293,7 @@ async def test_admission_stream_is_authorized_and_reopened_after_it_broke(iam: I
         assert first is not None
         assert not first.broken
         first.call.cancel()  # the stream breaks (a lost connection, the iam restarting)
-        for _ in range(100):
-            if first.broken:
-                break
-            await asyncio.sleep(0.05)
+        await auntil(lambda: first.broken, "the stream broken", 5)
         assert first.broken
         await batch.admit(pb.AdmitRequest(project="rl", sandbox_id=sid("ab12", 2)))
         assert batch._kept.current is not None

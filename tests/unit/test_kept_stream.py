@@ -7,7 +7,7 @@ finishing its requests, and the serving end cancelling its work when the caller 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from dsec.rpc import kept_stream
 from dsec.rpc._gen import dsec_pb2 as pb
 from dsec.rpc.kept_stream import KeptStream
 from dsec.rpc.stream_pump import Pump
+from tests.waits import auntil
 
 pytestmark = pytest.mark.timeout(60)
 METHOD = "/test.Kept/Stream"
@@ -44,7 +45,7 @@ class Peer:
         self.started.append(sid)
         try:
             if sid in self.turns:
-                await _until(lambda: self._my_turn(sid))
+                await auntil(lambda: self._my_turn(sid))
             await asyncio.sleep(3600 if owner == "hang" else int(owner.isdigit() and owner) / 1000)
         except asyncio.CancelledError:
             self.cancelled.append(sid)
@@ -144,16 +145,8 @@ async def _ask(kept: _Kept, sid: str, owner: str = "", timeout_s: float = 10.0) 
 async def _hanging(kept: _Kept, served: Served, names: list[str]) -> list[asyncio.Task[Any]]:
     """Requests that never get an answer, once they all run on the peer."""
     asked = [asyncio.ensure_future(_ask(kept, name, "hang")) for name in names]
-    await _until(lambda: set(names) <= set(served.peer.started))
+    await auntil(lambda: set(names) <= set(served.peer.started))
     return asked
-
-
-async def _until(check: Callable[[], bool]) -> None:
-    for _ in range(500):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("not in time")
 
 
 @pytest.mark.asyncio
@@ -240,14 +233,14 @@ async def test_a_deadline_stops_the_request_or_gives_the_stream_up(
     stream = kept.current
     assert stream is not None
     if cancel:  # the peer stops that one, the rest goes on
-        await _until(lambda: "slow" in served.peer.cancelled)
+        await auntil(lambda: "slow" in served.peer.cancelled)
         assert (await other).id == "other"
         assert not stream.broken
     else:  # a stuck peer: the stream goes with everything on it
         with pytest.raises(DeadlineExceeded):
             await other
         assert stream.broken
-        await _until(lambda: served.peer.ended == [True])
+        await auntil(lambda: served.peer.ended == [True])
         assert (await _ask(kept, "next")).id == "next"
         assert kept.current is not stream
     await kept.aclose()
@@ -261,7 +254,7 @@ async def test_a_cancelled_caller_stops_its_request_on_the_peer(
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    await _until(lambda: "w" in served.peer.cancelled)
+    await auntil(lambda: "w" in served.peer.cancelled)
     assert (await _ask(kept, "after")).id == "after"  # the stream is still fine
 
 
@@ -270,15 +263,15 @@ async def test_a_retired_stream_finishes_its_requests_then_ends(
     served: Served, kept: _Kept
 ) -> None:
     slow = asyncio.ensure_future(_ask(kept, "slow", "200"))
-    await _until(lambda: served.peer.started == ["slow"])
+    await auntil(lambda: served.peer.started == ["slow"])
     stream = kept.current
     assert stream is not None
     stream.retire()  # as when the certificates change: half-closed
     with pytest.raises(Unavailable, match="closed"):
         await stream.ask(pb.CreateStreamRequest(), asyncio.get_running_loop().time() + 5)
     assert (await slow).id == "slow"  # answered before the stream ended
-    await _until(lambda: served.peer.ended == [True])
-    await _until(lambda: stream.error is not None)
+    await auntil(lambda: served.peer.ended == [True])
+    await auntil(lambda: stream.error is not None)
     assert isinstance(stream.error, Unavailable)
     assert "peer p ended the test stream" in stream.error.message
 
@@ -292,8 +285,8 @@ async def test_the_pump_ends_and_cancels_its_answers_when_the_caller_goes(
     for f in inflight:
         with pytest.raises(Unavailable, match="the test stream to peer p was closed"):
             await f
-    await _until(lambda: sorted(served.peer.cancelled) == ["h0", "h1", "h2"])
-    await _until(lambda: served.peer.ended == [True])
+    await auntil(lambda: sorted(served.peer.cancelled) == ["h0", "h1", "h2"])
+    await auntil(lambda: served.peer.ended == [True])
     assert served.peer.order == []  # none answered
 
 

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from dsec.edge.backends.microvm import frames
 from dsec.edge.backends.microvm.mux import HostMux, SerialLink
 from tests.unit.muxkit import PairLink, build_c_guest
 from tests.unit.muxkit import sink_and_flood_server as _sink_and_flood_server
+from tests.waits import auntil
 
 
 @pytest.fixture
@@ -137,18 +138,13 @@ async def test_link_reconnects_after_loss(sock_dir: Path, c_guest: Path) -> None
         link.guest_socks[-1].shutdown(socket.SHUT_RDWR)  # the VMM went away
         assert await asyncio.wait_for(r.read(), 5) == b""  # calls in flight end
         w.close()
-        await asyncio.wait_for(_until(lambda: mux.links_opened >= 2), 5)
+        await auntil(lambda: mux.links_opened >= 2, "two links opened", 5)
         await mux.wait_ready(5)
         assert await _roundtrip(mux.listen_path, b"again") == b"AGAIN"
     finally:
         await mux.close()
         link.close()
         srv.close()
-
-
-async def _until(cond: Callable[[], bool]) -> None:
-    while not cond():
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.asyncio

@@ -16,6 +16,7 @@ from dsec.core.errors import LeaseNotFound
 from dsec.store import sqlite as sqlite_store
 from dsec.store.api import Compare, Delete, Op, Put, Target, TxnResult
 from dsec.store.sqlite import SqliteStore
+from tests.waits import auntil
 
 
 @pytest.mark.asyncio
@@ -180,10 +181,7 @@ async def test_normal_watchers_see_every_commit_of_both_threads_in_order(tmp_pat
         await asyncio.gather(
             writer(b"big", 40, 40), *(writer(b"s%d" % w, 1, 100) for w in range(4))
         )
-        for _ in range(500):  # until the watcher has as many as were written
-            if len(seen) >= len(revs):
-                break
-            await asyncio.sleep(0.01)
+        await auntil(lambda: len(seen) >= len(revs), "the watcher has every revision", 5)
         assert sorted(revs) == list(range(start + 1, start + 1 + len(revs)))
         assert seen == sorted(revs), "a watcher missed or reordered a revision"
     finally:

@@ -31,6 +31,7 @@ from dsec.store.sqlite import SqliteStore
 from dsec.trajectory.blobs import FileBlobStore
 from dsec.trajectory.log import TrajectoryLog
 from tests.unit.servekit import serving
+from tests.waits import auntil
 
 SBX = "sbx-durable-test"
 
@@ -139,10 +140,8 @@ async def test_the_answer_waits_while_the_commit_is_held(
         assert store._lock.acquire(timeout=5)
     try:
         call = asyncio.ensure_future(_call(c, "echo held"))
-        for _ in range(1000):  # until it ran (its step is held) or answered (wrongly)
-            if watched.events[-1] == "ran" or call.done():
-                break
-            await asyncio.sleep(0.01)
+        # until it ran (its step is held) or answered (wrongly)
+        await auntil(lambda: watched.events[-1] == "ran" or call.done(), "the call ran")
         await asyncio.sleep(0.2)  # (time for a wrong answer to come)
         assert watched.events[-1] == "ran", watched.events
         assert not call.done(), "answered before its step's commit returned"

@@ -170,12 +170,10 @@ def _alone(
     compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp]
 ) -> Put | None:
     """The put of a transaction that is one :func:`_put_alone_sql` statement (else None)."""
-    if failure or len(success) != 1 or any(c.prefix for c in compare):
+    if failure or len(success) != 1:
         return None
     op = success[0]
-    if isinstance(op, Put) and not op.lease and len(op.value) <= INLINE_MAX_BYTES:
-        return op
-    return None
+    return op if isinstance(op, Put) and not op.lease and _small(compare, success) else None
 
 
 @functools.cache

@@ -546,13 +546,10 @@ class TrajectoryLog:
                 return step, new, meta
 
     async def _sizes(self, tid: str, start: int) -> tuple[builtins.list[bytes], int]:
-        res = await self.store.range(_steps_prefix(tid))
-        keys, total = [], 0
-        for kv in res.kvs:
-            if int(kv.key.rsplit(b"/", 1)[1]) >= start:
-                keys.append(kv.key)
-                total += _stored_size(json.loads(kv.value), kv.value)
-        return keys, total
+        """The keys of the steps from ``start`` on, and their log bytes."""
+        res = await self.store.range(_steps_prefix(tid), start=_step_key(tid, start))
+        total = sum(_stored_size(json.loads(kv.value), kv.value) for kv in res.kvs)
+        return [kv.key for kv in res.kvs], total
 
     async def truncate(
         self, tid: str, start: int, fn: Callable[[Trajectory], Trajectory]
